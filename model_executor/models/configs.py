@@ -1,0 +1,157 @@
+"""Hugging Face config classes for the dLLM checkpoint formats, and their normalised architecture spec.
+
+The classes read the real ``config.json`` files of LLaDA (``model_type "llada"``), Dream (``"Dream"``)
+and SDAR (``"sdar"``) and are registered with ``transformers.AutoConfig`` by :func:`register_configs`,
+so neither vLLM nor transformers needs ``trust_remote_code`` for them.
+
+:class:`ArchSpec` is the one place where the three formats are reduced to the handful of facts the
+reference model, the vLLM model classes and the decoders need (sizes, q/k/v bias, q/k norm, whether
+logits are shifted, the attention pattern, the mask token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from transformers import PretrainedConfig
+
+
+class LLaDAConfig(PretrainedConfig):
+    """LLaDA-8B's OLMo-style config (``d_model``, ``n_layers``, ``mlp_hidden_size`` ...)."""
+
+    model_type = "llada"
+    # vLLM and transformers read the generic names; LLaDA's own names stay the stored ones.
+    attribute_map = {"hidden_size": "d_model", "num_attention_heads": "n_heads", "num_hidden_layers": "n_layers",
+                     "num_key_value_heads": "n_kv_heads", "intermediate_size": "mlp_hidden_size",
+                     "max_position_embeddings": "max_sequence_length"}
+
+    def __init__(self, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=None, mlp_hidden_size=12288,
+                 vocab_size=126464, embedding_size=None, rope_theta=500000.0, rms_norm_eps=1e-5,
+                 max_sequence_length=4096, mask_token_id=126336, eos_token_id=126081, pad_token_id=126081,
+                 bos_token_id=126080, weight_tying=False, include_bias=False, include_qkv_bias=False,
+                 rope=True, layer_norm_type="rms", block_type="llama", activation_type="silu", **kwargs):
+        self.d_model, self.n_layers, self.n_heads = d_model, n_layers, n_heads
+        self.n_kv_heads = n_kv_heads if n_kv_heads is not None else n_heads
+        self.mlp_hidden_size, self.vocab_size = mlp_hidden_size, vocab_size
+        self.embedding_size = embedding_size if embedding_size is not None else vocab_size
+        self.rope_theta, self.rms_norm_eps = rope_theta, rms_norm_eps
+        self.max_sequence_length, self.mask_token_id = max_sequence_length, mask_token_id
+        self.weight_tying, self.include_bias, self.include_qkv_bias = weight_tying, include_bias, include_qkv_bias
+        self.rope, self.layer_norm_type, self.block_type = rope, layer_norm_type, block_type
+        self.activation_type = activation_type
+        kwargs.setdefault("tie_word_embeddings", weight_tying)
+        super().__init__(eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+                         **kwargs)
+
+
+class _QwenStyleConfig(PretrainedConfig):
+    def __init__(self, vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=None, head_dim=None, rope_theta=1e6,
+                 rms_norm_eps=1e-6, max_position_embeddings=32768, mask_token_id=None,
+                 tie_word_embeddings=False, hidden_act="silu", **kwargs):
+        self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
+        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
+        self.num_key_value_heads = num_key_value_heads if num_key_value_heads is not None else num_attention_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.rope_theta, self.rms_norm_eps = rope_theta, rms_norm_eps
+        self.max_position_embeddings, self.mask_token_id = max_position_embeddings, mask_token_id
+        self.hidden_act = hidden_act
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+
+class DreamConfig(_QwenStyleConfig):
+    """Dream-v0 (Qwen2 layout with q/k/v bias; logits shifted like an AR model)."""
+
+    model_type = "Dream"
+
+
+class SDARConfig(_QwenStyleConfig):
+    """SDAR (Qwen3 layout with per-head q/k RMSNorm; block-causal attention of ``block_size``)."""
+
+    model_type = "sdar"
+
+    def __init__(self, block_size=4, **kwargs):
+        self.block_size = block_size
+        super().__init__(**kwargs)
+
+
+CONFIG_CLASSES = {c.model_type: c for c in (LLaDAConfig, DreamConfig, SDARConfig)}
+ARCHITECTURES = {"llada": "LLaDAModelLM", "Dream": "DreamModel", "sdar": "SDARForCausalLM"}
+
+
+def register_configs() -> None:
+    """Register the three config classes with ``transformers.AutoConfig`` (idempotent)."""
+    from transformers import AutoConfig
+
+    for model_type, cls in CONFIG_CLASSES.items():
+        AutoConfig.register(model_type, cls, exist_ok=True)
+
+
+AttentionKind = Literal["bidirectional", "block_causal", "causal"]
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """The facts about a dLLM checkpoint that the model code and the decoders depend on."""
+
+    family: Literal["llada", "dream", "sdar"]
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position: int
+    mask_token_id: int
+    eos_token_id: int
+    qkv_bias: bool
+    qk_norm: bool
+    shift_logits: bool  # Dream: the prediction for position i is read from the output at i - 1
+    attention: AttentionKind
+    block_size: int | None  # SDAR's attention block; None for fully bidirectional models
+    tie_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config) -> "ArchSpec":
+        """Normalise a LLaDA / Dream / SDAR config (object or dict); errors name the bad field."""
+        get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (
+            lambda k, d=None: getattr(config, k, d))
+        model_type = get("model_type")
+        if model_type not in CONFIG_CLASSES:
+            raise ValueError(f"config.json: unknown model_type {model_type!r}; a dLLM checkpoint must have "
+                             f"model_type one of {sorted(CONFIG_CLASSES)}")
+        mask = get("mask_token_id")
+        if mask is None:
+            raise ValueError(f"config.json: model_type {model_type!r} has no mask_token_id; dLLM decoding "
+                             "needs the id of the mask token (e.g. <|mdm_mask|>) in config.json")
+        eos = get("eos_token_id")
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0]
+        if eos is None:
+            raise ValueError("config.json: eos_token_id is missing")
+        if model_type == "llada":
+            hidden, heads = get("d_model"), get("n_heads")
+            kv = get("n_kv_heads") or heads
+            return cls("llada", hidden, get("n_layers"), heads, kv, hidden // heads, get("mlp_hidden_size"),
+                       get("embedding_size") or get("vocab_size"), float(get("rope_theta", 10000.0)),
+                       float(get("rms_norm_eps", 1e-5)), int(get("max_sequence_length", 4096)), int(mask),
+                       int(eos), bool(get("include_qkv_bias", False) or get("include_bias", False)), False,
+                       False, "bidirectional", None, bool(get("weight_tying", False)))
+        hidden, heads = get("hidden_size"), get("num_attention_heads")
+        kv = get("num_key_value_heads") or heads
+        head_dim = get("head_dim") or hidden // heads
+        common = dict(hidden_size=hidden, num_layers=get("num_hidden_layers"), num_heads=heads, num_kv_heads=kv,
+                      head_dim=head_dim, intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
+                      rope_theta=float(get("rope_theta", 1e6)), rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+                      max_position=int(get("max_position_embeddings", 32768)), mask_token_id=int(mask),
+                      eos_token_id=int(eos), tie_embeddings=bool(get("tie_word_embeddings", False)))
+        if model_type == "Dream":
+            return cls("dream", **common, qkv_bias=True, qk_norm=False, shift_logits=True,
+                       attention="bidirectional", block_size=None)
+        block = int(get("block_size", 4) or 4)
+        return cls("sdar", **common, qkv_bias=False, qk_norm=True, shift_logits=False,
+                   attention="block_causal", block_size=block)

@@ -1,0 +1,209 @@
+"""Plain-PyTorch reference model for LLaDA, Dream and SDAR (no vLLM imports).
+
+One transformer covers the three formats; :class:`~model_executor.models.configs.ArchSpec` switches
+q/k/v bias (Dream), per-head q/k RMSNorm (SDAR) and the attention pattern. It is the oracle the vLLM
+model classes are tested against, the model the training script optimises, and the engine's model on
+machines without vLLM (GPU boxes).
+
+Numerics follow the original code: RMSNorm in float32 then times the weight, NeoX-style RoPE (rotate
+half) with angles computed in float32, SwiGLU MLP ``down(silu(gate(h)) * up(h))``.
+
+``forward`` returns the raw per-position outputs. For Dream those are *shifted*: the prediction for
+position ``i`` is the output at ``i - 1``; :meth:`ReferenceDLLM.token_logits` applies that shift for a
+full sequence, and the decoding engine does it for windows (see ``model_executor.engine``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .configs import ArchSpec, CONFIG_CLASSES
+from .weights import load_checkpoint
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v): [B, H_kv, T, D]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(_compute_dtype(x.dtype))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for float32/bf16/fp16 inputs, float64 for float64 (the exactness path)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [..., head_dim] for NeoX-style rotary embedding, in float32 (float64 if asked)."""
+    cd = _compute_dtype(dtype)
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=cd) / head_dim))
+    ang = positions.to(cd)[..., None] * inv
+    ang = torch.cat([ang, ang], dim=-1)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, L, D]; cos/sin: [B, L, D]."""
+    xf = x.to(cos.dtype)
+    x1, x2 = xf.chunk(2, dim=-1)
+    rot = torch.cat([-x2, x1], dim=-1)
+    return (xf * cos[:, None] + rot * sin[:, None]).to(x.dtype)
+
+
+def attention_mask(spec: ArchSpec, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                   k_valid: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Boolean mask [B, 1, Lq, Lk] (True = attend) for the family's attention pattern.
+
+    ``q_pos``/``k_pos`` are absolute positions [B, L]; ``k_valid`` marks real (non-padding) keys.
+    Bidirectional models see every valid key; SDAR sees keys in its own or an earlier block; causal
+    models see keys at or before the query position.
+    """
+    if spec.attention == "bidirectional":
+        m = None
+    elif spec.attention == "block_causal":
+        bs = spec.block_size
+        m = (k_pos[:, None, :] // bs) <= (q_pos[:, :, None] // bs)
+    else:
+        m = k_pos[:, None, :] <= q_pos[:, :, None]
+    if k_valid is not None:
+        kv = k_valid[:, None, :].expand(q_pos.shape[0], q_pos.shape[1], k_pos.shape[1])
+        m = kv if m is None else (m & kv)
+    return None if m is None else m[:, None]
+
+
+class Layer(nn.Module):
+    def __init__(self, spec: ArchSpec):
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.spec = spec
+        self.attn_norm = RMSNorm(h, spec.rms_norm_eps)
+        self.q = nn.Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
+        self.k = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.v = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
+        self.o = nn.Linear(spec.num_heads * d, h, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.mlp_norm = RMSNorm(h, spec.rms_norm_eps)
+        self.gate = nn.Linear(h, spec.intermediate_size, bias=False)
+        self.up = nn.Linear(h, spec.intermediate_size, bias=False)
+        self.down = nn.Linear(spec.intermediate_size, h, bias=False)
+
+    def forward(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None):
+        s = self.spec
+        B, L, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q(h).view(B, L, s.num_heads, s.head_dim).transpose(1, 2)
+        k = self.k(h).view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v = self.v(h).view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        new_kv = (k, v)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        rep = s.num_heads // s.num_kv_heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        x = x + self.o(a.transpose(1, 2).reshape(B, L, -1))
+        h = self.mlp_norm(x)
+        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x, new_kv
+
+
+class ReferenceDLLM(nn.Module):
+    """LLaDA / Dream / SDAR transformer in plain PyTorch, parameters under canonical names."""
+
+    def __init__(self, spec: ArchSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(Layer(spec) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        if not spec.tie_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    # ------------------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> "ReferenceDLLM":
+        spec = ArchSpec.from_hf_config(read_config(path))
+        model = cls(spec)
+        model.load_canonical(load_checkpoint(spec, path))
+        return model.to(device=device, dtype=dtype).eval()
+
+    def load_canonical(self, tensors: dict[str, torch.Tensor]) -> None:
+        sd = {(k if k.endswith(".bias") else k + ".weight"): v for k, v in tensors.items()}
+        self.load_state_dict(sd, strict=True)
+
+    def canonical_state(self) -> dict[str, torch.Tensor]:
+        return {k.removesuffix(".weight"): v for k, v in self.state_dict().items()}
+
+    # ---------------------------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                past: KVCache | None = None, mask: torch.Tensor | None | str = "auto",
+                past_valid: torch.Tensor | None = None, return_kv: bool = False):
+        """Raw outputs [B, L, V] for ``input_ids`` [B, L] placed after ``past`` (cached K/V).
+
+        ``positions`` defaults to ``past_len + arange(L)``. ``mask="auto"`` builds the family's
+        pattern (:func:`attention_mask`) with ``past_valid`` [B, past_len] marking real cached keys;
+        an explicit boolean ``[B, 1, L, past_len + L]`` mask (or ``None`` = attend everywhere) is used
+        as given. With ``return_kv`` also returns the new tokens' per-layer (k, v).
+        """
+        B, L = input_ids.shape
+        P = 0 if past is None else past[0][0].shape[2]
+        if positions is None:
+            positions = torch.arange(P, P + L, device=input_ids.device).expand(B, L)
+        if isinstance(mask, str):
+            k_pos = positions if P == 0 else torch.cat(
+                [torch.arange(P, device=input_ids.device).expand(B, P), positions], 1)
+            k_valid = None
+            if past_valid is not None:
+                k_valid = torch.cat([past_valid, torch.ones(B, L, dtype=torch.bool, device=input_ids.device)], 1)
+            mask = attention_mask(self.spec, positions, k_pos, k_valid)
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, x.dtype)
+        new: KVCache = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(x, cos, sin, mask, None if past is None else past[i])
+            new.append(kv)
+        x = self.norm(x)
+        logits = F.linear(x, self.embed.weight if self.spec.tie_embeddings else self.lm_head.weight)
+        return (logits, new) if return_kv else logits
+
+    def token_logits(self, input_ids: torch.Tensor, **kw) -> torch.Tensor:
+        """Logits aligned with the tokens (row i predicts token i), Dream's shift applied."""
+        out = self.forward(input_ids, **kw)
+        if self.spec.shift_logits:
+            out = torch.cat([out[:, :1], out[:, :-1]], dim=1)
+        return out
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    """Read ``config.json`` of a checkpoint directory, with a clear error if it is missing or corrupt."""
+    f = Path(path) / "config.json"
+    if not f.exists():
+        raise FileNotFoundError(f"{path}: no config.json (is this a model directory?)")
+    try:
+        cfg = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{f}: not valid JSON ({e})") from None
+    if cfg.get("model_type") not in CONFIG_CLASSES:
+        ArchSpec.from_hf_config(cfg)  # raises the unknown-model_type error
+    return cfg

@@ -1,0 +1,151 @@
+"""vLLM model classes for LLaDA, Dream and SDAR checkpoints (vLLM layers, paged KV cache, ``load_weights``).
+
+One implementation, three registered architectures (``LLaDAModelLM``, ``DreamModel``, ``SDARForCausalLM``),
+as vLLM does for its Llama-family models. The numerics match :mod:`model_executor.models.reference`;
+the differences between the formats come from :class:`~model_executor.models.configs.ArchSpec`.
+
+``compute_logits`` returns each position's raw output, like an AR model in vLLM: for Dream that row is
+the prediction for the *next* position (shifted logits), for LLaDA and SDAR the prediction for the same
+position. The decoding path owns that alignment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.utils import maybe_prefix
+
+from attention_backends.vllm_attention import DLLMAttention
+
+from .configs import ArchSpec
+from .weights import CheckpointError, canonical_shapes, checkpoint_names
+
+
+class DLLMDecoderLayer(nn.Module):
+    def __init__(self, spec: ArchSpec, vllm_config: VllmConfig, prefix: str):
+        super().__init__()
+        h, d = spec.hidden_size, spec.head_dim
+        self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
+        self.head_dim, self.qk_norm = d, spec.qk_norm
+        self.attn_norm = RMSNorm(h, eps=spec.rms_norm_eps)
+        self.qkv = QKVParallelLinear(h, d, spec.num_heads, spec.num_kv_heads, bias=spec.qkv_bias,
+                                     prefix=f"{prefix}.qkv")
+        self.o = RowParallelLinear(spec.num_heads * d, h, bias=False, prefix=f"{prefix}.o")
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, eps=spec.rms_norm_eps)
+            self.k_norm = RMSNorm(d, eps=spec.rms_norm_eps)
+        self.rotary_emb = get_rope(d, max_position=spec.max_position, is_neox_style=True,
+                                   rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
+        self.attn = DLLMAttention(spec.num_heads, d, d**-0.5, num_kv_heads=spec.num_kv_heads,
+                                  pattern="block_causal" if spec.attention == "block_causal" else "bidirectional",
+                                  block_size=spec.block_size or 0, cache_config=vllm_config.cache_config,
+                                  prefix=f"{prefix}.attn")
+        self.mlp_norm = RMSNorm(h, eps=spec.rms_norm_eps)
+        self.gate_up = MergedColumnParallelLinear(h, [spec.intermediate_size] * 2, bias=False,
+                                                  prefix=f"{prefix}.gate_up")
+        self.down = RowParallelLinear(spec.intermediate_size, h, bias=False, prefix=f"{prefix}.down")
+        self.act = SiluAndMul()
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv(self.attn_norm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        a, _ = self.o(self.attn(q, k, v))
+        x = x + a
+        m, _ = self.down(self.act(self.gate_up(self.mlp_norm(x))[0]))
+        return x + m
+
+
+class DLLMForVLLM(nn.Module):
+    """A dLLM in vLLM: embedding, decoder layers over the paged KV cache, final norm, LM head."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        self.spec = spec = ArchSpec.from_hf_config(vllm_config.model_config.hf_config)
+        self.config = vllm_config.model_config.hf_config
+        self.embed = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, prefix=maybe_prefix(prefix, "embed"))
+        self.layers = nn.ModuleList(DLLMDecoderLayer(spec, vllm_config, prefix=maybe_prefix(prefix, f"layers.{i}"))
+                                    for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        if spec.tie_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        self.logits_processor = LogitsProcessor(spec.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    # canonical "layers.i.q" -> (vLLM parameter, shard id)
+    _STACKED = {"q": ("qkv", "q"), "k": ("qkv", "k"), "v": ("qkv", "v"), "gate": ("gate_up", 0), "up": ("gate_up", 1)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load real checkpoint tensors; a missing, unexpected or misshaped tensor raises, naming it."""
+        names = checkpoint_names(self.spec)
+        shapes = canonical_shapes(self.spec)
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name not in names:
+                raise CheckpointError(f"checkpoint: unexpected tensor {name!r} not used by a {self.spec.family} "
+                                      "model with this config")
+            canon = names[name]
+            if tuple(tensor.shape) != shapes[canon]:
+                raise CheckpointError(f"checkpoint: tensor {name!r} has shape {list(tensor.shape)}, "
+                                      f"expected {list(shapes[canon])}")
+            seen.add(name)
+            is_bias = canon.endswith(".bias")
+            base = canon.removesuffix(".bias")
+            leaf = base.rsplit(".", 1)[-1]
+            suffix = ".bias" if is_bias else ".weight"
+            if base.startswith("layers.") and leaf in self._STACKED:
+                target, shard = self._STACKED[leaf]
+                pname = base[: -len(leaf)] + target + suffix
+                params[pname].weight_loader(params[pname], tensor, shard)
+            else:
+                pname = base + suffix
+                param = params[pname]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(pname)
+        missing = sorted(set(names) - seen)
+        if missing:
+            raise CheckpointError(f"checkpoint: missing tensor {missing[0]!r} (shape {list(shapes[names[missing[0]]])})"
+                                  + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
+        return loaded
+
+
+class LLaDAModelLM(DLLMForVLLM):
+    """LLaDA-8B-Instruct / LLaDA-1.5 format (``model_type "llada"``)."""
+
+
+class DreamModel(DLLMForVLLM):
+    """Dream-v0 format (``model_type "Dream"``)."""
+
+
+class SDARForCausalLM(DLLMForVLLM):
+    """SDAR format (``model_type "sdar"``)."""

@@ -1,0 +1,173 @@
+"""The ``psd`` command: ``generate``, ``eval`` and ``train`` on dLLM checkpoints (the embedded one by default).
+
+Bad input exits with status 2 and one line naming the problem; there is no traceback for user errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from . import DEFAULT_DLLM
+
+METHODS = ("static", "confidence")
+AR_METHODS = ("ar",)
+
+
+class UsageError(Exception):
+    pass
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None, help=f"checkpoint directory (default: {DEFAULT_DLLM.name})")
+    p.add_argument("--engine", choices=["reference", "vllm"], default="reference")
+    p.add_argument("--method", default=None, help="static | confidence (dLLMs; default confidence), ar (AR models)")
+    p.add_argument("--config", default=None, help='method knobs as JSON, e.g. \'{"threshold": 0.9, "cache": "prefix"}\'')
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=None, help="decoding block (default 8; SDAR: its attention block)")
+    p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float32")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="psd", description="Fast diffusion-LLM decoding (psd-plugin).")
+    sub = ap.add_subparsers(dest="verb", required=True)
+    g = sub.add_parser("generate", help="decode prompts with a dLLM (or an AR model)")
+    _common(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", action="append", help="prompt text (repeatable)")
+    src.add_argument("--prompts", type=Path, help="JSONL file with a 'prompt' field per line")
+    g.add_argument("--raw", action="store_true", help="feed prompts as-is, without the chat template")
+    e = sub.add_parser("eval", help="accuracy, TPF and NFE on the held-out tasks")
+    _common(e)
+    e.add_argument("--task", default="all", help="a task name or 'all'")
+    e.add_argument("--limit", type=int, default=None, help="first N items per task")
+    sub.add_parser("train", help="train an embedded model (see python -m psd_plugin.train --help)", add_help=False)
+    return ap
+
+
+def _read_prompts(args) -> list[str]:
+    if args.prompts is not None:
+        try:
+            lines = args.prompts.read_text().splitlines()
+        except OSError as e:
+            raise UsageError(f"--prompts {args.prompts}: cannot read ({e.strerror})") from None
+        out = []
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                raise UsageError(f"--prompts {args.prompts}: line {i} is not valid JSON") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+                raise UsageError(f"--prompts {args.prompts}: line {i} has no string 'prompt' field")
+            out.append(row["prompt"])
+        if not out:
+            raise UsageError(f"--prompts {args.prompts}: no prompts in the file")
+        return out
+    return args.prompt or ["Sort the list: 7 3 9 1 4"]
+
+
+def _setup(args):
+    from .config import parse_config
+    from .evaluate import is_dllm, load
+
+    if args.engine == "vllm":
+        raise UsageError("--engine vllm: the vLLM decoding path is not available yet (it is the vLLM-integration "
+                         "work item); use --engine reference")
+    model = args.model or DEFAULT_DLLM
+    if not (Path(model) / "config.json").exists():
+        raise UsageError(f"--model {model}: not a model directory (no config.json)")
+    if args.max_tokens <= 0:
+        raise UsageError(f"--max-tokens must be > 0 (got {args.max_tokens})")
+    dllm = is_dllm(model)
+    allowed = METHODS if dllm else AR_METHODS
+    method = args.method or allowed[-1]
+    if method not in allowed:
+        kind = "a dLLM" if dllm else "an autoregressive model"
+        raise UsageError(f"--method {method!r} for {kind}; allowed: {', '.join(allowed)}")
+    cfg = parse_config(args.config)
+    engine, tok = load(model, args.dtype)
+    kw = {"max_tokens": args.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
+          "batch_size": cfg.batch_size}
+    if dllm:
+        spec = engine.spec
+        block = args.block_size or (spec.block_size if spec.attention == "block_causal" else 8)
+        kw.update(method=method, threshold=cfg.threshold, cache=cfg.cache, block_size=block)
+    return engine, tok, kw, method
+
+
+def cmd_generate(args) -> int:
+    from .evaluate import decode_answer, encode
+
+    texts = _read_prompts(args)
+    engine, tok, kw, _ = _setup(args)
+    prompts = [encode(tok, t, chat=not args.raw) for t in texts]
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, **kw)
+    dt = time.perf_counter() - t0
+    for text, res in zip(texts, results):
+        answer = decode_answer(tok, res.token_ids)
+        if args.json:
+            print(json.dumps({"prompt": text, "prompt_token_ids": res.prompt_token_ids, "text": answer,
+                              "token_ids": res.token_ids, "nfe": res.nfe, "tpf": round(res.tpf, 4),
+                              "finish_reason": res.finish_reason,
+                              "seconds": round(res.seconds or dt / len(results), 4)}))
+        else:
+            print(f"> {text}\n{answer}\n[{len(res.token_ids)} tokens, {res.nfe} forwards, TPF {res.tpf:.2f}]")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .evaluate import evaluate
+    from .tasks import TASKS, load_heldout
+
+    if args.task != "all" and args.task not in TASKS:
+        raise UsageError(f"--task {args.task!r}; allowed: all, {', '.join(TASKS)}")
+    if args.limit is not None and args.limit <= 0:
+        raise UsageError(f"--limit must be > 0 (got {args.limit})")
+    engine, tok, kw, method = _setup(args)
+    rows = load_heldout(args.task)
+    if args.limit:
+        by: dict[str, list] = {}
+        for r in rows:
+            by.setdefault(r["task"], []).append(r)
+        rows = [r for v in by.values() for r in v[: args.limit]]
+    res = evaluate(engine, tok, rows, **kw)
+    res = {"model": str(args.model or DEFAULT_DLLM), "method": method,
+           **{k: v for k, v in kw.items() if k != "batch_size"}, **res}
+    if args.json:
+        print(json.dumps(res))
+    else:
+        print(f"{'task':<10} {'accuracy':>8}")
+        for t, a in res["accuracy"].items():
+            print(f"{t:<10} {a:>8.3f}")
+        print(f"{'mean':<10} {res['mean_accuracy']:>8.3f}\nTPF {res['tpf']:.3f}  NFE/sample {res['nfe_per_sample']:.2f}"
+              f"  ({res['samples']} samples, {res['seconds']:.1f} s)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        from .train import main as train_main
+
+        train_main(argv[1:])
+        return 0
+    args = build_parser().parse_args(argv)
+    from .config import ConfigError
+    from model_executor.models.weights import CheckpointError
+
+    try:
+        return {"generate": cmd_generate, "eval": cmd_eval}[args.verb](args)
+    except (UsageError, ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"psd {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

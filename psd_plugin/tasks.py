@@ -1,0 +1,221 @@
+"""Verifiable tasks with exact graders: the corpus the embedded models learn and are evaluated on.
+
+Every task is a generator of ``(prompt, answer)`` pairs plus a grader. Tasks are chosen so that a
+few-million-parameter model can learn them on a CPU, and so that output positions depend on each
+other (a sorted list, a reversed list, a carried digit, a function body): committing many tokens in
+one forward can break them, which is what parallel decoders have to get right.
+
+The held-out split is fixed: ``HELDOUT_SEED`` generates ``HELDOUT_SIZE`` distinct prompts per task,
+shipped as ``psd_plugin/data/heldout.jsonl``; the training stream skips every held-out prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import resources
+from typing import Callable
+
+HELDOUT_SEED = 20261122
+HELDOUT_SIZE = 300
+
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+_NAMES = ["Ann", "Bob", "Cal", "Dee", "Eve", "Finn", "Gus", "Hal", "Ivy", "Jo", "Kim", "Lu", "Max", "Ned"]
+_ITEMS = ["apples", "pens", "books", "cards", "coins", "shells", "stamps", "marbles", "cups", "hats"]
+
+
+@dataclass(frozen=True)
+class Example:
+    task: str
+    prompt: str
+    answer: str
+    tests: tuple[str, ...] = ()  # python asserts, for the ``python`` task
+
+    def to_json(self) -> dict:
+        d = {"task": self.task, "prompt": self.prompt, "answer": self.answer}
+        if self.tests:
+            d["tests"] = list(self.tests)
+        return d
+
+
+def _digits(rng: random.Random, lo: int, hi: int) -> list[int]:
+    return [rng.randint(0, 9) for _ in range(rng.randint(lo, hi))]
+
+
+def _fmt(xs) -> str:
+    return " ".join(str(x) for x in xs)
+
+
+def gen_sort(rng: random.Random) -> Example:
+    xs = _digits(rng, 3, 6)
+    return Example("sort", f"Sort the list: {_fmt(xs)}", _fmt(sorted(xs)))
+
+
+def gen_reverse(rng: random.Random) -> Example:
+    xs = [rng.choice(_LETTERS) for _ in range(rng.randint(3, 6))]
+    return Example("reverse", f"Reverse the list: {_fmt(xs)}", _fmt(xs[::-1]))
+
+
+def gen_dedup(rng: random.Random) -> Example:
+    pool = rng.sample(range(10), rng.randint(2, 4))
+    xs = [rng.choice(pool) for _ in range(rng.randint(4, 7))]
+    out = list(dict.fromkeys(xs))
+    return Example("dedup", f"Remove duplicates: {_fmt(xs)}", _fmt(out))
+
+
+def gen_add_each(rng: random.Random) -> Example:
+    k = rng.randint(1, 5)
+    xs = _digits(rng, 3, 5)
+    return Example("add_each", f"Add {k} to each: {_fmt(xs)}", _fmt(x + k for x in xs))
+
+
+def gen_lookup(rng: random.Random) -> Example:
+    keys = rng.sample(_LETTERS, rng.randint(3, 5))
+    table = {k: rng.randint(0, 9) for k in keys}
+    query = rng.sample(keys, rng.randint(1, 3))
+    tab = ", ".join(f"{k}={v}" for k, v in table.items())
+    return Example("lookup", f"Table: {tab}. Look up: {_fmt(query)}", _fmt(table[q] for q in query))
+
+
+def gen_arith(rng: random.Random) -> Example:
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    a, b = rng.randint(1, 20), rng.randint(1, 20)
+    if rng.random() < 0.5:
+        verb = rng.choice(["gets", "buys", "finds"])
+        q = f"{name} has {a} {item} and {verb} {b} more. How many {item} now?"
+        work, res = f"{a} + {b} = {a + b}", a + b
+    else:
+        a, b = max(a, b), min(a, b)
+        verb = rng.choice(["gives away", "loses", "sells"])
+        q = f"{name} has {a} {item} and {verb} {b}. How many {item} now?"
+        work, res = f"{a} - {b} = {a - b}", a - b
+    return Example("arith", q, f"{work}\n#### {res}")
+
+
+_PY_FUNCS = ["f", "g", "calc", "solve", "func", "apply", "step", "compute"]
+_PY_ARGS = ["x", "n", "a", "v", "num"]
+_PY_ARITH = {"plus": "+", "minus": "-", "times": "*", "modulo": "%"}
+_PY_LIST = {
+    "the list reversed": "{a}[::-1]",
+    "the largest item of the list": "max({a})",
+    "the smallest item of the list": "min({a})",
+    "the sum of the list": "sum({a})",
+    "the length of the list": "len({a})",
+    "the list sorted": "sorted({a})",
+}
+
+
+def gen_python(rng: random.Random) -> Example:
+    name, arg = rng.choice(_PY_FUNCS), rng.choice(_PY_ARGS)
+    if rng.random() < 0.7:
+        word = rng.choice(list(_PY_ARITH))
+        k = rng.randint(1, 20)
+        prompt = f"Write a python function {name}({arg}) that returns {arg} {word} {k}."
+        body = f"{arg} {_PY_ARITH[word]} {k}"
+        samples = [rng.randint(-9, 30) for _ in range(3)]
+    else:
+        desc = rng.choice(list(_PY_LIST))
+        prompt = f"Write a python function {name}({arg}) that returns {desc}."
+        body = _PY_LIST[desc].format(a=arg)
+        samples = [[rng.randint(0, 9) for _ in range(rng.randint(1, 5))] for _ in range(3)]
+    tests = tuple(f"assert {name}({s!r}) == {eval(body, {arg: s})!r}" for s in samples)
+    return Example("python", prompt, f"def {name}({arg}):\n    return {body}", tests)
+
+
+GENERATORS: dict[str, Callable[[random.Random], Example]] = {
+    "sort": gen_sort,
+    "reverse": gen_reverse,
+    "dedup": gen_dedup,
+    "add_each": gen_add_each,
+    "lookup": gen_lookup,
+    "arith": gen_arith,
+    "python": gen_python,
+}
+TASKS = tuple(GENERATORS)
+
+
+# ---------------------------------------------------------------------------------------- graders
+def _norm(s: str) -> str:
+    return " ".join(s.split())
+
+
+_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_number(text: str) -> str | None:
+    """GSM8K-style flexible extraction: the number after ``####``, else the last number."""
+    m = re.search(r"####\s*(-?[\d,]+(?:\.\d+)?)", text)
+    if m:
+        s = m.group(1)
+    else:
+        nums = _NUM.findall(text)
+        if not nums:
+            return None
+        s = nums[-1]
+    s = s.replace(",", "")
+    try:
+        v = float(s)
+    except ValueError:
+        return None
+    return str(int(v)) if v == int(v) else str(v)
+
+
+def run_python_tests(code: str, tests: tuple[str, ...] | list[str], timeout: float = 5.0) -> bool:
+    """MBPP-style check: run the candidate code and its asserts in a fresh interpreter."""
+    src = code + "\n\n" + "\n".join(tests) + "\n"
+    try:
+        r = subprocess.run([sys.executable, "-I", "-c", src], capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False
+    return r.returncode == 0
+
+
+def grade(example: dict | Example, output: str) -> bool:
+    """Exact grader for one model output (the text generated after the prompt, EOS stripped)."""
+    ex = example.to_json() if isinstance(example, Example) else example
+    task = ex["task"]
+    if task == "arith":
+        return extract_number(output) == extract_number(ex["answer"])
+    if task == "python":
+        return run_python_tests(output, ex.get("tests", ()))
+    return _norm(output) == _norm(ex["answer"])
+
+
+# ------------------------------------------------------------------------------------- the splits
+def make_heldout(seed: int = HELDOUT_SEED, size: int = HELDOUT_SIZE) -> list[Example]:
+    """The fixed held-out split: ``size`` distinct prompts per task, generated from ``seed``."""
+    out: list[Example] = []
+    for ti, (task, gen) in enumerate(GENERATORS.items()):
+        rng = random.Random(seed * 1000 + ti)
+        seen: set[str] = set()
+        while len(seen) < size:
+            ex = gen(rng)
+            if ex.prompt not in seen:
+                seen.add(ex.prompt)
+                out.append(ex)
+    return out
+
+
+def load_heldout(task: str | None = None) -> list[dict]:
+    """The shipped held-out split (``psd_plugin/data/heldout.jsonl``), optionally one task."""
+    text = resources.files("psd_plugin").joinpath("data/heldout.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if task is not None and task != "all":
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; allowed: all, {', '.join(TASKS)}")
+        rows = [r for r in rows if r["task"] == task]
+    return rows
+
+
+def training_stream(seed: int, exclude: set[str]):
+    """An endless, reproducible stream of training examples, tasks interleaved uniformly."""
+    rng = random.Random(seed)
+    gens = list(GENERATORS.values())
+    while True:
+        ex = rng.choice(gens)(rng)
+        if ex.prompt not in exclude:
+            yield ex

@@ -1,0 +1,218 @@
+"""Train the embedded models: a LLaDA-format masked-diffusion model and a Llama-format AR baseline.
+
+``python -m psd_plugin.train --kind dllm --out DIR`` (or ``psd train``). CPU by default, CUDA when present;
+seeds fixed; a tqdm progress bar; resumable (``DIR/train_state.pt`` every ``--save-every`` steps; the
+batch of step ``s`` is generated from ``seed + s``, so a resumed run sees exactly the same data).
+
+Objectives:
+- dLLM (LLaDA SFT, Nie et al. 2025 Eq. 5): the prompt stays clean; each answer token (answer plus EOS
+  padding to ``--gen-len``) is masked with probability ``t ~ U(eps, 1]``; loss = cross-entropy on masked
+  positions weighted by ``1/t``, normalised by the answer length, averaged over the batch.
+- AR: next-token cross-entropy on the answer and its EOS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .tasks import TASKS, load_heldout, training_stream
+from .tokenizer import EOS, render_prompt, train_tokenizer
+
+SIZES = {  # name: (hidden, layers, heads, mlp)
+    "tiny": (128, 2, 2, 256),  # tests only
+    "small": (256, 6, 4, 768),  # 5.4M parameters with the 512-token vocabulary
+}
+
+
+def _batch(step: int, seed: int, batch: int, tok, exclude: set[str]):
+    stream = training_stream(seed * 100003 + step, exclude)
+    exs = [next(stream) for _ in range(batch)]
+    prompts = [tok(render_prompt(e.prompt), add_special_tokens=False).input_ids for e in exs]
+    answers = [tok(e.answer, add_special_tokens=False).input_ids for e in exs]
+    return prompts, answers
+
+
+def _dllm_tensors(prompts, answers, gen_len, eos, pad_to_multiple=8):
+    """[prompt | answer EOS...] right-padded with EOS; EOS padding counts as answer (LLaDA SFT)."""
+    rows = [p + (a + [eos] * gen_len)[:gen_len] for p, a in zip(prompts, answers)]
+    L = max(len(r) for r in rows)
+    L = -(-L // pad_to_multiple) * pad_to_multiple
+    ids = torch.full((len(rows), L), eos, dtype=torch.long)
+    is_answer = torch.zeros((len(rows), L), dtype=torch.bool)
+    for i, (r, p) in enumerate(zip(rows, prompts)):
+        ids[i, : len(r)] = torch.tensor(r)
+        is_answer[i, len(p):] = True
+    return ids, is_answer
+
+
+def dllm_loss(model, ids, is_answer, mask_id, generator=None, eps=1e-3):
+    B = ids.shape[0]
+    t = eps + (1 - eps) * torch.rand(B, 1, generator=generator, device=ids.device)
+    masked = (torch.rand(ids.shape, generator=generator, device=ids.device) < t) & is_answer
+    x = torch.where(masked, torch.full_like(ids, mask_id), ids)
+    logits = model(x)
+    ce = F.cross_entropy(logits[masked].float(), ids[masked], reduction="none")
+    ans_len = is_answer.sum(1, keepdim=True).expand_as(ids)[masked].float()
+    return (ce / t.expand_as(ids)[masked] / ans_len).sum() / B
+
+
+def ar_loss(model, prompts, answers, eos, device):
+    rows = [p + a + [eos] for p, a in zip(prompts, answers)]
+    L = max(len(r) for r in rows)
+    ids = torch.full((len(rows), L), eos, dtype=torch.long)
+    labels = torch.full((len(rows), L), -100, dtype=torch.long)
+    for i, (r, p) in enumerate(zip(rows, prompts)):
+        ids[i, : len(r)] = torch.tensor(r)
+        labels[i, len(p): len(r)] = torch.tensor(r[len(p):])
+    ids, labels = ids.to(device), labels.to(device)
+    logits = model(input_ids=ids).logits[:, :-1]
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
+
+
+def build_model(kind: str, size: str, tok, max_len: int):
+    hidden, layers, heads, mlp = SIZES[size]
+    if kind == "dllm":
+        from model_executor.models.configs import ArchSpec, LLaDAConfig
+        from model_executor.models.reference import ReferenceDLLM
+
+        cfg = LLaDAConfig(d_model=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads, mlp_hidden_size=mlp,
+                          vocab_size=len(tok), embedding_size=len(tok), rope_theta=10000.0, rms_norm_eps=1e-5,
+                          max_sequence_length=max_len, mask_token_id=tok.mask_token_id,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                          bos_token_id=tok.bos_token_id, architectures=["LLaDAModelLM"])
+        model = ReferenceDLLM(ArchSpec.from_hf_config(cfg))
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if n.endswith(("o.weight", "down.weight")) else 1))
+        return model, cfg
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_len,
+                      rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    return LlamaForCausalLM(cfg), cfg
+
+
+def save_model(kind, model, cfg, tok, out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    if kind == "dllm":
+        from model_executor.models.weights import save_checkpoint
+
+        save_checkpoint(model.spec, model.canonical_state(), out)
+        cfg.save_pretrained(str(out))
+    else:
+        model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="psd train", description=__doc__.splitlines()[0])
+    ap.add_argument("--kind", choices=["dllm", "ar"], required=True)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--size", choices=list(SIZES), default="small")
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--gen-len", type=int, default=32, help="answer region (answer + EOS padding), dLLM only")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    ap.add_argument("--save-every", type=int, default=250)
+    ap.add_argument("--tokenizer", type=Path, default=None, help="reuse this tokenizer (default: train one)")
+    args = ap.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.out.mkdir(parents=True, exist_ok=True)
+    exclude = {r["prompt"] for r in load_heldout()}
+
+    if args.tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(args.tokenizer))
+    else:
+        stream = training_stream(10**9 + args.seed, exclude)
+        texts = []
+        for _ in range(20000):
+            e = next(stream)
+            texts.append(render_prompt(e.prompt) + e.answer + EOS)
+        tok = train_tokenizer(texts, args.out)
+
+    model, cfg = build_model(args.kind, args.size, tok, max_len=512)
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, args.steps // 30)
+
+    def lr_at(s):
+        if s < warmup:
+            return args.lr * (s + 1) / warmup
+        prog = (s - warmup) / max(1, args.steps - warmup)
+        return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog)))
+
+    state_file = args.out / "train_state.pt"
+    step, log, wall = 0, [], 0.0
+    if state_file.exists():
+        st = torch.load(state_file, map_location=device, weights_only=False)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step, log, wall = st["step"], st["log"], st["wall"]
+        print(f"resumed at step {step}")
+
+    from tqdm import tqdm
+
+    n_params = sum(p.numel() for p in model.parameters())
+    gen = torch.Generator(device=device)
+    t0 = time.time() - wall
+    tokens = sum(x.get("tokens", 0) for x in log[-1:]) if log else 0
+    bar = tqdm(total=args.steps, initial=step, desc=f"train {args.kind}", dynamic_ncols=True)
+    model.train()
+    ema = None
+    while step < args.steps:
+        prompts, answers = _batch(step, args.seed, args.batch, tok, exclude)
+        gen.manual_seed(args.seed * 7919 + step)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step)
+        if args.kind == "dllm":
+            ids, is_answer = _dllm_tensors(prompts, answers, args.gen_len, tok.eos_token_id)
+            ids, is_answer = ids.to(device), is_answer.to(device)
+            loss = dllm_loss(model, ids, is_answer, tok.mask_token_id, gen)
+            tokens += ids.numel()
+        else:
+            loss = ar_loss(model, prompts, answers, tok.eos_token_id, device)
+            tokens += sum(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        ema = loss.item() if ema is None else 0.98 * ema + 0.02 * loss.item()
+        bar.update(1)
+        bar.set_postfix(loss=f"{ema:.3f}")
+        if step % 50 == 0 or step == args.steps:
+            log.append({"step": step, "loss": round(ema, 4), "wall_s": round(time.time() - t0, 1), "tokens": tokens})
+        if step % args.save_every == 0 or step == args.steps:
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
+                        "wall": time.time() - t0}, state_file)
+            save_model(args.kind, model, cfg, tok, args.out)
+    bar.close()
+    info = {"kind": args.kind, "size": args.size, "parameters": n_params, "steps": step, "batch": args.batch,
+            "lr": args.lr, "gen_len": args.gen_len, "seed": args.seed, "device": device,
+            "wall_time_s": round(time.time() - t0, 1), "tokens_seen": tokens,
+            "final_loss": log[-1]["loss"] if log else None, "tasks": list(TASKS), "loss_log": log}
+    (args.out / "training.json").write_text(json.dumps(info, indent=1))
+    print(json.dumps({k: v for k, v in info.items() if k != "loss_log"}))
+
+
+if __name__ == "__main__":
+    main()

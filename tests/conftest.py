@@ -1,0 +1,26 @@
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+from psd_plugin import DEFAULT_DLLM  # noqa: E402
+
+FAMILIES = ("llada", "dream", "sdar")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir() -> Path:
+    """The embedded models' tokenizer (shipped with the package)."""
+    assert (DEFAULT_DLLM / "tokenizer.json").exists(), f"embedded checkpoint missing at {DEFAULT_DLLM}"
+    return DEFAULT_DLLM
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
+    """A small random checkpoint in each real format, written by the real save path."""
+    from model_executor.models.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return {f: make_tiny_checkpoint(f, root / f, tokenizer_dir, seed=i) for i, f in enumerate(FAMILIES)}

@@ -1,0 +1,61 @@
+"""The ``psd`` command on the embedded model: JSON output, eval, and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def psd(*args, input=None):
+    return subprocess.run([sys.executable, "-m", "psd_plugin.cli", *args], capture_output=True, text=True,
+                          input=input, timeout=600)
+
+
+def test_generate_json_fields():
+    r = psd("generate", "--json", "--prompt", "Sort the list: 5 2 8", "--prompt", "Reverse the list: x y z")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert {"prompt", "prompt_token_ids", "text", "token_ids", "nfe", "tpf", "seconds"} <= set(row)
+        assert row["tpf"] == pytest.approx(len(row["token_ids"]) / row["nfe"], abs=1e-4)
+        assert row["token_ids"][-1] == 0  # EOS of the embedded tokenizer
+    assert rows[0]["prompt_token_ids"][:2] == [1, 3]  # <|startoftext|><|user|>: the chat template
+
+
+def test_generate_prompts_file_and_static(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "Add 1 to each: 1 2"}\n\n{"prompt": "Remove duplicates: 1 1 2"}\n')
+    r = psd("generate", "--json", "--prompts", str(f), "--method", "static", "--config", '{"cache": "none"}')
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(rows) == 2 and all(row["nfe"] >= len(row["token_ids"]) for row in rows)
+
+
+def test_eval_json():
+    r = psd("eval", "--task", "reverse", "--limit", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert set(res["accuracy"]) == {"reverse"} and res["samples"] == 8
+    assert 0 <= res["mean_accuracy"] <= 1 and res["tpf"] > 0
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "--method", "magic"], "--method 'magic' for a dLLM; allowed: static, confidence"),
+    (["generate", "--config", "{nope"], "--config: not valid JSON"),
+    (["generate", "--config", '{"threshold": 3}'], "--config: Expected `float` <= 1.0 - at `$.threshold`"),
+    (["generate", "--config", '{"tau": 0.5}'], "unknown field `tau`; allowed fields: threshold"),
+    (["generate", "--prompts", "/nonexistent.jsonl"], "--prompts /nonexistent.jsonl: cannot read"),
+    (["generate", "--max-tokens", "0"], "--max-tokens must be > 0"),
+    (["generate", "--prompt", "1 " * 400], "exceeds the model's context of 512 tokens"),
+    (["generate", "--engine", "vllm"], "--engine vllm"),
+    (["generate", "--model", "/nonexistent"], "not a model directory"),
+    (["eval", "--task", "poetry"], "--task 'poetry'; allowed: all, sort"),
+])
+def test_bad_input_is_one_line_error(args, needle):
+    r = psd(*args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("psd ")]
+    assert len(lines) == 1 and needle in lines[0], r.stderr

@@ -1,0 +1,99 @@
+"""The reference engine: batching invariance, exact SDAR block cache, policies, EOS handling, bad input."""
+
+import pytest
+import torch
+
+from model_executor.decoding.policies import confidence_policy, static_policy
+from model_executor.engine import ReferenceEngine
+from psd_plugin import DEFAULT_DLLM
+from psd_plugin.evaluate import encode
+
+PROMPTS = ["Sort the list: 3 1 2", "Reverse the list: a b c d e", "Add 2 to each: 1",
+           "Table: a=3, b=7, c=1. Look up: b c"]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return [encode(tok, p) for p in PROMPTS]
+
+
+def test_policies():
+    inf = float("-inf")
+    conf = torch.tensor([0.2, inf, 0.95, 0.5, 0.91], dtype=torch.float64)
+    assert static_policy(conf).tolist() == [False, False, True, False, False]
+    assert confidence_policy(conf, 0.9).tolist() == [False, False, True, False, True]
+    assert confidence_policy(torch.tensor([0.1, 0.3]), 0.9).tolist() == [False, True]  # top-1 always
+    assert not static_policy(torch.tensor([inf, inf])).any()
+
+
+@pytest.mark.parametrize("family,caches", [("llada", ["none", "prefix"]), ("dream", ["none", "prefix"]),
+                                           ("sdar", ["none", "block"])])
+@pytest.mark.parametrize("method", ["static", "confidence"])
+def test_batch_equals_single_float64(tiny_checkpoints, prompt_ids, family, caches, method):
+    eng = ReferenceEngine.from_pretrained(tiny_checkpoints[family], dtype=torch.float64)
+    bs = eng.spec.block_size or 8
+    for cache in caches:
+        kw = dict(max_tokens=12, block_size=bs, method=method, cache=cache, threshold=0.02)
+        batch = eng.generate(prompt_ids, **kw)
+        for p, b in zip(prompt_ids, batch):
+            single = eng.generate([p], **kw)[0]
+            assert single.token_ids == b.token_ids and single.nfe == b.nfe
+            assert b.prompt_token_ids == p
+        if method == "static":  # one token per forward
+            assert all(r.nfe == 12 and len(r.token_ids) == 12 for r in batch)
+
+
+def test_sdar_block_cache_is_exact(tiny_checkpoints, prompt_ids):
+    eng = ReferenceEngine.from_pretrained(tiny_checkpoints["sdar"], dtype=torch.float64)
+    a = eng.generate(prompt_ids, max_tokens=14, block_size=4, method="static", cache="none")
+    b = eng.generate(prompt_ids, max_tokens=14, block_size=4, method="static", cache="block")
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_prefix_cache_first_step_equals_no_cache(tiny_checkpoints, prompt_ids):
+    """Within the first block the prefix cache's first forward is a full forward: one-token answers agree."""
+    for fam in ("llada", "dream"):
+        eng = ReferenceEngine.from_pretrained(tiny_checkpoints[fam], dtype=torch.float64)
+        a = eng.generate(prompt_ids, max_tokens=1, block_size=8, method="static", cache="none")
+        b = eng.generate(prompt_ids, max_tokens=1, block_size=8, method="static", cache="prefix")
+        assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_embedded_model_stops_at_eos_block(prompt_ids):
+    eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
+    eos = eng.spec.eos_token_id
+    res = eng.generate(prompt_ids, max_tokens=32, block_size=8, method="static")
+    for r in res:
+        assert r.finish_reason == "stop" and r.token_ids[-1] == eos and eos not in r.token_ids[:-1]
+        # static: one forward per decoded position, up to the end of the block holding the EOS
+        assert r.nfe == -(-len(r.token_ids) // 8) * 8
+        assert r.tpf == len(r.token_ids) / r.nfe
+    fast = eng.generate(prompt_ids, max_tokens=32, block_size=8, method="confidence", threshold=0.9)
+    assert sum(r.nfe for r in fast) < sum(r.nfe for r in res)
+
+
+def test_sampling_is_seeded(prompt_ids):
+    eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
+    kw = dict(max_tokens=16, block_size=8, method="static", temperature=1.0)
+    a = eng.generate(prompt_ids, seed=1, **kw)
+    assert [r.token_ids for r in a] == [r.token_ids for r in eng.generate(prompt_ids, seed=1, **kw)]
+
+
+def test_bad_arguments(tiny_checkpoints, prompt_ids):
+    eng = ReferenceEngine.from_pretrained(tiny_checkpoints["llada"])
+    with pytest.raises(ValueError, match="method 'nope'; allowed: static, confidence"):
+        eng.generate(prompt_ids, method="nope")
+    with pytest.raises(ValueError, match="cache 'block' is exact only for block-causal"):
+        eng.generate(prompt_ids, cache="block")
+    with pytest.raises(ValueError, match="max_tokens must be > 0"):
+        eng.generate(prompt_ids, max_tokens=0)
+    with pytest.raises(ValueError, match="exceeds the model's context of 512"):
+        eng.generate([[5] * 500], max_tokens=32)
+    with pytest.raises(ValueError, match="empty prompt"):
+        eng.generate([[]])
+    sdar = ReferenceEngine.from_pretrained(tiny_checkpoints["sdar"])
+    with pytest.raises(ValueError, match="attention block of 4"):
+        sdar.generate(prompt_ids, block_size=8)

@@ -1,0 +1,97 @@
+"""The vLLM model classes, run through vLLM's engine, reproduce the reference model's logits.
+
+vLLM reports, for every prompt position ``i >= 1``, the log-softmax of the row the model computed at
+position ``i - 1`` (``prompt_logprobs``), and for the last position the first sampled token's
+``logprobs``. With the full vocabulary requested that is every row of the model's output, computed
+by vLLM's own scheduler, paged KV cache and attention backend (bidirectional for LLaDA and Dream,
+block-causal for SDAR over a prompt that spans several blocks).
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from model_executor.models.reference import ReferenceDLLM
+
+vllm = pytest.importorskip("vllm")
+
+PROMPTS = [[1, 3, 17, 45, 99, 120, 7, 8, 9, 300, 301, 2, 2, 5, 60, 61, 62],  # spans 5 SDAR blocks
+           [1, 3, 50, 60], [1, 4, 200, 201, 202, 203, 204, 205, 206, 207]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_process_engine():
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
+def _engine_rows(path, prompts):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(path), dtype="float32", max_logprobs=-1, max_model_len=256, enforce_eager=True,
+              gpu_memory_utilization=0.5, seed=0)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=1, prompt_logprobs=-1, logprobs=-1, temperature=0),
+                            use_tqdm=False)
+        V = llm.llm_engine.model_config.get_vocab_size()
+        rows = []
+        for p, o in zip(prompts, outs):
+            got = torch.full((len(p), V), float("nan"))
+            for i in range(1, len(p)):
+                for t, lp in o.prompt_logprobs[i].items():
+                    got[i - 1, t] = lp.logprob
+            for t, lp in o.outputs[0].logprobs[0].items():
+                got[len(p) - 1, t] = lp.logprob
+            rows.append(got)
+        return rows
+    finally:
+        del llm
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+def test_vllm_class_matches_reference(tiny_checkpoints, family):
+    path = tiny_checkpoints[family]
+    ref = ReferenceDLLM.from_pretrained(path)
+    rows = _engine_rows(path, PROMPTS)
+    for p, got in zip(PROMPTS, rows):
+        assert not torch.isnan(got).any()
+        with torch.no_grad():
+            want = torch.log_softmax(ref(torch.tensor([p])).float()[0], -1)
+        err = (got - want).abs().max().item()
+        assert err < 1e-4, f"{family}: max |logprob diff| {err}"
+
+
+def test_vllm_names_a_missing_tensor(tiny_checkpoints, tmp_path, capfd):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_checkpoints["llada"], bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    sd.pop("model.transformer.blocks.1.attn_out.weight")
+    save_file(sd, str(bad / "model.safetensors"))
+    with pytest.raises(Exception) as e:
+        _engine_rows(bad, PROMPTS[:1])
+    out = str(e.value) + capfd.readouterr().err
+    assert "missing tensor 'model.transformer.blocks.1.attn_out.weight'" in out
+
+
+def test_plugin_entry_point_registers_models():
+    from importlib.metadata import entry_points
+
+    import psd_plugin
+
+    eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "psd"]
+    assert eps and eps[0].value == "psd_plugin:register"
+    psd_plugin.register()
+    psd_plugin.register()  # idempotent
+    from vllm import ModelRegistry
+
+    assert {"LLaDAModelLM", "DreamModel", "SDARForCausalLM"} <= set(ModelRegistry.get_supported_archs())
