@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from .decoding.policies import POLICIES
+from .decoding import METHODS, BlockDecoder, make_decoder, merge_stats
 from .models.reference import ReferenceDLLM, attention_mask
 
 CACHE_MODES = ("none", "prefix", "block")
@@ -45,6 +45,7 @@ class GenerationResult:
     nfe: int
     seconds: float = 0.0
     finish_reason: str = "length"  # "stop" when an EOS ended the answer
+    stats: dict = field(default_factory=dict)  # method-specific counters (accepted drafts ...)
 
     @property
     def tpf(self) -> float:
@@ -63,7 +64,9 @@ class _Request:
     cached: int = 0  # number of positions whose K/V is in ``kv``
     fresh_block: bool = True  # first step of the current block
     done: bool = False
-    generator: torch.Generator | None = None
+    dec: BlockDecoder | None = None  # decodes the current block
+    make: Callable[[torch.Tensor], BlockDecoder] | None = None  # builds the decoder of a block
+    stats: dict = field(default_factory=dict)  # method counters summed over blocks
     t0: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0
 
@@ -86,13 +89,17 @@ class ReferenceEngine:
     # --------------------------------------------------------------------------------- generate
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 32, block_size: int = 8,
-                 method: str = "confidence", threshold: float = 0.9, cache: str | None = None,
-                 temperature: float = 0.0, seed: int = 0, batch_size: int = 64) -> list[GenerationResult]:
-        """Decode every prompt (token ids) and return one :class:`GenerationResult` per prompt, in order."""
+                 method: str = "confidence", cache: str | None = None, seed: int = 0, batch_size: int = 64,
+                 **knobs) -> list[GenerationResult]:
+        """Decode every prompt (token ids); one :class:`GenerationResult` per prompt, in order.
+
+        ``knobs`` go to :func:`model_executor.decoding.make_decoder` (``threshold``, ``policy``, ``depth``,
+        ``branches``, ``steps``, ``temperature`` ...).
+        """
         spec = self.spec
         cache = cache or self.default_cache()
-        if method not in POLICIES:
-            raise ValueError(f"method {method!r}; allowed: {', '.join(POLICIES)}")
+        if method not in METHODS:
+            raise ValueError(f"method {method!r}; allowed: {', '.join(METHODS)}")
         if cache not in CACHE_MODES:
             raise ValueError(f"cache {cache!r}; allowed: {', '.join(CACHE_MODES)}")
         if cache == "block" and spec.attention != "block_causal":
@@ -113,20 +120,25 @@ class ReferenceEngine:
             if len(p) + max_tokens > spec.max_position:
                 raise ValueError(f"prompt of {len(p)} tokens + max_tokens {max_tokens} exceeds the model's "
                                  f"context of {spec.max_position} tokens")
-        policy: Callable = POLICIES[method]
-        kw = {"threshold": threshold} if method == "confidence" else {}
+        make_decoder(method, torch.zeros(1, dtype=torch.long), spec.mask_token_id, **knobs)  # validate knobs early
         results: list[GenerationResult | None] = [None] * len(prompts)
         for s in range(0, len(prompts), batch_size):
-            reqs = [self._new_request(i, prompts[i], max_tokens, block_size, cache, temperature, seed)
-                    for i in range(s, min(len(prompts), s + batch_size))]
+            reqs = [self._new_request(i, prompts[i], max_tokens, block_size, cache) for i in
+                    range(s, min(len(prompts), s + batch_size))]
+            for r in reqs:
+                gen = None
+                if knobs.get("temperature", 0) > 0:
+                    gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + r.idx)
+                r.make = lambda blk, gen=gen: make_decoder(method, blk, spec.mask_token_id, generator=gen, **knobs)
+                self._start_block(r)
             while any(not r.done for r in reqs):
-                self._step([r for r in reqs if not r.done], policy, kw, cache, temperature)
+                self._step([r for r in reqs if not r.done], cache)
             for r in reqs:
                 results[r.idx] = self._result(r)
         return results  # type: ignore[return-value]
 
     # -------------------------------------------------------------------------------- internals
-    def _new_request(self, idx, prompt, max_tokens, block_size, cache, temperature, seed) -> _Request:
+    def _new_request(self, idx, prompt, max_tokens, block_size, cache) -> _Request:
         P, mask = len(prompt), self.spec.mask_token_id
         x = torch.tensor(prompt + [mask] * max_tokens, dtype=torch.long, device=self.device)
         end = P + max_tokens
@@ -135,10 +147,12 @@ class ReferenceEngine:
         else:
             starts = list(range(P, end, block_size))
         blocks = [(a, min(end, b)) for a, b in zip(starts, starts[1:] + [end])]
-        gen = None
-        if temperature > 0:
-            gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + idx)
-        return _Request(idx, list(prompt), x, blocks, generator=gen)
+        return _Request(idx, list(prompt), x, blocks)
+
+    def _start_block(self, r: _Request) -> None:
+        b0, b1 = r.blocks[r.block]
+        r.dec = r.make(r.x[b0:b1])
+        r.fresh_block = True
 
     def _window(self, r: _Request, cache: str) -> tuple[int, int]:
         """[start, end) of the positions this step forwards; K/V before ``start`` comes from the cache."""
@@ -152,57 +166,64 @@ class ReferenceEngine:
             return b0 - (1 if self.spec.shift_logits else 0), total
         return r.cached, b1  # block: uncached tokens of finished blocks + the current (aligned) block
 
-    def _step(self, reqs: list[_Request], policy, kw, cache: str, temperature: float) -> None:
-        windows = [self._window(r, cache) for r in reqs]
-        logits, new_kv = self._forward(reqs, windows, cache)
-        for r, (w0, w1), lg, kv in zip(reqs, windows, logits, new_kv):
-            r.nfe += 1
+    def _step(self, reqs: list[_Request], cache: str) -> None:
+        items = []  # (request, window, block canvas)
+        for r in reqs:
+            canv = r.dec.canvases()
+            if r.fresh_block and cache == "prefix" and len(canv) != 1:
+                raise RuntimeError("a decoder must forward only its state on the first step of a block")
+            w = self._window(r, cache)
+            items += [(r, w, c) for c in canv]
+        logits, new_kv = self._forward(items, cache)
+        off = 1 if self.spec.shift_logits else 0
+        by_req: dict[int, list] = {}
+        for (r, (w0, w1), _), lg, kv in zip(items, logits, new_kv):
             b0, b1 = r.blocks[r.block]
-            if cache == "prefix" and r.fresh_block:  # keep K/V of everything before the block
-                keep = b0 - (1 if self.spec.shift_logits else 0)
-                r.kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in kv]
-                r.cached = keep
-            elif cache == "block":  # K/V of the finished blocks (before the block's aligned start) is exact
-                a0 = b0 // self.spec.block_size * self.spec.block_size
-                if w0 < a0:
-                    new = [(k[:, :, : a0 - w0], v[:, :, : a0 - w0]) for k, v in kv]
-                    r.kv = new if r.kv is None else [(torch.cat([pk, k], 2), torch.cat([pv, v], 2))
-                                                     for (pk, pv), (k, v) in zip(r.kv, new)]
-                    r.cached = a0
+            if r.idx not in by_req:  # the K/V bookkeeping reads the first canvas (the state's context)
+                by_req[r.idx] = []
+                self._keep_kv(r, cache, w0, kv)
+            # row j of ``lg`` is position w0 + j (+1 if logits are shifted)
+            by_req[r.idx].append(lg[b0 - w0 - off: b1 - w0 - off])
+        for r in reqs:
+            r.nfe += 1
             r.fresh_block = False
-            # predictions for the block's positions: row j of ``lg`` is position w0 + j (+1 if shifted)
-            off = 1 if self.spec.shift_logits else 0
-            block_logits = lg[b0 - w0 - off: b1 - w0 - off].double()
-            self._commit(r, block_logits, b0, b1, policy, kw, temperature)
+            r.dec.update(by_req[r.idx])
+            if r.dec.done:
+                self._finish_block(r)
 
-    def _commit(self, r: _Request, block_logits, b0, b1, policy, kw, temperature) -> None:
-        if temperature > 0:  # LLaDA: Gumbel-max in float64 picks the token, confidence from the plain softmax
-            u = torch.rand(block_logits.shape, generator=r.generator, device=block_logits.device,
-                           dtype=torch.float64).clamp_min(1e-300)
-            x0 = (block_logits / temperature - torch.log(-torch.log(u))).argmax(-1)
+    def _keep_kv(self, r: _Request, cache: str, w0: int, kv) -> None:
+        b0, _ = r.blocks[r.block]
+        if cache == "prefix" and r.fresh_block:  # keep K/V of everything before the block
+            keep = b0 - (1 if self.spec.shift_logits else 0)
+            r.kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in kv]
+            r.cached = keep
+        elif cache == "block":  # K/V of the finished blocks (before the block's aligned start) is exact
+            a0 = b0 // self.spec.block_size * self.spec.block_size
+            if w0 < a0:
+                new = [(k[:, :, : a0 - w0], v[:, :, : a0 - w0]) for k, v in kv]
+                r.kv = new if r.kv is None else [(torch.cat([pk, k], 2), torch.cat([pv, v], 2))
+                                                 for (pk, pv), (k, v) in zip(r.kv, new)]
+                r.cached = a0
+
+    def _finish_block(self, r: _Request) -> None:
+        b0, b1 = r.blocks[r.block]
+        r.x[b0:b1] = r.dec.state
+        r.stats = merge_stats([r.stats, r.dec.stats()])  # method counters summed over blocks
+        gen = r.x[len(r.prompt): b1]
+        if (gen == self.spec.eos_token_id).any() or r.block + 1 == len(r.blocks):
+            r.done = True
+            r.seconds = time.perf_counter() - r.t0
         else:
-            x0 = block_logits.argmax(-1)
-        probs = torch.softmax(block_logits, -1)
-        conf = probs.gather(-1, x0[:, None])[:, 0]
-        masked = r.x[b0:b1] == self.spec.mask_token_id
-        conf = torch.where(masked, conf, torch.full_like(conf, float("-inf")))
-        commit = policy(conf, **kw) & masked
-        r.x[b0:b1] = torch.where(commit, x0, r.x[b0:b1])
-        if not (r.x[b0:b1] == self.spec.mask_token_id).any():  # block finished
-            gen = r.x[len(r.prompt): b1]
-            if (gen == self.spec.eos_token_id).any() or r.block + 1 == len(r.blocks):
-                r.done = True
-                r.seconds = time.perf_counter() - r.t0
-            else:
-                r.block += 1
-                r.fresh_block = True
+            r.block += 1
+            self._start_block(r)
 
-    def _forward(self, reqs: list[_Request], windows, cache: str):
-        """One batched model call over each request's window; returns per-request logits and new K/V."""
-        B = len(reqs)
-        L = max(w1 - w0 for w0, w1 in windows)
-        uses_cache = [r.kv is not None and w0 > 0 for r, (w0, _) in zip(reqs, windows)]
-        P = max((r.cached if u else 0) for r, u in zip(reqs, uses_cache))
+    def _forward(self, items, cache: str):
+        """One batched model call over ``(request, window, block canvas)`` items (several canvases of a
+        request share its cached prefix); returns per-item logits and new K/V."""
+        B = len(items)
+        L = max(w1 - w0 for _, (w0, w1), _ in items)
+        uses_cache = [r.kv is not None and w0 > 0 for r, (w0, _), _ in items]
+        P = max((r.cached if u else 0) for (r, _, _), u in zip(items, uses_cache))
         dev = self.device
         ids = torch.full((B, L), self.spec.eos_token_id, dtype=torch.long, device=dev)
         pos = torch.zeros((B, L), dtype=torch.long, device=dev)
@@ -211,15 +232,17 @@ class ReferenceEngine:
         p_pos = torch.zeros((B, P), dtype=torch.long, device=dev)
         past = None
         if P > 0:
-            ref = next(r.kv for r in reqs if r.kv is not None)
-            past = [(ref[i][0].new_zeros(B, ref[i][0].shape[1], P, ref[i][0].shape[3]),
-                     ref[i][1].new_zeros(B, ref[i][1].shape[1], P, ref[i][1].shape[3])) for i in range(len(ref))]
-        for b, (r, (w0, w1)) in enumerate(zip(reqs, windows)):
+            ref = next(r.kv for (r, _, _), u in zip(items, uses_cache) if u)
+            past = [(k.new_zeros(B, k.shape[1], P, k.shape[3]), v.new_zeros(B, v.shape[1], P, v.shape[3]))
+                    for k, v in ref]
+        for b, ((r, (w0, w1), canvas), u) in enumerate(zip(items, uses_cache)):
             n = w1 - w0
+            b0, b1 = r.blocks[r.block]
             ids[b, :n] = r.x[w0:w1]
+            ids[b, b0 - w0: b1 - w0] = canvas
             pos[b, :n] = torch.arange(w0, w1, device=dev)
             q_valid[b, :n] = True
-            if uses_cache[b]:
+            if u:
                 c = r.cached
                 for i, (k, v) in enumerate(r.kv):
                     past[i][0][b, :, :c] = k[0, :, :c]
@@ -230,9 +253,9 @@ class ReferenceEngine:
         k_valid = torch.cat([p_valid, q_valid], 1)
         mask = attention_mask(self.spec, pos, k_pos, k_valid)
         logits, kv = self.model(ids, positions=pos, past=past, mask=mask, return_kv=True)
-        out_logits = [logits[b, : w1 - w0] for b, (w0, w1) in enumerate(windows)]
+        out_logits = [logits[b, : w1 - w0] for b, (_, (w0, w1), _) in enumerate(items)]
         out_kv = [[(k[b: b + 1, :, : w1 - w0], v[b: b + 1, :, : w1 - w0]) for k, v in kv]
-                  for b, (w0, w1) in enumerate(windows)]
+                  for b, (_, (w0, w1), _) in enumerate(items)]
         return out_logits, out_kv
 
     def _result(self, r: _Request) -> GenerationResult:
@@ -244,4 +267,4 @@ class ReferenceEngine:
             reason = "stop"
         else:
             gen = [t for t in gen if t != self.spec.mask_token_id]
-        return GenerationResult(r.prompt, gen, r.nfe, r.seconds, reason)
+        return GenerationResult(r.prompt, gen, r.nfe, r.seconds, reason, r.stats)

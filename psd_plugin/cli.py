@@ -13,7 +13,8 @@ from pathlib import Path
 
 from . import DEFAULT_DLLM
 
-METHODS = ("static", "confidence")
+from model_executor.decoding import METHODS
+
 AR_METHODS = ("ar",)
 
 
@@ -24,7 +25,7 @@ class UsageError(Exception):
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help=f"checkpoint directory (default: {DEFAULT_DLLM.name})")
     p.add_argument("--engine", choices=["reference", "vllm"], default="reference")
-    p.add_argument("--method", default=None, help="static | confidence (dLLMs; default confidence), ar (AR models)")
+    p.add_argument("--method", default=None, help=f"{' | '.join(METHODS)} (dLLMs; default confidence), ar (AR models)")
     p.add_argument("--config", default=None, help='method knobs as JSON, e.g. \'{"threshold": 0.9, "cache": "prefix"}\'')
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--block-size", type=int, default=None, help="decoding block (default 8; SDAR: its attention block)")
@@ -86,7 +87,7 @@ def _setup(args):
         raise UsageError(f"--max-tokens must be > 0 (got {args.max_tokens})")
     dllm = is_dllm(model)
     allowed = METHODS if dllm else AR_METHODS
-    method = args.method or allowed[-1]
+    method = args.method or ("confidence" if dllm else "ar")
     if method not in allowed:
         kind = "a dLLM" if dllm else "an autoregressive model"
         raise UsageError(f"--method {method!r} for {kind}; allowed: {', '.join(allowed)}")
@@ -97,7 +98,7 @@ def _setup(args):
     if dllm:
         spec = engine.spec
         block = args.block_size or (spec.block_size if spec.attention == "block_causal" else 8)
-        kw.update(method=method, threshold=cfg.threshold, cache=cfg.cache, block_size=block)
+        kw.update(cfg.knobs(), method=method, block_size=block)
     return engine, tok, kw, method
 
 
@@ -115,7 +116,7 @@ def cmd_generate(args) -> int:
         if args.json:
             print(json.dumps({"prompt": text, "prompt_token_ids": res.prompt_token_ids, "text": answer,
                               "token_ids": res.token_ids, "nfe": res.nfe, "tpf": round(res.tpf, 4),
-                              "finish_reason": res.finish_reason,
+                              "finish_reason": res.finish_reason, **({"stats": res.stats} if res.stats else {}),
                               "seconds": round(res.seconds or dt / len(results), 4)}))
         else:
             print(f"> {text}\n{answer}\n[{len(res.token_ids)} tokens, {res.nfe} forwards, TPF {res.tpf:.2f}]")

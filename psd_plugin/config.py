@@ -10,20 +10,36 @@ Threshold = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 
 
 class DecodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Knobs of the reference engine's methods (``psd generate/eval --config JSON``).
+    """Knobs of the decoding methods (``psd generate/eval --config JSON``); each method reads its own.
 
-    - ``threshold``: confidence threshold tau of the ``confidence`` method, in (0, 1].
+    - ``threshold``: τ of ``confidence`` and the anchor threshold of ``localleap``, in (0, 1].
+    - ``relaxed_threshold``, ``radius``: LocalLeap's neighbour threshold and window (block positions).
+    - ``policy``: spatial backbone of ``psd`` and ``lopa``: static | confidence | localleap.
+    - ``depth``: PSD draft-DAG depth d (nested prefixes of σ); 0 = the spatial policy alone.
+    - ``branches``: LoPA lookahead branches k; 0 = the spatial policy alone.
+    - ``steps``: FreeDave draft steps d (1 = static decoding).
     - ``cache``: ``none`` | ``prefix`` (LLaDA, Dream; default) | ``block`` (SDAR, exact; default for SDAR).
-    - ``temperature``: 0 is greedy; > 0 samples with Gumbel noise in float64 (LLaDA ``generate.py``).
+    - ``temperature``: 0 is greedy; > 0 samples with Gumbel noise in float64 (LLaDA ``generate.py``;
+      static, confidence and localleap only).
     - ``seed``: seed of the sampling noise.
     - ``batch_size``: requests decoded together in one model call.
     """
 
     threshold: Threshold = 0.9
+    relaxed_threshold: Threshold = 0.75
+    radius: Annotated[int, msgspec.Meta(ge=0, le=64)] = 4
+    policy: Literal["static", "confidence", "localleap"] = "confidence"
+    depth: Annotated[int, msgspec.Meta(ge=0, le=32)] = 3
+    branches: Annotated[int, msgspec.Meta(ge=0, le=32)] = 3
+    steps: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     cache: Literal["none", "prefix", "block"] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     seed: int = 0
     batch_size: Annotated[int, msgspec.Meta(ge=1)] = 64
+
+    def knobs(self) -> dict:
+        """Keyword arguments for the engines' ``generate``."""
+        return msgspec.structs.asdict(self)
 
 
 class ConfigError(ValueError):

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from model_executor.decoding import merge_stats
+
 from .tasks import grade
 from .tokenizer import render_prompt
 
@@ -72,6 +74,7 @@ def evaluate(engine, tok, rows: list[dict], **gen_kwargs) -> dict:
         tokens += len(res.token_ids)
         nfe += res.nfe
     acc = {t: sum(v) / len(v) for t, v in per_task.items()}
+    stats = merge_stats(r.stats for r in results)
     return {
         "accuracy": {t: round(a, 4) for t, a in acc.items()},
         "mean_accuracy": round(sum(acc.values()) / max(1, len(acc)), 4),
@@ -80,4 +83,6 @@ def evaluate(engine, tok, rows: list[dict], **gen_kwargs) -> dict:
         "tokens_per_sample": round(tokens / max(1, len(rows)), 3),
         "samples": len(rows),
         "seconds": round(seconds, 2),
+        **({"stats": stats} if stats else {}),
     }
+

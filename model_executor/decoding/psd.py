@@ -1,0 +1,130 @@
+"""PSD: parallel speculative decoding (spatial policy + multi-depth draft DAG + hierarchical acceptance).
+
+PSD paper §3.2, Alg. 1 (App. C). One loop iteration, from the current state and its prediction
+``(x̂, c)``:
+
+- Stage 1 (L6-8): the spatial policy π commits T(t) = π(c): ``x(t+1)``.
+- Stage 2 (L13-15): σ = the still-masked positions sorted by the step-t confidences; each DAG node k
+  owns a set S_k of σ-ranks and its draft is assembled by index (Eq. 2, no model call):
+  ``x̃_k[i] = x̂[i] if i ∈ S_k else x(t+1)[i]``; the root (S = ∅) is ``x(t+1)`` itself.
+- Stage 3 (L18): one batched forward verifies every draft (each draft canvas sees the shared prefix
+  and itself only).
+- Hierarchical acceptance (L19-22): the root is accepted; in topological order a node k is accepted when
+  some accepted parent p satisfies π's own acceptance criterion on every newly speculated position
+  i ∈ S_k \\ S_p: π applied to p's verification output commits i, and with the drafted token.
+- L25-26: advance to the deepest accepted draft k* (most revealed positions) and commit the verifier's
+  predictions at k* that pass π.
+
+Choices the paper leaves open (see docs/paper-notes-psd-lopa.md, O1-O6), made here:
+- A_π (O2): "position i would be committed by π from the parent's output, with the drafted token". For
+  ``confidence`` that is "argmax equals the draft and confidence ≥ τ (or i is the parent's top-1)";
+  for ``static`` "i is the parent's top-1 and the token agrees"; for ``localleap`` its anchor/window rule.
+- L26 and the next iteration's L6 (O3): L26 commits π on k*'s verification output, which is exactly
+  Stage 1 of the next iteration on the same state, so the verification output of k* *is* the next L6
+  forward (same canvas, same context): one model call per iteration, identical tokens to the literal
+  two-call reading. With an empty DAG (depth 0) PSD is therefore its spatial policy, forward for forward.
+- Default DAG (O1): nested prefixes of σ, S_j = {σ_1..σ_j}, j = 1..depth (a chain). A calibrated
+  graph (multi-parent DAG, :class:`DraftDAG`) can be given instead. Nodes asking for more ranks than
+  there are masked positions are dropped; a draft that fills the whole block needs no forward.
+- Ties in σ follow ``torch.sort(stable=True)`` (lower position first); ties in L25 prefer the earlier node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import BlockDecoder, Prediction, commit, predict
+from .policies import Policy
+
+
+@dataclass(frozen=True)
+class DraftDAG:
+    """Nodes as sets of σ-ranks (0-based), with parent indices; node 0 is the root (empty set)."""
+
+    sets: tuple[frozenset[int], ...]
+    parents: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def nested(cls, depth: int) -> "DraftDAG":
+        sets = tuple(frozenset(range(j)) for j in range(depth + 1))
+        return cls(sets, ((),) + tuple((j - 1,) for j in range(1, depth + 1)))
+
+    def __post_init__(self):
+        if not self.sets or self.sets[0]:
+            raise ValueError("draft DAG: node 0 must be the root with an empty set")
+        for k, ps in enumerate(self.parents):
+            for p in ps:
+                if not (p < k and self.sets[p] < self.sets[k]):
+                    raise ValueError(f"draft DAG: edge {p}->{k} must go from an earlier node to a strict superset")
+            if k > 0 and not ps:
+                raise ValueError(f"draft DAG: node {k} has no parent")
+
+
+class PSDDecoder(BlockDecoder):
+    def __init__(self, block, mask_id, policy: Policy, dag: DraftDAG):
+        super().__init__(block, mask_id)
+        self.policy, self.dag = policy, dag
+        self.pred: Prediction | None = None  # prediction the current drafts are assembled from
+        self.nodes: list[int] = []  # DAG node of each draft this step
+        self.drafts: list[torch.Tensor] = []
+        self.sigma: torch.Tensor | None = None
+        self.accepted_depth = self.iterations = 0
+        self.node_tried = [0] * len(dag.sets)
+        self.node_accepted = [0] * len(dag.sets)
+
+    def _stage1(self, pred: Prediction) -> None:
+        """L6-8 (and L26): commit π on a prediction of the current state, remember it for drafting."""
+        self.pred = pred
+        self.state = commit(self.state, pred, self.policy(pred.conf) & self.masked)
+
+    def canvases(self):
+        if self.pred is None:
+            return [self.state]
+        masked = self.masked
+        # L13: σ = still-masked positions by step-t confidence (descending)
+        conf = torch.where(masked, self.pred.conf, torch.full_like(self.pred.conf, float("-inf")))
+        order = torch.sort(conf, descending=True, stable=True).indices
+        self.sigma = order[: int(masked.sum())]
+        self.nodes, self.drafts = [], []
+        for k, s in enumerate(self.dag.sets):  # L14-15: index assembly, Eq. 2
+            if s and max(s) >= self.sigma.numel():
+                continue
+            pos = torch.zeros_like(masked)
+            pos[self.sigma[list(s)]] = True
+            self.nodes.append(k)
+            self.drafts.append(commit(self.state, self.pred, pos))
+        # drafts that fill the block need no forward of their own
+        return [d for d in self.drafts if (d == self.mask_id).any()]
+
+    def update(self, logits):
+        if self.pred is None:
+            self._stage1(predict(logits[0], self.state, self.mask_id))
+            return
+        it = iter(logits)
+        preds = [predict(next(it), d, self.mask_id) if (d == self.mask_id).any() else None for d in self.drafts]
+        index = {k: n for n, k in enumerate(self.nodes)}
+        accepted = {0}
+        for n, k in enumerate(self.nodes[1:], 1):  # L20-22, topological order (parents come first)
+            self.node_tried[k] += 1
+            for p in self.dag.parents[k]:
+                if p not in accepted or preds[index[p]] is None:
+                    continue
+                new = self.sigma[sorted(self.dag.sets[k] - self.dag.sets[p])]
+                pp = preds[index[p]]
+                if bool((self.policy(pp.conf)[new] & (pp.tokens[new] == self.drafts[n][new])).all()):
+                    accepted.add(k)
+                    self.node_accepted[k] += 1
+                    break
+        best = max(accepted, key=lambda k: (len(self.dag.sets[k]), -k))  # L25
+        n = index[best]
+        self.accepted_depth += len(self.dag.sets[best])
+        self.iterations += 1
+        self.state = self.drafts[n]
+        if preds[n] is not None:
+            self._stage1(preds[n])  # L26 (= the next iteration's Stage 1 on the same state)
+
+    def stats(self):
+        return {"accepted_positions": self.accepted_depth, "verify_iterations": self.iterations,
+                "node_tried": self.node_tried, "node_accepted": self.node_accepted}

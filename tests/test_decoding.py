@@ -1,0 +1,109 @@
+"""Decoding methods on the embedded model: exactness where the papers promise it (float64), and unit rules."""
+
+import pytest
+import torch
+
+from model_executor.decoding import DraftDAG, make_decoder
+from model_executor.decoding.policies import localleap_policy
+from model_executor.engine import ReferenceEngine
+from psd_plugin import DEFAULT_DLLM
+from psd_plugin.evaluate import encode
+from psd_plugin.tasks import TASKS, load_heldout
+
+
+@pytest.fixture(scope="module")
+def engine64():
+    return ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer_dir):
+    """Two held-out prompts per task: a batch of mixed lengths."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return [encode(tok, r["prompt"]) for t in TASKS for r in load_heldout(t)[:2]]
+
+
+@pytest.fixture(scope="module")
+def static_out(engine64, prompts):
+    return engine64.generate(prompts, method="static")
+
+
+@pytest.mark.parametrize("steps", [3, 8])
+def test_freedave_is_lossless_wrt_static(engine64, prompts, static_out, steps):
+    out = engine64.generate(prompts, method="freedave", steps=steps)
+    assert [r.token_ids for r in out] == [r.token_ids for r in static_out]
+    assert sum(r.nfe for r in out) < sum(r.nfe for r in static_out)
+    single = engine64.generate(prompts[:3], method="freedave", steps=steps, batch_size=1)
+    assert [r.token_ids for r in single] == [r.token_ids for r in static_out[:3]]
+
+
+def test_freedave_one_step_is_static(engine64, prompts, static_out):
+    out = engine64.generate(prompts, method="freedave", steps=1)
+    assert [(r.token_ids, r.nfe) for r in out] == [(r.token_ids, r.nfe) for r in static_out]
+
+
+@pytest.mark.parametrize("policy", ["static", "confidence", "localleap"])
+def test_zero_depth_psd_and_zero_branch_lopa_are_their_policy(engine64, prompts, policy):
+    base = engine64.generate(prompts, method=policy)
+    psd = engine64.generate(prompts, method="psd", policy=policy, depth=0)
+    lopa = engine64.generate(prompts, method="lopa", policy=policy, branches=0)
+    want = [(r.token_ids, r.nfe) for r in base]
+    assert [(r.token_ids, r.nfe) for r in psd] == want
+    assert [(r.token_ids, r.nfe) for r in lopa] == want
+
+
+def test_psd_drafts_save_forwards(engine64, prompts):
+    conf = engine64.generate(prompts, method="confidence")
+    psd = engine64.generate(prompts, method="psd", policy="confidence", depth=3)
+    assert sum(r.nfe for r in psd) < sum(r.nfe for r in conf)
+    st = psd[0].stats
+    assert len(st["node_tried"]) == 4 and all(a <= t for a, t in zip(st["node_accepted"], st["node_tried"]))
+
+
+def test_localleap_rule():
+    inf = float("-inf")
+    conf = torch.tensor([0.8, 0.95, 0.7, 0.8, inf, 0.5, 0.6, 0.8, 0.76], dtype=torch.float64)
+    got = localleap_policy(conf, threshold=0.9, relaxed_threshold=0.75, radius=2).tolist()
+    #            0     1(anchor) 2(<.75) 3(near)  4(done) 5     6     7(far) 8(far)
+    assert got == [True, True, False, True, False, False, False, False, False]
+    assert localleap_policy(torch.tensor([0.1, 0.3]), 0.9, 0.75, 4).tolist() == [False, True]
+
+
+def _logits_for(tokens, conf, V=8):
+    """Logits whose argmax is ``tokens`` with softmax probability ``conf`` (conf > 1/V)."""
+    L = len(tokens)
+    out = torch.zeros(L, V, dtype=torch.float64)
+    for i, (t, c) in enumerate(zip(tokens, conf)):
+        other = (1 - c) / (V - 1)
+        out[i] = torch.log(torch.full((V,), other, dtype=torch.float64))
+        out[i, t] = torch.log(torch.tensor(c, dtype=torch.float64))
+    return out
+
+
+def test_psd_hierarchical_acceptance_by_hand():
+    """Block of 4 masks (id 7); confidence τ=0.9; nested DAG of depth 2."""
+    M = 7
+    dec = make_decoder("psd", torch.full((4,), M), M, policy="confidence", depth=2, threshold=0.9)
+    assert len(dec.canvases()) == 1
+    dec.update([_logits_for([1, 2, 3, 4], [0.95, 0.5, 0.6, 0.4])])  # stage 1 commits pos 0
+    assert dec.state.tolist() == [1, M, M, M]
+    drafts = dec.canvases()  # σ = (2, 1, 3): root, {2}, {2, 1}
+    assert [d.tolist() for d in drafts] == [[1, M, M, M], [1, M, 3, M], [1, 2, 3, M]]
+    # root's verifier agrees with token 3 at pos 2 with confidence 0.97 -> node 1 accepted;
+    # node 1's verifier predicts 5 (not 2) at pos 1 -> node 2 rejected; k* = node 1, then L26 on its output
+    dec.update([_logits_for([1, 0, 3, 4], [0.5, 0.6, 0.97, 0.3]),
+                _logits_for([1, 5, 3, 4], [0.5, 0.95, 0.5, 0.3]),
+                _logits_for([1, 2, 3, 4], [0.5, 0.99, 0.5, 0.99])])
+    assert dec.state.tolist() == [1, 5, 3, M]  # node 1 + its own confident prediction at pos 1
+    assert dec.stats()["node_accepted"] == [0, 1, 0]
+
+
+def test_draft_dag_validation():
+    with pytest.raises(ValueError, match="root"):
+        DraftDAG((frozenset({0}),), ((),))
+    with pytest.raises(ValueError, match="strict superset"):
+        DraftDAG((frozenset(), frozenset({0}), frozenset({1})), ((), (0,), (1,)))
+    with pytest.raises(ValueError, match="method 'nope'; allowed: static, confidence, localleap, lopa"):
+        make_decoder("nope", torch.zeros(2, dtype=torch.long), 0)
