@@ -90,11 +90,13 @@ class ReferenceEngine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 32, block_size: int = 8,
                  method: str = "confidence", cache: str | None = None, seed: int = 0, batch_size: int = 64,
+                 decoder_factory: Callable[[torch.Tensor], BlockDecoder] | None = None,
                  **knobs) -> list[GenerationResult]:
         """Decode every prompt (token ids); one :class:`GenerationResult` per prompt, in order.
 
         ``knobs`` go to :func:`model_executor.decoding.make_decoder` (``threshold``, ``policy``, ``depth``,
-        ``branches``, ``steps``, ``temperature`` ...).
+        ``branches``, ``steps``, ``temperature`` ...). ``decoder_factory(block)`` replaces the method's
+        decoder (calibration uses it to record trajectories).
         """
         spec = self.spec
         cache = cache or self.default_cache()
@@ -129,7 +131,8 @@ class ReferenceEngine:
                 gen = None
                 if knobs.get("temperature", 0) > 0:
                     gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + r.idx)
-                r.make = lambda blk, gen=gen: make_decoder(method, blk, spec.mask_token_id, generator=gen, **knobs)
+                r.make = decoder_factory or (
+                    lambda blk, gen=gen: make_decoder(method, blk, spec.mask_token_id, generator=gen, **knobs))
                 self._start_block(r)
             while any(not r.done for r in reqs):
                 self._step([r for r in reqs if not r.done], cache)

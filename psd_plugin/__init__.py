@@ -20,6 +20,12 @@ MODEL_CLASSES = {
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
 DEFAULT_DLLM = CHECKPOINTS / "llada-tiny"
 DEFAULT_AR = CHECKPOINTS / "ar-tiny"
+GRAPHS = Path(__file__).parent / "graphs"
+
+
+def default_graph(model_dir: str | Path, policy: str) -> Path:
+    """The shipped Spiffy graph of an embedded model for a base policy (may not exist for other models)."""
+    return GRAPHS / f"{Path(model_dir).resolve().name}.{policy}.json"
 
 _registered = False
 

@@ -46,6 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     _common(e)
     e.add_argument("--task", default="all", help="a task name or 'all'")
     e.add_argument("--limit", type=int, default=None, help="first N items per task")
+    c = sub.add_parser("calibrate", help="calibrate a Spiffy draft graph (Spiffy Alg. 2)")
+    c.add_argument("--model", type=Path, default=None)
+    c.add_argument("--prompts", type=Path, default=None, help="JSONL calibration prompts (default: 60 from the "
+                   "training distribution, never the held-out split)")
+    c.add_argument("--policy", choices=["static", "confidence"], default="static", help="base policy")
+    c.add_argument("--threshold", type=float, default=0.9)
+    c.add_argument("--lookahead", type=int, default=4)
+    c.add_argument("--budget", type=int, default=10, help="graph size D")
+    c.add_argument("--block-size", type=int, default=8)
+    c.add_argument("--max-tokens", type=int, default=32)
+    c.add_argument("--dtype", choices=["float32", "float64"], default="float64")
+    c.add_argument("--out", type=Path, required=True)
     sub.add_parser("train", help="train an embedded model (see python -m psd_plugin.train --help)", add_help=False)
     return ap
 
@@ -99,7 +111,29 @@ def _setup(args):
         spec = engine.spec
         block = args.block_size or (spec.block_size if spec.attention == "block_causal" else 8)
         kw.update(cfg.knobs(), method=method, block_size=block)
+        kw["graph"] = _spiffy_graph(cfg, model, block) if method == "spiffy" else None
     return engine, tok, kw, method
+
+
+def _spiffy_graph(cfg, model, block: int):
+    """Load the Spiffy graph (given, or shipped for the model) and check it fits this run."""
+    from model_executor.decoding import load_graph
+
+    from . import default_graph
+
+    path = Path(cfg.graph) if cfg.graph else default_graph(model, cfg.policy)
+    if not cfg.graph and not path.exists():
+        raise UsageError(f"method 'spiffy': no draft graph shipped for {Path(model).name} with policy "
+                         f"{cfg.policy!r}; make one with `psd calibrate` and pass --config '{{\"graph\": PATH}}'")
+    g = load_graph(path)
+    if g.base_policy != cfg.policy:
+        raise UsageError(f"draft graph {path}: calibrated for base_policy {g.base_policy!r}, but policy is "
+                         f"{cfg.policy!r}")
+    if g.block_size != block:
+        raise UsageError(f"draft graph {path}: calibrated with block_size {g.block_size}, this run uses {block}")
+    if g.model != Path(model).resolve().name:
+        raise UsageError(f"draft graph {path}: calibrated on model {g.model!r}, not {Path(model).resolve().name!r}")
+    return g
 
 
 def cmd_generate(args) -> int:
@@ -152,6 +186,33 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_calibrate(args) -> int:
+    from model_executor.decoding.spiffy import save_graph
+
+    from .calibrate import calibrate_graph, default_calibration_prompts, model_name
+    from .evaluate import encode, is_dllm, load
+
+    model = args.model or DEFAULT_DLLM
+    if not (Path(model) / "config.json").exists():
+        raise UsageError(f"--model {model}: not a model directory (no config.json)")
+    if not is_dllm(model):
+        raise UsageError(f"--model {model}: Spiffy calibrates dLLM checkpoints (LLaDA, Dream, SDAR)")
+    for name in ("lookahead", "budget", "block_size", "max_tokens"):
+        if getattr(args, name) <= 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")
+    texts = _read_prompts(args) if args.prompts else default_calibration_prompts(60)
+    engine, tok = load(model, args.dtype)
+    prompts = [encode(tok, t) for t in texts]
+    g = calibrate_graph(engine, prompts, model_name=model_name(model), policy=args.policy, threshold=args.threshold,
+                        lookahead=args.lookahead, budget=args.budget, block_size=args.block_size,
+                        max_tokens=args.max_tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_graph(g, args.out)
+    print(f"wrote {args.out}: {len(g.nodes)} nodes, levels "
+          f"{sorted({n.level for n in g.nodes})}, calibrated on {len(prompts)} prompts")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train"]:
@@ -164,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     from model_executor.models.weights import CheckpointError
 
     try:
-        return {"generate": cmd_generate, "eval": cmd_eval}[args.verb](args)
+        return {"generate": cmd_generate, "eval": cmd_eval, "calibrate": cmd_calibrate}[args.verb](args)
     except (UsageError, ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"psd {args.verb}: error: {e}", file=sys.stderr)
         return 2

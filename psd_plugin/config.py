@@ -18,6 +18,9 @@ class DecodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     - ``depth``: PSD draft-DAG depth d (nested prefixes of σ); 0 = the spatial policy alone.
     - ``branches``: LoPA lookahead branches k; 0 = the spatial policy alone.
     - ``steps``: FreeDave draft steps d (1 = static decoding).
+    - ``graph``: Spiffy draft-graph file (``psd calibrate``); default: the graph shipped for the embedded
+      model and the chosen base ``policy`` (static or confidence).
+    - ``budget``: Spiffy's pruned draft count D* per forward.
     - ``cache``: ``none`` | ``prefix`` (LLaDA, Dream; default) | ``block`` (SDAR, exact; default for SDAR).
     - ``temperature``: 0 is greedy; > 0 samples with Gumbel noise in float64 (LLaDA ``generate.py``;
       static, confidence and localleap only).
@@ -32,6 +35,8 @@ class DecodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     depth: Annotated[int, msgspec.Meta(ge=0, le=32)] = 3
     branches: Annotated[int, msgspec.Meta(ge=0, le=32)] = 3
     steps: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    graph: str | None = None
+    budget: Annotated[int, msgspec.Meta(ge=1, le=64)] = 3
     cache: Literal["none", "prefix", "block"] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     seed: int = 0

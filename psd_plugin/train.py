@@ -161,12 +161,15 @@ def main(argv=None):
         return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog)))
 
     state_file = args.out / "train_state.pt"
-    step, log, wall = 0, [], 0.0
+    step, log, wall, resumes = 0, [], 0.0, []
     if state_file.exists():
         st = torch.load(state_file, map_location=device, weights_only=False)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
-        step, log, wall = st["step"], st["log"], st["wall"]
+        step, log, wall, resumes = st["step"], st["log"], st["wall"], st.get("resumes", [])
+        if not resumes or resumes[-1]["steps"] != args.steps:
+            # a longer run restarts the cosine schedule over the new total (a warm restart)
+            resumes.append({"at_step": step, "steps": args.steps})
         print(f"resumed at step {step}")
 
     from tqdm import tqdm
@@ -203,13 +206,14 @@ def main(argv=None):
             log.append({"step": step, "loss": round(ema, 4), "wall_s": round(time.time() - t0, 1), "tokens": tokens})
         if step % args.save_every == 0 or step == args.steps:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
-                        "wall": time.time() - t0}, state_file)
+                        "wall": time.time() - t0, "resumes": resumes}, state_file)
             save_model(args.kind, model, cfg, tok, args.out)
     bar.close()
     info = {"kind": args.kind, "size": args.size, "parameters": n_params, "steps": step, "batch": args.batch,
             "lr": args.lr, "gen_len": args.gen_len, "seed": args.seed, "device": device,
             "wall_time_s": round(time.time() - t0, 1), "tokens_seen": tokens,
-            "final_loss": log[-1]["loss"] if log else None, "tasks": list(TASKS), "loss_log": log}
+            "final_loss": log[-1]["loss"] if log else None, "schedule_restarts": resumes, "tasks": list(TASKS),
+            "loss_log": log}
     (args.out / "training.json").write_text(json.dumps(info, indent=1))
     print(json.dumps({k: v for k, v in info.items() if k != "loss_log"}))
 

@@ -59,3 +59,22 @@ def test_bad_input_is_one_line_error(args, needle):
     assert "Traceback" not in r.stderr
     lines = [line for line in r.stderr.splitlines() if line.startswith("psd ")]
     assert len(lines) == 1 and needle in lines[0], r.stderr
+
+
+def test_spiffy_graph_checks(tmp_path):
+    r = psd("generate", "--method", "spiffy", "--config", '{"policy": "static", "graph": "/nope.json"}')
+    assert r.returncode == 2 and "draft graph /nope.json: no such file" in r.stderr
+    r = psd("generate", "--method", "spiffy", "--block-size", "16", "--config", '{"policy": "static"}')
+    assert r.returncode == 2 and "calibrated with block_size 8, this run uses 16" in r.stderr
+
+
+def test_calibrate_command(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"prompt": f"Sort the list: {i} 3 1"}) + "\n" for i in range(6)))
+    out = tmp_path / "g.json"
+    r = psd("calibrate", "--prompts", str(f), "--lookahead", "2", "--budget", "4", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    g = json.loads(out.read_text())
+    assert g["format_version"] == 1 and g["model"] == "llada-tiny" and len(g["nodes"]) <= 4
+    r = psd("generate", "--method", "spiffy", "--json", "--config", json.dumps({"policy": "static", "graph": str(out)}))
+    assert r.returncode == 0, r.stderr

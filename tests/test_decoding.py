@@ -107,3 +107,62 @@ def test_draft_dag_validation():
         DraftDAG((frozenset(), frozenset({0}), frozenset({1})), ((), (0,), (1,)))
     with pytest.raises(ValueError, match="method 'nope'; allowed: static, confidence, localleap, lopa"):
         make_decoder("nope", torch.zeros(2, dtype=torch.long), 0)
+
+
+@pytest.fixture(scope="module")
+def shipped_graph():
+    from model_executor.decoding import load_graph
+    from psd_plugin import default_graph
+
+    return load_graph(default_graph(DEFAULT_DLLM, "static"))
+
+
+@pytest.mark.parametrize("policy", ["static", "confidence"])
+def test_spiffy_is_lossless_wrt_its_base_policy(engine64, prompts, policy):
+    from model_executor.decoding import load_graph
+    from psd_plugin import default_graph
+
+    graph = load_graph(default_graph(DEFAULT_DLLM, policy))
+    base = engine64.generate(prompts, method=policy)
+    out = engine64.generate(prompts, method="spiffy", policy=policy, graph=graph, budget=3)
+    assert [r.token_ids for r in out] == [r.token_ids for r in base]
+    assert sum(r.nfe for r in out) < sum(r.nfe for r in base)
+    st = out[0].stats
+    assert len(st["node_tried"]) == len(graph.nodes)
+
+
+def test_calibration_graph_shape(engine64, tokenizer_dir, shipped_graph):
+    from transformers import AutoTokenizer
+
+    from psd_plugin.calibrate import calibrate_graph, default_calibration_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    calib = [encode(tok, p) for p in default_calibration_prompts(12)]
+    held = {r["prompt"] for r in load_heldout()}
+    assert not set(default_calibration_prompts(12)) & held
+    g = calibrate_graph(engine64, calib, model_name="llada-tiny", policy="static", lookahead=3, budget=6,
+                        progress=False)
+    assert len(g.nodes) == 6 and g.block_size == 8 and g.base_policy == "static"
+    for k, n in enumerate(g.nodes):  # Eq. 24: levels 1-2 are roots, deeper nodes hang on a chosen parent
+        assert n.level <= 2 or n.parents
+        for p in n.parents:
+            assert set(g.nodes[p].formula) < set(n.formula)
+    assert shipped_graph.model == "llada-tiny" and len(shipped_graph.nodes) == 10
+
+
+def test_graph_file_errors(tmp_path, shipped_graph):
+    from model_executor.decoding import load_graph
+    from model_executor.decoding.spiffy import save_graph
+
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        load_graph(tmp_path / "none.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid graph file"):
+        load_graph(bad)
+    import msgspec
+
+    g = msgspec.structs.replace(shipped_graph, format_version=99)
+    save_graph(g, bad)
+    with pytest.raises(ValueError, match="format_version 99"):
+        load_graph(bad)

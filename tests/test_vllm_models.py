@@ -95,3 +95,23 @@ def test_plugin_entry_point_registers_models():
     from vllm import ModelRegistry
 
     assert {"LLaDAModelLM", "DreamModel", "SDARForCausalLM"} <= set(ModelRegistry.get_supported_archs())
+
+
+def test_embedded_ar_model_in_vllm_matches_transformers_greedy(tokenizer_dir):
+    """The embedded AR baseline (Llama format) runs in vLLM as is, with the reference's greedy outputs."""
+    from vllm import LLM, SamplingParams
+
+    from model_executor.ar_engine import AREngine
+    from psd_plugin import DEFAULT_AR
+    from psd_plugin.evaluate import encode
+    from psd_plugin.tasks import TASKS, load_heldout
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))
+    prompts = [encode(tok, load_heldout(t)[0]["prompt"]) for t in TASKS]
+    want = [r.token_ids for r in AREngine.from_pretrained(DEFAULT_AR).generate(prompts, max_tokens=32)]
+    llm = LLM(model=str(DEFAULT_AR), dtype="float32", max_model_len=256, enforce_eager=True, seed=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0),
+                        use_tqdm=False)
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == want

@@ -7,19 +7,29 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, merge_stats
+from .base import BlockDecoder, commit, merge_stats
 from .freedave import FreeDaveDecoder
 from .lopa import LoPADecoder
 from .policies import SPATIAL_POLICIES, PolicyDecoder, make_policy
 from .psd import DraftDAG, PSDDecoder
+from .spiffy import DraftGraph, SpiffyDecoder, load_graph
 
-METHODS = ("static", "confidence", "localleap", "lopa", "freedave", "psd")
-GREEDY_ONLY = ("lopa", "freedave", "psd")
+METHODS = ("static", "confidence", "localleap", "lopa", "freedave", "spiffy", "psd")
+GREEDY_ONLY = ("lopa", "freedave", "spiffy", "psd")
+
+
+def base_step(policy: str, threshold: float = 0.9):
+    """The base policy as a state transition ``Next(state, prediction)`` (Spiffy's lossless reference)."""
+    if policy not in ("static", "confidence"):
+        raise ValueError(f"spiffy base policy {policy!r}; allowed: static, confidence")
+    rule = make_policy(policy, threshold=threshold)
+    return lambda state, pred: commit(state, pred, rule(pred.conf) & torch.isfinite(pred.conf))
 
 
 def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: float = 0.9,
                  relaxed_threshold: float = 0.75, radius: int = 4, policy: str = "confidence", depth: int = 3,
-                 branches: int = 3, steps: int = 4, dag: DraftDAG | None = None, temperature: float = 0.0,
+                 branches: int = 3, steps: int = 4, dag: DraftDAG | None = None, graph: DraftGraph | None = None,
+                 budget: int = 3, temperature: float = 0.0,
                  generator: torch.Generator | None = None) -> BlockDecoder:
     """The decoder for ``method`` over one block (``block`` holds the mask id where undecoded)."""
     if method not in METHODS:
@@ -31,9 +41,14 @@ def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: f
         return PolicyDecoder(block, mask_id, make_policy(method, **knobs), temperature, generator)
     if method == "freedave":
         return FreeDaveDecoder(block, mask_id, steps=steps)
+    if method == "spiffy":
+        if graph is None:
+            raise ValueError("method 'spiffy' needs a draft graph (config field 'graph': a path from psd calibrate)")
+        return SpiffyDecoder(block, mask_id, base_step(policy, threshold), graph, budget=budget)
     if method == "lopa":
         return LoPADecoder(block, mask_id, make_policy(policy, **knobs), branches=branches)
     return PSDDecoder(block, mask_id, make_policy(policy, **knobs), dag or DraftDAG.nested(depth))
 
 
-__all__ = ["METHODS", "BlockDecoder", "DraftDAG", "make_decoder", "merge_stats"]
+__all__ = ["METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "base_step", "load_graph", "make_decoder",
+           "merge_stats"]
