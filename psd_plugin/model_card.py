@@ -57,7 +57,9 @@ def render(name: str, dllm: bool, t: dict, ev: dict) -> str:
              f"- objective: {obj}",
              f"- steps {t['steps']}, batch {t['batch']}, peak lr {t['lr']}, seed {t['seed']}, "
              f"{t['tokens_seen'] / 1e6:.1f}M tokens, device {t['device']}",
-             f"- wall time {t['wall_time_s'] / 60:.1f} min, final loss (EMA) {t['final_loss']}", "",
+             f"- wall time {t['wall_time_s'] / 60:.1f} min, final loss (EMA) {t['final_loss']}"
+             + ("".join(f"; schedule restarted at step {r['at_step']} (cosine over {r['steps']} steps)"
+                        for r in t.get("schedule_restarts", []))), "",
              f"## Held-out accuracy (reference engine, float32, max_tokens {ev['max_tokens']}"
              + (f", block {ev['block_size']})" if dllm else ")"), "",
              "| method | " + " | ".join(TASKS) + " | mean | TPF | NFE/sample |",
@@ -66,8 +68,9 @@ def render(name: str, dllm: bool, t: dict, ev: dict) -> str:
         label = {"confidence": "confidence τ=0.9"}.get(m, m)
         lines.append(f"| {label} | " + " | ".join(f"{100 * r['accuracy'][k]:.1f}" for k in TASKS)
                      + f" | {100 * r['mean_accuracy']:.1f} | {r['tpf']:.2f} | {r['nfe_per_sample']:.1f} |")
-    cmd = "psd eval --model PATH --method static" if dllm else "psd eval --model PATH --method ar"
-    lines += ["", f"Reproduce: `{cmd}` (and `--method confidence`).", ""]
+    cmd = ("`psd eval --model PATH --method static` (and `--method confidence`)" if dllm
+           else "`psd eval --model PATH --method ar`")
+    lines += ["", f"Reproduce: {cmd}.", ""]
     return "\n".join(lines)
 
 
