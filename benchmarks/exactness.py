@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from model_executor.decoding import load_graph  # noqa: E402
 from model_executor.decoding.policies import make_policy  # noqa: E402
 from psd_plugin import DEFAULT_DLLM, default_graph  # noqa: E402
-from psd_plugin.calibrate import _Recorder  # noqa: E402
+from psd_plugin.calibrate import TrajectoryRecorder  # noqa: E402
 from psd_plugin.evaluate import encode, load  # noqa: E402
 from psd_plugin.tasks import TASKS, load_heldout  # noqa: E402
 
@@ -35,7 +35,7 @@ def min_margin(engine, prompt, policy: str) -> dict:
     blocks: list = []
     rule = make_policy(policy)
     mask = engine.spec.mask_token_id
-    engine.generate([prompt], method=policy, decoder_factory=lambda b: _Recorder(b, mask, rule, blocks))
+    engine.generate([prompt], method=policy, decoder_factory=lambda b: TrajectoryRecorder(b, mask, rule, blocks))
     best = {"conf_gap": float("inf"), "logit_gap": float("inf")}
     for steps in blocks:
         for _, pred, _ in steps:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from model_executor.decoding import merge_stats  # noqa: E402
 from model_executor.decoding.freedave import topk_jump  # noqa: E402
 from psd_plugin import DEFAULT_DLLM  # noqa: E402
-from psd_plugin.calibrate import _Recorder, calibrate_graph, default_calibration_prompts, model_name  # noqa: E402
+from psd_plugin.calibrate import TrajectoryRecorder, calibrate_graph, default_calibration_prompts, model_name  # noqa: E402
 from psd_plugin.evaluate import encode, evaluate, load  # noqa: E402
 from psd_plugin.tasks import TASKS, load_heldout  # noqa: E402
 
@@ -55,7 +55,7 @@ def oracle_nfe(engine, prompts, block_size, max_tokens) -> int:
 
     blocks: list = []
     engine.generate(prompts, max_tokens=max_tokens, block_size=block_size, method="static",
-                    decoder_factory=lambda blk: _Recorder(blk, mask, static_policy, blocks))
+                    decoder_factory=lambda blk: TrajectoryRecorder(blk, mask, static_policy, blocks))
     total = 0
     for steps in blocks:
         states = [s for s, _, _ in steps] + [steps[-1][2]]

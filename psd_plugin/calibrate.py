@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 
 from model_executor.decoding import DraftGraph, make_policy
 from model_executor.decoding.base import commit, predict
@@ -12,7 +11,7 @@ from model_executor.decoding.policies import PolicyDecoder
 from model_executor.decoding.spiffy import GRAPH_FORMAT_VERSION, calibrate
 
 
-class _Recorder(PolicyDecoder):
+class TrajectoryRecorder(PolicyDecoder):
     """The base policy, recording (state, prediction with full probabilities, next state) per step."""
 
     def __init__(self, block, mask_id, policy, sink: list):
@@ -38,7 +37,7 @@ def calibrate_graph(engine, prompts: list[list[int]], *, model_name: str, policy
     trajectories: list = []
     for s in tqdm(range(0, len(prompts), batch_size), desc="calibrate: vanilla trajectories", disable=not progress):
         engine.generate(prompts[s: s + batch_size], max_tokens=max_tokens, block_size=block_size, method=policy,
-                        decoder_factory=lambda blk: _Recorder(blk, mask, rule, trajectories))
+                        decoder_factory=lambda blk: TrajectoryRecorder(blk, mask, rule, trajectories))
     nodes = calibrate([t for t in trajectories if t], lookahead=lookahead, budget=budget)
     if not nodes:
         raise ValueError("calibration found no multi-step windows; use more prompts or a larger --lookahead")

@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 import msgspec
 import torch
 
-from .base import BlockDecoder, Prediction, commit, predict
+from .base import BlockDecoder, Prediction, predict
 
 GRAPH_FORMAT_VERSION = 1
 
