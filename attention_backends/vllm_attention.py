@@ -8,13 +8,14 @@ vLLM's V1 runner builds every decoder layer's metadata with ``causal=True``. dLL
   (``position // block_size``) is not later than its own.
 
 Both are done at metadata-build time, so any backend that honours ``causal=False`` and per-request
-``query_start_loc`` / ``seq_lens`` (the CPU backend, FlashAttention, FlashInfer) runs them unchanged:
-bidirectional sets ``causal=False`` (as vLLM's ``PrefillPrefixLMAttention``); block-causal additionally
-splits each request's query range at block boundaries into *segments* that share the request's block
-table, segment ``j`` ending at the last key of its block (``seq_len_j = last position in segment + 1``).
-K/V writes go through ``slot_mapping``, one entry per token, so splitting the queries changes nothing
-about where K/V land. Design choice: segments instead of a dense mask, because the CPU kernel has no
-arbitrary masks and segments keep every kernel's paged fast path.
+``query_start_loc`` / ``seq_lens`` / block-table rows (the CPU backend, FlashAttention, FlashInfer) runs
+them unchanged: every request becomes one or more non-causal *segments* (:mod:`.segments`). Bidirectional
+is one segment per request (as vLLM's ``PrefillPrefixLMAttention``), plus one detached segment per extra
+draft canvas when the dLLM runner verifies drafts; block-causal additionally splits each segment at
+block boundaries, sub-segment ``j`` ending at the last key of its block. K/V writes go through
+``slot_mapping``, one entry per token, so splitting the queries changes nothing about where K/V land.
+Design choice: segments instead of a dense mask, because the CPU kernel has no arbitrary masks and
+segments keep every kernel's paged fast path.
 
 The KV-cache spec is marked ``non_causal`` (as ``PrefillPrefixLMAttention`` does) so the engine turns
 off chunked prefill and prefix caching, which assume causal attention.
@@ -36,42 +37,45 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionType, CommonAtt
 from vllm.v1.attention.selector import get_attn_backend
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 
+from .segments import Segment, split_block_causal, step_segments
 
-def split_block_causal(meta: CommonAttentionMetadata, block_size: int) -> CommonAttentionMetadata:
-    """Re-express block-causal attention as non-causal attention over per-block query segments."""
-    qsl = meta.query_start_loc_cpu.tolist()
-    seq_lens = meta.seq_lens.cpu().tolist()
-    starts, lens, rows = [0], [], []
-    for r in range(meta.num_reqs):
-        q0, q1 = qsl[r], qsl[r + 1]
-        n = q1 - q0
-        first = seq_lens[r] - n  # position of the request's first scheduled token
-        pos = first
-        while pos < first + n:
-            end = min(first + n, (pos // block_size + 1) * block_size)
-            starts.append(starts[-1] + end - pos)
-            lens.append(end)
-            rows.append(r)
-            pos = end
-        if n == 0:  # padded request slot: keep it as an empty segment
-            starts.append(starts[-1])
-            lens.append(seq_lens[r])
-            rows.append(r)
+
+def segments_metadata(meta: CommonAttentionMetadata, segments: list[Segment]) -> CommonAttentionMetadata:
+    """``meta`` re-expressed as one non-causal virtual request per segment (see :mod:`.segments`).
+
+    Per-request fields are re-indexed by each segment's request; a segment with its own ``pages`` gets
+    that block-table row. K/V writes go through ``slot_mapping`` (one entry per token) and are untouched.
+    """
+    starts = [0] + [s.q_end for s in segments]
+    lens = [s.seq_len for s in segments]
+    rows = torch.tensor([s.req for s in segments], dtype=torch.long)
     dev = meta.query_start_loc.device
     new = copy(meta)
     qsl_cpu = torch.tensor(starts, dtype=meta.query_start_loc_cpu.dtype)
     new.query_start_loc_cpu = qsl_cpu
     new.query_start_loc = qsl_cpu.to(dev)
     new.seq_lens = torch.tensor(lens, dtype=meta.seq_lens.dtype, device=meta.seq_lens.device)
-    new.num_reqs = len(lens)
-    new.max_query_len = int(np.diff(starts).max()) if len(starts) > 1 else 0
+    new.num_reqs = len(segments)
+    new.max_query_len = int(np.diff(starts).max()) if segments else 0
     new.max_seq_len = max(lens) if lens else 0
-    idx = torch.tensor(rows, dtype=torch.long, device=meta.block_table_tensor.device)
-    new.block_table_tensor = meta.block_table_tensor.index_select(0, idx)
+    table = meta.block_table_tensor.index_select(0, rows.to(meta.block_table_tensor.device))
+    for j, s in enumerate(segments):
+        if s.pages is not None:
+            table[j, : len(s.pages)] = torch.tensor(s.pages, dtype=table.dtype)
+    new.block_table_tensor = table
     new.causal = False
+    if getattr(meta, "is_prefilling", None) is not None:
+        new.is_prefilling = meta.is_prefilling.index_select(0, rows.to(meta.is_prefilling.device))
     if getattr(meta, "seq_lens_cpu_upper_bound", None) is not None:
         new.seq_lens_cpu_upper_bound = new.seq_lens.cpu()
     return new
+
+
+def request_segments(meta: CommonAttentionMetadata) -> list[Segment]:
+    """One segment per request: vLLM's own layout."""
+    qsl = meta.query_start_loc_cpu.tolist()
+    seq_lens = meta.seq_lens.cpu().tolist()
+    return [Segment(r, qsl[r], qsl[r + 1], seq_lens[r]) for r in range(meta.num_reqs)]
 
 
 @functools.lru_cache
@@ -82,12 +86,10 @@ def dllm_attention_backend(base: type[AttentionBackend], pattern: str, block_siz
     class DLLMAttentionBuilder(base_builder):  # type: ignore[misc,valid-type]
         def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
                   fast_build: bool = False):
+            segs = step_segments() or request_segments(common_attn_metadata)
             if pattern == "block_causal":
-                meta = split_block_causal(common_attn_metadata, block_size)
-            else:
-                meta = copy(common_attn_metadata)
-                meta.causal = False
-            return super().build(0, meta, fast_build)
+                segs = split_block_causal(segs, block_size)
+            return super().build(0, segments_metadata(common_attn_metadata, segs), fast_build)
 
     return subclass_attention_backend(f"DLLM{pattern.title().replace('_', '')}{block_size}_", base,
                                       DLLMAttentionBuilder)

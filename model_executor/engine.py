@@ -32,10 +32,9 @@ from typing import Callable
 
 import torch
 
+from .block_schedule import CACHE_MODES, cached_after_step, plan_blocks, window
 from .decoding import METHODS, BlockDecoder, make_decoder, merge_stats
 from .models.reference import ReferenceDLLM, attention_mask
-
-CACHE_MODES = ("none", "prefix", "block")
 
 
 @dataclass
@@ -142,15 +141,9 @@ class ReferenceEngine:
 
     # -------------------------------------------------------------------------------- internals
     def _new_request(self, idx, prompt, max_tokens, block_size, cache) -> _Request:
-        P, mask = len(prompt), self.spec.mask_token_id
-        x = torch.tensor(prompt + [mask] * max_tokens, dtype=torch.long, device=self.device)
-        end = P + max_tokens
-        if cache == "block" or self.spec.attention == "block_causal":  # SDAR: absolute, model-aligned blocks
-            starts = [P] + list(range((P // block_size + 1) * block_size, end, block_size))
-        else:
-            starts = list(range(P, end, block_size))
-        blocks = [(a, min(end, b)) for a, b in zip(starts, starts[1:] + [end])]
-        return _Request(idx, list(prompt), x, blocks)
+        x = torch.tensor(prompt + [self.spec.mask_token_id] * max_tokens, dtype=torch.long, device=self.device)
+        aligned = cache == "block" or self.spec.attention == "block_causal"  # SDAR: model-aligned blocks
+        return _Request(idx, list(prompt), x, plan_blocks(len(prompt), max_tokens, block_size, aligned))
 
     def _start_block(self, r: _Request) -> None:
         b0, b1 = r.blocks[r.block]
@@ -159,15 +152,8 @@ class ReferenceEngine:
 
     def _window(self, r: _Request, cache: str) -> tuple[int, int]:
         """[start, end) of the positions this step forwards; K/V before ``start`` comes from the cache."""
-        total = r.x.numel()
-        if cache == "none":
-            return 0, total
-        b0, b1 = r.blocks[r.block]
-        if cache == "prefix":
-            if r.fresh_block:
-                return 0, total
-            return b0 - (1 if self.spec.shift_logits else 0), total
-        return r.cached, b1  # block: uncached tokens of finished blocks + the current (aligned) block
+        return window(cache, r.blocks[r.block], r.x.numel(), fresh=r.fresh_block, cached=r.cached,
+                      shift=int(self.spec.shift_logits))
 
     def _step(self, reqs: list[_Request], cache: str) -> None:
         items = []  # (request, window, block canvas)
@@ -195,18 +181,17 @@ class ReferenceEngine:
                 self._finish_block(r)
 
     def _keep_kv(self, r: _Request, cache: str, w0: int, kv) -> None:
-        b0, _ = r.blocks[r.block]
-        if cache == "prefix" and r.fresh_block:  # keep K/V of everything before the block
-            keep = b0 - (1 if self.spec.shift_logits else 0)
+        keep = cached_after_step(cache, r.blocks[r.block], w0, fresh=r.fresh_block, cached=r.cached,
+                                 shift=int(self.spec.shift_logits), model_block=self.spec.block_size)
+        if keep == r.cached:
+            return
+        if cache == "prefix":  # keep K/V of everything before the block
             r.kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in kv]
-            r.cached = keep
-        elif cache == "block":  # K/V of the finished blocks (before the block's aligned start) is exact
-            a0 = b0 // self.spec.block_size * self.spec.block_size
-            if w0 < a0:
-                new = [(k[:, :, : a0 - w0], v[:, :, : a0 - w0]) for k, v in kv]
-                r.kv = new if r.kv is None else [(torch.cat([pk, k], 2), torch.cat([pv, v], 2))
-                                                 for (pk, pv), (k, v) in zip(r.kv, new)]
-                r.cached = a0
+        else:  # block: K/V of the finished blocks (before the block's aligned start) is exact
+            new = [(k[:, :, : keep - w0], v[:, :, : keep - w0]) for k, v in kv]
+            r.kv = new if r.kv is None else [(torch.cat([pk, k], 2), torch.cat([pv, v], 2))
+                                             for (pk, pv), (k, v) in zip(r.kv, new)]
+        r.cached = keep
 
     def _finish_block(self, r: _Request) -> None:
         b0, b1 = r.blocks[r.block]

@@ -43,6 +43,11 @@ def register() -> None:
     except ImportError:  # the reference engine works without vLLM
         _registered = True
         return
+    from .speculative import install
+    from .validation import install as install_validation
+
+    install()
+    install_validation()
     supported = set(ModelRegistry.get_supported_archs())
     for arch, qualname in MODEL_CLASSES.items():
         if arch not in supported:

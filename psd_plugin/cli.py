@@ -103,6 +103,8 @@ def _setup(args):
     if method not in allowed:
         kind = "a dLLM" if dllm else "an autoregressive model"
         raise UsageError(f"--method {method!r} for {kind}; allowed: {', '.join(allowed)}")
+    from .config import spiffy_graph
+
     cfg = parse_config(args.config)
     engine, tok = load(model, args.dtype)
     kw = {"max_tokens": args.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
@@ -111,29 +113,8 @@ def _setup(args):
         spec = engine.spec
         block = args.block_size or (spec.block_size if spec.attention == "block_causal" else 8)
         kw.update(cfg.knobs(), method=method, block_size=block)
-        kw["graph"] = _spiffy_graph(cfg, model, block) if method == "spiffy" else None
+        kw["graph"] = spiffy_graph(cfg, model, block) if method == "spiffy" else None
     return engine, tok, kw, method
-
-
-def _spiffy_graph(cfg, model, block: int):
-    """Load the Spiffy graph (given, or shipped for the model) and check it fits this run."""
-    from model_executor.decoding import load_graph
-
-    from . import default_graph
-
-    path = Path(cfg.graph) if cfg.graph else default_graph(model, cfg.policy)
-    if not cfg.graph and not path.exists():
-        raise UsageError(f"method 'spiffy': no draft graph shipped for {Path(model).name} with policy "
-                         f"{cfg.policy!r}; make one with `psd calibrate` and pass --config '{{\"graph\": PATH}}'")
-    g = load_graph(path)
-    if g.base_policy != cfg.policy:
-        raise UsageError(f"draft graph {path}: calibrated for base_policy {g.base_policy!r}, but policy is "
-                         f"{cfg.policy!r}")
-    if g.block_size != block:
-        raise UsageError(f"draft graph {path}: calibrated with block_size {g.block_size}, this run uses {block}")
-    if g.model != Path(model).resolve().name:
-        raise UsageError(f"draft graph {path}: calibrated on model {g.model!r}, not {Path(model).resolve().name!r}")
-    return g
 
 
 def cmd_generate(args) -> int:

@@ -9,8 +9,8 @@ import msgspec
 Threshold = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 
 
-class DecodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Knobs of the decoding methods (``psd generate/eval --config JSON``); each method reads its own.
+class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Knobs of the decoding methods; each method reads its own.
 
     - ``threshold``: τ of ``confidence`` and the anchor threshold of ``localleap``, in (0, 1].
     - ``relaxed_threshold``, ``radius``: LocalLeap's neighbour threshold and window (block positions).
@@ -22,10 +22,6 @@ class DecodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
       model and the chosen base ``policy`` (static or confidence).
     - ``budget``: Spiffy's pruned draft count D* per forward.
     - ``cache``: ``none`` | ``prefix`` (LLaDA, Dream; default) | ``block`` (SDAR, exact; default for SDAR).
-    - ``temperature``: 0 is greedy; > 0 samples with Gumbel noise in float64 (LLaDA ``generate.py``;
-      static, confidence and localleap only).
-    - ``seed``: seed of the sampling noise.
-    - ``batch_size``: requests decoded together in one model call.
     """
 
     threshold: Threshold = 0.9
@@ -38,6 +34,17 @@ class DecodeConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     graph: str | None = None
     budget: Annotated[int, msgspec.Meta(ge=1, le=64)] = 3
     cache: Literal["none", "prefix", "block"] | None = None
+
+
+class DecodeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
+    """``psd generate/eval --config JSON``: the method knobs (:class:`DecodeKnobs`) plus
+
+    - ``temperature``: 0 is greedy; > 0 samples with Gumbel noise in float64 (LLaDA ``generate.py``;
+      static, confidence and localleap only).
+    - ``seed``: seed of the sampling noise.
+    - ``batch_size``: requests decoded together in one model call.
+    """
+
     temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
     seed: int = 0
     batch_size: Annotated[int, msgspec.Meta(ge=1)] = 64
@@ -76,6 +83,35 @@ def _allowed_values(cls, msg: str) -> str:
     if "Invalid enum value" not in msg or not m:
         return ""
     hint = typing.get_type_hints(cls).get(m.group(1))
-    values = [a for t in typing.get_args(hint) or (hint,) for a in typing.get_args(t)
-              if typing.get_origin(t) is Literal]
+    options = [hint] if typing.get_origin(hint) is Literal else typing.get_args(hint)
+    values = [a for t in options if typing.get_origin(t) is Literal for a in typing.get_args(t)]
     return f"; allowed: {', '.join(map(str, values))}" if values else ""
+
+
+def spiffy_graph(knobs: DecodeKnobs, model_dir, block_size: int, where: str = "graph"):
+    """The Spiffy draft graph for a run (``knobs.graph``, or the one shipped for the model and policy),
+    checked against the run: base policy, block size and model name must match."""
+    from pathlib import Path
+
+    from model_executor.decoding import load_graph
+
+    from . import default_graph
+
+    path = Path(knobs.graph) if knobs.graph else default_graph(model_dir, knobs.policy)
+    name = Path(model_dir).resolve().name
+    if not knobs.graph and not path.exists():
+        raise ConfigError(f"method 'spiffy': no draft graph shipped for {name} with policy {knobs.policy!r}; "
+                          f"make one with `psd calibrate` and set {where!r} to its path")
+    try:
+        g = load_graph(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    if g.base_policy != knobs.policy:
+        raise ConfigError(f"draft graph {path}: calibrated for base_policy {g.base_policy!r}, but policy is "
+                          f"{knobs.policy!r}")
+    if g.block_size != block_size:
+        raise ConfigError(f"draft graph {path}: calibrated with block_size {g.block_size}, this run uses "
+                          f"{block_size}")
+    if g.model != name:
+        raise ConfigError(f"draft graph {path}: calibrated on model {g.model!r}, not {name!r}")
+    return g

@@ -1,0 +1,66 @@
+"""vLLM V1 scheduler for dLLMs: a step's canvases are scheduled whole, and committed blocks roll in.
+
+Differences from vLLM's ``Scheduler`` (see :mod:`psd_plugin.worker` for the protocol):
+
+- no bonus token: ``num_sampled_tokens_per_step = 0``, so a step that commits nothing rolls all its
+  drafts back, and a step that completes a block reports the block's tokens as accepted;
+- after each step the runner's ``recompute_from`` moves ``num_computed_tokens`` back to where the next
+  forward starts (the K/V before it stays in the paged cache);
+- the runner's ``extra_slots`` are reserved for the request on top of its scheduled tokens (private KV
+  pages of extra draft canvases);
+- all or nothing: a running request whose canvases do not fit the step's token budget waits for the
+  next step instead of being cut (a cut canvas would waste a forward).
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+
+class DLLMScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_sampled_tokens_per_step = 0
+        self._extra_slots: dict[str, int] = {}
+        allocate = self.kv_cache_manager.allocate_slots
+
+        def allocate_slots(request, num_new_tokens, *a, **kw):
+            extra = self._extra_slots.get(request.request_id, 0)
+            kw["num_lookahead_tokens"] = max(kw.get("num_lookahead_tokens", 0), extra)
+            return allocate(request, num_new_tokens, *a, **kw)
+
+        self.kv_cache_manager.allocate_slots = allocate_slots
+
+    def schedule(self, *args, **kwargs):
+        budget = self.max_num_scheduled_tokens
+        deferred, kept = [], []
+        for r in self.running:
+            need = r.num_tokens_with_spec - r.num_computed_tokens
+            if r.spec_token_ids and need > budget:
+                deferred.append(r)
+            else:
+                kept.append(r)
+                budget -= max(0, need)
+        if not deferred:
+            return super().schedule(*args, **kwargs)
+        self.running = kept
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.running = deferred + self.running
+
+    def update_draft_token_ids(self, draft_token_ids) -> None:
+        rfs = getattr(draft_token_ids, "recompute_from", None)
+        extras = getattr(draft_token_ids, "extra_slots", None)
+        for i, (req_id, drafts) in enumerate(zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)):
+            r = self.requests.get(req_id)
+            if r is None or r.is_finished():
+                continue
+            r.spec_token_ids = list(drafts)
+            if rfs is not None:
+                r.num_computed_tokens = min(r.num_computed_tokens, rfs[i])
+                self._extra_slots[req_id] = extras[i]
+
+    def _free_request(self, request, *args, **kwargs):
+        self._extra_slots.pop(request.request_id, None)
+        return super()._free_request(request, *args, **kwargs)

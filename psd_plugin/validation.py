@@ -1,0 +1,103 @@
+"""Request validation for the dLLM path, in vLLM's front end (a bad request is a 400, never an engine crash).
+
+:func:`install` wraps ``InputProcessor.process_inputs``: after vLLM's own checks (which also fill in
+``max_tokens``), a request to a dLLM served with the ``psd`` method is checked for
+
+- sampling options the decoders do not implement (named, with what to do instead);
+- room: a step's canvases, private KV pages included, must fit ``max_model_len`` and the step's token
+  budget (``max_num_batched_tokens``), else the request could never be scheduled.
+"""
+
+from __future__ import annotations
+
+from vllm.exceptions import VLLMValidationError
+
+from model_executor.decoding import GREEDY_ONLY
+
+from .speculative import PSDSpeculativeConfig, from_vllm_config
+
+_UNSUPPORTED = (  # (field, default, why)
+    ("logprobs", None, "logprobs are not produced by dLLM decoding"),
+    ("presence_penalty", 0.0, "penalties are not applied by dLLM decoding"),
+    ("frequency_penalty", 0.0, "penalties are not applied by dLLM decoding"),
+    ("repetition_penalty", 1.0, "penalties are not applied by dLLM decoding"),
+    ("min_tokens", 0, "min_tokens is not supported by dLLM decoding"),
+    ("logit_bias", None, "logit_bias is not supported by dLLM decoding"),
+    ("allowed_token_ids", None, "allowed_token_ids is not supported by dLLM decoding"),
+    ("bad_words", None, "bad_words is not supported by dLLM decoding"),
+    ("structured_outputs", None, "structured outputs are not supported by dLLM decoding"),
+)
+
+
+def step_span(cfg: PSDSpeculativeConfig, prompt_len: int, max_tokens: int, page: int) -> tuple[int, int]:
+    """Upper bounds of (KV positions touched, tokens forwarded) by one step of such a request."""
+    K = cfg.max_canvases()
+    M, P = max_tokens, prompt_len
+    if cfg.cache == "none":
+        S, fresh = P + M, P + M
+    elif cfg.cache == "prefix":
+        S, fresh = M + 1, P + M
+    else:  # block: uncached finished tokens + the current block
+        S, fresh = 2 * cfg.block_size + P % cfg.block_size, 0
+    extra = 2 * (K - 1) * page if K > 1 else 0
+    span = max(P + M, P + M + (K - 1) * S + extra)
+    return span, max(fresh, K * S)
+
+
+def check(vllm_config, params, prompt_len: int) -> None:
+    """Raise :class:`VLLMValidationError` for a request the dLLM path cannot serve."""
+    cfg = from_vllm_config(vllm_config)
+    for name, default, why in _UNSUPPORTED:
+        value = getattr(params, name, default)
+        if value is None or value == default or (isinstance(value, (list, dict, tuple)) and not value):
+            continue
+        raise VLLMValidationError(f"{name}={value!r}: {why}", parameter=name, value=value)
+    if params.temperature > 0:
+        if cfg.decoding in GREEDY_ONLY:
+            raise VLLMValidationError(
+                f"temperature={params.temperature}: decoding {cfg.decoding!r} is greedy (its acceptance tests "
+                "compare argmax tokens); use temperature 0, or decoding static | confidence | localleap",
+                parameter="temperature", value=params.temperature)
+        if params.top_p < 1.0 or params.top_k not in (0, -1) or params.min_p > 0:
+            raise VLLMValidationError("top_p/top_k/min_p: dLLM sampling draws from the full distribution "
+                                      "(Gumbel-max, LLaDA generate.py); leave them at their defaults",
+                                      parameter="top_p")
+    page = vllm_config.cache_config.block_size
+    span, tokens = step_span(cfg, prompt_len, params.max_tokens, page)
+    limit = vllm_config.model_config.max_model_len
+    if span > limit:
+        raise VLLMValidationError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) needs up to {span} KV positions per "
+            f"step with decoding {cfg.decoding!r} ({cfg.max_canvases()} canvases); max_model_len is {limit}: lower "
+            "max_tokens (or depth/branches/steps/budget), or raise max_model_len", parameter="max_tokens",
+            value=params.max_tokens)
+    budget = vllm_config.scheduler_config.max_num_batched_tokens
+    if tokens > budget:
+        raise VLLMValidationError(
+            f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) forwards up to {tokens} tokens in one "
+            f"step with decoding {cfg.decoding!r}; max_num_batched_tokens is {budget}: lower max_tokens or raise "
+            "max_num_batched_tokens", parameter="max_tokens", value=params.max_tokens)
+
+
+_installed = False
+
+
+def install() -> None:
+    """Wrap ``InputProcessor.process_inputs`` (idempotent; called from ``psd_plugin.register``)."""
+    global _installed
+    if _installed:
+        return
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine.input_processor import InputProcessor
+
+    original = InputProcessor.process_inputs
+
+    def process_inputs(self, *args, **kwargs):
+        request = original(self, *args, **kwargs)
+        if "psd" in (self.vllm_config.additional_config or {}) and isinstance(request.sampling_params,
+                                                                              SamplingParams):
+            check(self.vllm_config, request.sampling_params, len(request.prompt_token_ids or ()))
+        return request
+
+    InputProcessor.process_inputs = process_inputs
+    _installed = True

@@ -1,0 +1,224 @@
+"""The vLLM decoding path (``speculative_config={"method": "psd", ...}``) equals the reference engine.
+
+For every decoding method and model family: a batch of mixed-length prompts through ``LLM.generate``
+gives the reference engine's tokens (float32) and the same number of forwards per request. The embedded
+llada-tiny decodes the held-out tasks (confident, so drafts get accepted and blocks end in EOS); the
+random Dream and SDAR checkpoints exercise Dream's shifted logits and SDAR's block-causal attention with
+its exact block cache. Also: requests joining and leaving between steps, per-request ``max_tokens``,
+sampling determinism, and the errors users get for bad configs and unsupported requests.
+"""
+
+import os
+
+import pytest
+import torch
+
+from model_executor.engine import ReferenceEngine
+from psd_plugin import DEFAULT_DLLM
+
+vllm = pytest.importorskip("vllm")
+from vllm.exceptions import VLLMValidationError  # noqa: E402
+
+METHODS = ("static", "confidence", "localleap", "lopa", "freedave", "spiffy", "psd")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _in_process_engine():
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
+@pytest.fixture(scope="module")
+def heldout_prompts():
+    from psd_plugin.evaluate import encode, load
+    from psd_plugin.tasks import load_heldout
+
+    _, tok = load(DEFAULT_DLLM)
+    rows = load_heldout()[::151][:14]  # every task, mixed lengths
+    return [encode(tok, r["prompt"]) for r in rows]
+
+
+@pytest.fixture(scope="module")
+def random_prompts():
+    g = torch.Generator().manual_seed(0)
+    return [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (3, 9, 17, 30, 41)]
+
+
+def _llm(path, **spec):
+    from vllm import LLM
+
+    return LLM(model=str(path), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+               speculative_config={"method": "psd", **spec})
+
+
+def _generate(llm, prompts, max_tokens=32, **kw):
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    # the runner sees vLLM's internal request ids: "<request_id>-<random suffix>"
+    stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+    return [list(o.outputs[0].token_ids) for o in outs], [stats[o.request_id]["nfe"] for o in outs]
+
+
+def _knobs(path, method):
+    if method != "spiffy":
+        return {}
+    return {"policy": "static", "graph": str(_graph(path))}
+
+
+_GRAPHS: dict = {}
+
+
+def _graph(path):
+    """A Spiffy graph for ``path``: the shipped one for the embedded model, else calibrated here."""
+    from model_executor.decoding.spiffy import save_graph
+    from psd_plugin import default_graph
+    from psd_plugin.calibrate import calibrate_graph, model_name
+
+    shipped = default_graph(path, "static")
+    if shipped.exists():
+        return shipped
+    if path not in _GRAPHS:
+        g = torch.Generator().manual_seed(1)
+        prompts = [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in range(4, 20)]
+        spec = ReferenceEngine.from_pretrained(path).spec
+        block = spec.block_size or 8
+        graph = calibrate_graph(ReferenceEngine.from_pretrained(path), prompts, model_name=model_name(path),
+                                lookahead=3, budget=6, block_size=block, progress=False)
+        out = path.parent / f"{path.name}.static.json"
+        save_graph(graph, out)
+        _GRAPHS[path] = out
+    return _GRAPHS[path]
+
+
+def _check_parity(path, prompts, method, max_tokens=32):
+    knobs = _knobs(path, method)
+    ref_engine = ReferenceEngine.from_pretrained(path)
+    block = ref_engine.spec.block_size or 8
+    ref_knobs = dict(knobs)
+    if method == "spiffy":
+        from model_executor.decoding import load_graph
+
+        ref_knobs["graph"] = load_graph(knobs["graph"])
+    ref = ref_engine.generate(prompts, max_tokens=max_tokens, block_size=block, method=method, **ref_knobs)
+    llm = _llm(path, decoding=method, **knobs)
+    try:
+        tokens, nfe = _generate(llm, prompts, max_tokens)
+    finally:
+        del llm
+    for i, (t, n, r) in enumerate(zip(tokens, nfe, ref)):
+        assert t == r.token_ids, f"{method} prompt {i}: vLLM {t} != reference {r.token_ids}"
+        assert n == r.nfe, f"{method} prompt {i}: vLLM took {n} forwards, the reference {r.nfe}"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_embedded_llada_matches_reference(heldout_prompts, method):
+    _check_parity(DEFAULT_DLLM, heldout_prompts, method)
+
+
+@pytest.mark.parametrize("method", ("confidence", "psd", "lopa", "freedave", "spiffy"))
+@pytest.mark.parametrize("family", ("dream", "sdar"))
+def test_random_dream_and_sdar_match_reference(tiny_checkpoints, random_prompts, family, method):
+    _check_parity(tiny_checkpoints[family], random_prompts, method, max_tokens=20)
+
+
+def test_continuous_batching_and_per_request_max_tokens(heldout_prompts):
+    """max_num_seqs 3: requests join and leave between steps; each request has its own max_tokens."""
+    from vllm import LLM, SamplingParams
+
+    ref_engine = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
+    lengths = [8 + 5 * (i % 5) for i in range(len(heldout_prompts))]
+    llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_num_seqs=3,
+              speculative_config={"method": "psd", "decoding": "psd", "depth": 3})
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts],
+                            [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in lengths],
+                            use_tqdm=False)
+    finally:
+        del llm
+    for p, m, o in zip(heldout_prompts, lengths, outs):
+        ref = ref_engine.generate([p], max_tokens=m, method="psd", depth=3)[0]
+        got = list(o.outputs[0].token_ids)
+        assert len(got) == m  # ignore_eos: the full length, across EOS
+        stop = ref.token_ids
+        assert got[: len(stop)] == stop
+
+
+def test_sampling_is_seeded(heldout_prompts):
+    from vllm import SamplingParams
+
+    llm = _llm(DEFAULT_DLLM, decoding="confidence")
+    try:
+        prompts = [{"prompt_token_ids": p} for p in heldout_prompts[:4]]
+        a = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=7), use_tqdm=False)
+        b = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=7), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+        with pytest.raises(VLLMValidationError, match="logprobs"):
+            llm.generate(prompts, SamplingParams(max_tokens=8, logprobs=2), use_tqdm=False)
+        with pytest.raises(VLLMValidationError, match="maximum context length is 512"):  # vLLM's own check
+            llm.generate([{"prompt_token_ids": heldout_prompts[0] * 30}], SamplingParams(max_tokens=8),
+                         use_tqdm=False)
+        # the engine still serves after rejected requests
+        ok = llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        assert ok[0].outputs[0].token_ids
+    finally:
+        del llm
+
+
+def test_greedy_only_methods_reject_temperature(heldout_prompts):
+    from vllm import SamplingParams
+
+    llm = _llm(DEFAULT_DLLM, decoding="psd")
+    try:
+        with pytest.raises(VLLMValidationError, match="temperature.*greedy"):
+            llm.generate([{"prompt_token_ids": heldout_prompts[0]}], SamplingParams(max_tokens=8, temperature=0.7),
+                         use_tqdm=False)
+        # fits the context alone, but not with the draft canvases' KV positions
+        long = (heldout_prompts[0] * 20)[:300]
+        with pytest.raises(VLLMValidationError, match="KV positions per step.*4 canvases.*max_model_len is 512"):
+            llm.generate([{"prompt_token_ids": long}], SamplingParams(max_tokens=100, temperature=0), use_tqdm=False)
+    finally:
+        del llm
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"decoding": "beam"}, "decoding.*allowed: static, confidence, localleap, lopa, freedave, spiffy, psd"),
+    ({"policy": "greedy"}, "policy.*allowed: static, confidence, localleap"),
+    ({"threshold": 1.5}, r"<= 1.*threshold"),
+    ({"blocksize": 8}, "unknown field.*allowed fields"),
+    ({"cache": "block"}, "cache 'block'.*allows: none, prefix"),
+    ({"decoding": "spiffy", "graph": "/nonexistent/graph.json"}, "no such file"),
+])
+def test_bad_speculative_config_fails_before_engine_start(spec, match):
+    with pytest.raises(ValueError, match=match):
+        _llm(DEFAULT_DLLM, **spec)
+
+
+def test_corrupt_graph_file(tmp_path):
+    bad = tmp_path / "g.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid graph file"):
+        _llm(DEFAULT_DLLM, decoding="spiffy", graph=str(bad))
+
+
+def test_ar_model_with_psd_and_dllm_with_other_method():
+    from vllm import LLM
+
+    from psd_plugin import DEFAULT_AR
+
+    with pytest.raises(ValueError, match="decodes diffusion LLMs"):
+        LLM(model=str(DEFAULT_AR), dtype="float32", speculative_config={"method": "psd"})
+    with pytest.raises(ValueError, match="is a diffusion LLM"):
+        LLM(model=str(DEFAULT_DLLM), dtype="float32",
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+
+
+def test_sdar_block_size_must_be_the_models(tiny_checkpoints):
+    with pytest.raises(ValueError, match="block_size 8.*allowed: 4"):
+        _llm(tiny_checkpoints["sdar"], block_size=8)
