@@ -150,7 +150,8 @@ def test_continuous_batching_and_per_request_max_tokens(heldout_prompts):
         assert got[: len(stop)] == stop
 
 
-def test_sampling_is_seeded(heldout_prompts):
+def test_sampling_options(heldout_prompts):
+    """seeded sampling, n, stop strings; unsupported options rejected; the engine keeps serving."""
     from vllm import SamplingParams
 
     llm = _llm(DEFAULT_DLLM, decoding="confidence")
@@ -159,6 +160,14 @@ def test_sampling_is_seeded(heldout_prompts):
         a = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=7), use_tqdm=False)
         b = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=7), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+        greedy = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+        two = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, n=2, seed=3), use_tqdm=False)
+        assert all(len(t.outputs) == 2 and all(0 < len(c.token_ids) <= 16 for c in t.outputs) for t in two)
+        text = greedy[1].outputs[0].text
+        cut = text[len(text) // 2:][:2]
+        stopped = llm.generate(prompts[1:2], SamplingParams(max_tokens=16, temperature=0, stop=[cut]), use_tqdm=False)
+        assert stopped[0].outputs[0].text == text[: text.index(cut)]
+        assert stopped[0].outputs[0].finish_reason == "stop"
         with pytest.raises(VLLMValidationError, match="logprobs"):
             llm.generate(prompts, SamplingParams(max_tokens=8, logprobs=2), use_tqdm=False)
         with pytest.raises(VLLMValidationError, match="maximum context length is 512"):  # vLLM's own check

@@ -17,7 +17,11 @@ Spiffy §4 (docs/paper-notes-spiffy-freedave.md):
 - Dynamic pruning (§4.4.4, Eqs. 12-14): every instantiated draft gets
   score = GM(localScore, childScore), localScore = geometric mean of its tokens' probabilities p_ij under
   ``q``, childScore = GM of its (instantiated) children's localScores (a leaf: its localScore); the top D*
-  are forwarded.
+  are forwarded, taken in score order but only while the pruned graph stays connected: a node enters if
+  it is level 1 or one of its parents is already in (Eq. 24's connectivity, applied to pruning). A choice:
+  §4.4.4 says "top-D*" only, but a level-k draft can be reused only after a draft one step shallower on
+  its chain was accepted, so an unconnected deep draft is a wasted canvas (the cause of the poor d=3 point
+  of the first Pareto run: its 9-node graph's top-3 scores were often deep nodes without their parents).
 
 Choices the paper leaves open, made here: a draft must extend the current state (agree on every decoded
 position, decode more); drafts that fill the whole block are kept for acceptance but need no forward;
@@ -158,7 +162,16 @@ class SpiffyDecoder(BlockDecoder):
             child_score = math.exp(sum(map(math.log, child)) / len(child)) if child else local  # Eq. 13
             scored.append((math.sqrt(local * child_score), k, draft))  # Eq. 14
         scored.sort(key=lambda t: (-t[0], t[1]))
-        return [(k, d, s) for s, k, d in scored[: self.budget]]
+        chosen: list[tuple[int, torch.Tensor, float]] = []
+        admitted: set[int] = set()
+        for s, k, d in scored:  # top-D* by score, keeping the pruned graph connected (see the docstring)
+            if len(chosen) == self.budget:
+                break
+            node = self.graph.nodes[k]
+            if node.level == 1 or admitted.intersection(node.parents):
+                chosen.append((k, d, s))
+                admitted.add(k)
+        return chosen
 
     def canvases(self):
         self.drafts, self.draft_nodes = [], []
