@@ -26,7 +26,8 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 def main() -> None:
-    from psd_plugin import DEFAULT_DLLM
+    from model_executor.decoding import load_graph
+    from psd_plugin import DEFAULT_DLLM, default_graph
     from psd_plugin.evaluate import encode, load
     from psd_plugin.tasks import TASKS, grade, load_heldout
     from psd_plugin.vllm_engine import VLLMEngine
@@ -46,10 +47,14 @@ def main() -> None:
     for method in args.methods.split(","):
         outs = {}
         for name, engine in (("reference", ref), ("vLLM", vllm)):
+            kw = {}
+            if method == "spiffy":  # the graph shipped for the model (confidence base policy)
+                path = default_graph(args.model, "confidence")
+                kw = {"policy": "confidence", "graph": load_graph(path) if name == "reference" else str(path)}
             if name == "vLLM":  # start the engine (and warm it up) outside the timed region
-                engine.generate(prompts[:2], method=method, max_tokens=32)
+                engine.generate(prompts[:2], method=method, max_tokens=32, **kw)
             t0 = time.perf_counter()
-            res = engine.generate(prompts, method=method, max_tokens=32, block_size=8)
+            res = engine.generate(prompts, method=method, max_tokens=32, block_size=8, **kw)
             dt = time.perf_counter() - t0
             tokens = sum(len(r.token_ids) for r in res)
             nfe = sum(r.nfe for r in res)

@@ -25,6 +25,9 @@ class DLLMScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.num_sampled_tokens_per_step = 0
+        # the runner's spec-decode bookkeeping counts drafts + 1 rows per request; a dLLM step may schedule
+        # drafts only (no recomputed token), so keep one row per request free in its buffers
+        self.max_num_scheduled_tokens = max(1, self.max_num_scheduled_tokens - self.max_num_running_reqs)
         self._extra_slots: dict[str, int] = {}
         allocate = self.kv_cache_manager.allocate_slots
 

@@ -71,7 +71,7 @@ def check(vllm_config, params, prompt_len: int) -> None:
             f"step with decoding {cfg.decoding!r} ({cfg.max_canvases()} canvases); max_model_len is {limit}: lower "
             "max_tokens (or depth/branches/steps/budget), or raise max_model_len", parameter="max_tokens",
             value=params.max_tokens)
-    budget = vllm_config.scheduler_config.max_num_batched_tokens
+    budget = vllm_config.scheduler_config.max_num_batched_tokens - vllm_config.scheduler_config.max_num_seqs
     if tokens > budget:
         raise VLLMValidationError(
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) forwards up to {tokens} tokens in one "
