@@ -121,6 +121,12 @@ def translate(engine_args, target_model_config, target_parallel_config) -> None:
                           "{\"method\": \"psd\", ...} (or none, for the default confidence decoding)")
     cfg = resolve(parse(raw if is_psd else {"decoding": "confidence"}), target_model_config.hf_config,
                   target_model_config.model)
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise ConfigError("psd-plugin's dLLM decoding path runs on vLLM's V1 CPU runner so far; on GPUs decode with "
+                          "the reference engine (`psd generate --engine reference`, model_executor.engine) until "
+                          "the GPU runner lands")
     engine_args.additional_config = {**dict(engine_args.additional_config or {}),
                                      "psd": msgspec.to_builtins(cfg)}
     engine_args.speculative_config = {"method": "custom_class", "model": PROPOSER_CLS,

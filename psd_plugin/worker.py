@@ -108,6 +108,7 @@ class DLLMModelRunner(CPUModelRunner):
         self._held_prompt_logprobs: dict = {}
         self.totals = {"requests": 0, "tokens": 0, "nfe": 0, "model_calls": 0}
         self.finished: dict[str, dict] = {}  # recent per-request figures, for psd_stats()
+        self._last_log, self._logged = time.monotonic(), dict(self.totals)
 
     # ------------------------------------------------------------------ per-request decoding state
     def _knobs(self) -> dict:
@@ -183,6 +184,15 @@ class DLLMModelRunner(CPUModelRunner):
                                  "seconds": time.perf_counter() - r.t0, **r.stats}
         while len(self.finished) > 10_000:
             self.finished.pop(next(iter(self.finished)))
+        logger.debug("psd: request %s: %d tokens, NFE %d, TPF %.2f, %s", req_id, r.emitted, r.nfe,
+                     r.emitted / max(1, r.nfe), r.stats)
+        now = time.monotonic()
+        if now - self._last_log >= 10.0:
+            n, tok, nfe = (t[k] - self._logged[k] for k in ("requests", "tokens", "nfe"))
+            logger.info("psd %s: %d requests finished, %d tokens in %d decoding forwards (TPF %.2f) since the "
+                        "last report; totals: %d requests, TPF %.2f", self.psd.decoding, n, tok, nfe,
+                        tok / max(1, nfe), t["requests"], t["tokens"] / max(1, t["nfe"]))
+            self._last_log, self._logged = now, dict(t)
 
     # ------------------------------------------------------------------------------ the step
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
