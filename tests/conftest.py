@@ -24,3 +24,16 @@ def tiny_checkpoints(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("ckpt")
     return {f: make_tiny_checkpoint(f, root / f, tokenizer_dir, seed=i) for i, f in enumerate(FAMILIES)}
+
+
+@pytest.fixture(scope="module")
+def in_process_vllm():
+    """Run vLLM's engine core in the test process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): faster start, and
+    ``collective_rpc`` reaches the worker directly."""
+    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    yield
+    if old is None:
+        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    else:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old

@@ -8,7 +8,6 @@ its exact block cache. Also: requests joining and leaving between steps, per-req
 sampling determinism, and the errors users get for bad configs and unsupported requests.
 """
 
-import os
 
 import pytest
 import torch
@@ -22,15 +21,7 @@ from vllm.exceptions import VLLMValidationError  # noqa: E402
 METHODS = ("static", "confidence", "localleap", "lopa", "freedave", "spiffy", "psd")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_process_engine():
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    if old is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+pytestmark = pytest.mark.usefixtures("in_process_vllm")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ model's output but the last, computed by vLLM's own scheduler, paged KV cache an
 the prompt's prefill forward of the plugin's dLLM runner.
 """
 
-import os
 import shutil
 
 import pytest
@@ -21,15 +20,7 @@ PROMPTS = [[1, 3, 17, 45, 99, 120, 7, 8, 9, 300, 301, 2, 2, 5, 60, 61, 62],  # s
            [1, 3, 50, 60], [1, 4, 200, 201, 202, 203, 204, 205, 206, 207]]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _in_process_engine():
-    old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    yield
-    if old is None:
-        os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
-    else:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+pytestmark = pytest.mark.usefixtures("in_process_vllm")
 
 
 def _engine_rows(path, prompts):
