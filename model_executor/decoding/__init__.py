@@ -44,7 +44,8 @@ def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: f
     if method == "spiffy":
         if graph is None:
             raise ValueError("method 'spiffy' needs a draft graph (config field 'graph': a path from psd calibrate)")
-        return SpiffyDecoder(block, mask_id, base_step(policy, threshold), graph, budget=budget)
+        return SpiffyDecoder(block, mask_id, base_step(policy, threshold), graph, budget=budget,
+                             max_commit=1 if policy == "static" else None)
     if method == "lopa":
         return LoPADecoder(block, mask_id, make_policy(policy, **knobs), branches=branches)
     return PSDDecoder(block, mask_id, make_policy(policy, **knobs), dag or DraftDAG.nested(depth))

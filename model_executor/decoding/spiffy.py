@@ -17,11 +17,12 @@ Spiffy §4 (docs/paper-notes-spiffy-freedave.md):
 - Dynamic pruning (§4.4.4, Eqs. 12-14): every instantiated draft gets
   score = GM(localScore, childScore), localScore = geometric mean of its tokens' probabilities p_ij under
   ``q``, childScore = GM of its (instantiated) children's localScores (a leaf: its localScore); the top D*
-  are forwarded, taken in score order but only while the pruned graph stays connected: a node enters if
-  it is level 1 or one of its parents is already in (Eq. 24's connectivity, applied to pruning). A choice:
-  §4.4.4 says "top-D*" only, but a level-k draft can be reused only after a draft one step shallower on
-  its chain was accepted, so an unconnected deep draft is a wasted canvas (the cause of the poor d=3 point
-  of the first Pareto run: its 9-node graph's top-3 scores were often deep nodes without their parents).
+  are forwarded, taken in score order but skipping drafts that cannot be reached: a draft that adds more
+  positions than one base step can commit (static: 1) can only be reused after a shallower draft on its
+  chain was accepted, so it enters only if one of its parents is already in (Eq. 24's connectivity,
+  applied to pruning). A choice: §4.4.4 says "top-D*" only; without it the first Pareto run's d=3 graph
+  (9 nodes, static base) often forwarded deep drafts without their parents (TPF 0.96 instead of 1.41).
+  For the confidence base any draft may be the very next state, so nothing is skipped.
 
 Choices the paper leaves open, made here: a draft must extend the current state (agree on every decoded
 position, decode more); drafts that fill the whole block are kept for acceptance but need no forward;
@@ -131,9 +132,10 @@ def _extends(draft: torch.Tensor, state: torch.Tensor, mask_id: int) -> bool:
 
 class SpiffyDecoder(BlockDecoder):
     def __init__(self, block, mask_id, next_state: Callable[[torch.Tensor, Prediction], torch.Tensor],
-                 graph: DraftGraph, budget: int = 3):
+                 graph: DraftGraph, budget: int = 3, max_commit: int | None = None):
         super().__init__(block, mask_id)
         self.next_state, self.graph, self.budget = next_state, graph, budget
+        self.max_commit = max_commit  # most positions one base step commits (static: 1; None: unbounded)
         self.kids = graph.children()
         self.max_j = max(j for n in graph.nodes for _, j in n.formula)
         self.q: tuple[torch.Tensor, Prediction] | None = None  # (Y_q, q): the last commit's state and prediction
@@ -168,7 +170,9 @@ class SpiffyDecoder(BlockDecoder):
             if len(chosen) == self.budget:
                 break
             node = self.graph.nodes[k]
-            if node.level == 1 or admitted.intersection(node.parents):
+            added = int((d != self.mask_id).sum()) - int((self.state != self.mask_id).sum())
+            direct = self.max_commit is None or added <= self.max_commit
+            if direct or admitted.intersection(node.parents):
                 chosen.append((k, d, s))
                 admitted.add(k)
         return chosen
