@@ -21,8 +21,10 @@ What runs where: this runner subclasses the V1 ``CPUModelRunner`` (CPU, and what
 
 Choices: the first forward of a request is vLLM's prompt prefill (no canvas yet; counted in
 ``model_calls``, not in NFE, as the PSD paper counts decoding forwards). For block-causal models (SDAR) its
-K/V of the prompt's finished attention blocks is exact and reused. After a preemption the prompt and
-committed tokens are re-prefilled by vLLM and the block's decoder continues where it was.
+K/V of the prompt's finished attention blocks is exact and reused. After a preemption vLLM re-prefills the
+prompt and committed tokens and the block's decoder continues where it was; with the prefix cache the
+block's first forward is run once more first (:meth:`DLLMModelRunner._rebuild_step`), so the outputs stay
+those of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class _Step:
     first_row: int  # row of the block's first prediction inside a segment
     block_len: int
     extra_slots: int
+    rebuild: bool = False  # re-forwards the block's first step only to restore the prefix K/V (after preemption)
 
 
 @dataclass
@@ -87,6 +90,7 @@ class _Request:
     step: _Step | None = None
     recorded: bool = False
     ignore_eos: bool = False
+    pending: _Step | None = None  # the step to resume with once a rebuild step has run
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -165,6 +169,14 @@ class DLLMModelRunner(CPUModelRunner):
             extra = max(0, pages * page - (w0 + K * S))
         return _Step(w0, S, K, drafts, b0 - self.shift - w0, b1 - b0, extra)
 
+    def _rebuild_step(self, r: _Request) -> _Step:
+        """The block's first forward again (all of it masked): its prefix K/V is what the later steps of the
+        block were computed against (prefix cache), so forwarding it restores exactness after a preemption.
+        Its logits are not used and it is not counted in NFE."""
+        b0, b1 = r.blocks[r.blk]
+        return _Step(0, r.total, 1, [self.spec.mask_token_id] * (r.total - b0), b0 - self.shift, b1 - b0, 0,
+                     rebuild=True)
+
     def _on_request_state_removed(self, req_id, req_state) -> None:
         r = self.dllm.pop(req_id, None)
         self._held_prompt_logprobs.pop(req_id, None)
@@ -201,6 +213,10 @@ class DLLMModelRunner(CPUModelRunner):
         bt = self.input_batch.block_table[0]
         page = bt.block_size
         segments, rows, plan, detached = [], [], {}, False
+        for rid in scheduler_output.scheduled_cached_reqs.resumed_req_ids:  # back from a preemption
+            r = self.dllm.get(rid)
+            if r is not None and r.dec is not None and self.psd.cache == "prefix" and not r.fresh and r.pending is None:
+                r.pending, r.step = r.step, None  # vLLM re-prefilled without the masks: rebuild the prefix first
         for i, rid in enumerate(self.input_batch.req_ids):
             q0, q1 = int(qsl[i]), int(qsl[i + 1])
             nc = int(self.input_batch.num_computed_tokens_cpu[i])
@@ -260,7 +276,11 @@ class DLLMModelRunner(CPUModelRunner):
         for i, rid in enumerate(self.input_batch.req_ids):
             r = self._request(rid)
             emit: list[int] = []
-            if i in self._plan:
+            if i in self._plan and r.step.rebuild:  # the prefix K/V is as the block's first step left it
+                b0, _ = r.blocks[r.blk]
+                r.cached = b0 - self.shift
+                r.step, r.pending = r.pending, None
+            elif i in self._plan:
                 st = r.step
                 L = st.block_len
                 r.dec.update([logits[j: j + L] for j in self._plan[i]])
@@ -284,8 +304,11 @@ class DLLMModelRunner(CPUModelRunner):
                 # vLLM's prefill wrote exact K/V for the prompt's finished attention blocks
                 r.cached = r.prompt_len // self.spec.block_size * self.spec.block_size
             if r.dec is not None and r.step is None:
-                rs = self.requests[rid]
-                r.step = self._propose(r, list(rs.prompt_token_ids) + list(rs.output_token_ids) + emit)
+                if r.pending is not None:
+                    r.step = self._rebuild_step(r)
+                else:
+                    rs = self.requests[rid]
+                    r.step = self._propose(r, list(rs.prompt_token_ids) + list(rs.output_token_ids) + emit)
             outs.append(emit)
             drafts.append(list(r.step.drafts) if r.dec is not None else [])
             rfs.append(r.step.rf if r.dec is not None else 0)

@@ -222,3 +222,29 @@ def test_ar_model_with_psd_and_dllm_with_other_method():
 def test_sdar_block_size_must_be_the_models(tiny_checkpoints):
     with pytest.raises(ValueError, match="block_size 8.*allowed: 4"):
         _llm(tiny_checkpoints["sdar"], block_size=8)
+
+
+@pytest.mark.parametrize("family", ("llada", "sdar"))
+def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, family):
+    """A KV cache of 24 pages forces vLLM to preempt and resume requests; outputs stay the reference's."""
+    from vllm import LLM, SamplingParams
+
+    from psd_plugin.scheduler import DLLMScheduler
+
+    preempted = []
+    original = DLLMScheduler._preempt_request
+    monkeypatch.setattr(DLLMScheduler, "_preempt_request",
+                        lambda self, *a, **k: (preempted.append(1), original(self, *a, **k))[1])
+    path, prompts = (DEFAULT_DLLM, heldout_prompts) if family == "llada" else (tiny_checkpoints["sdar"],
+                                                                                random_prompts * 3)
+    engine = ReferenceEngine.from_pretrained(path)
+    ref = engine.generate(prompts, max_tokens=32, method="psd", block_size=engine.spec.block_size or 8)
+    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, num_gpu_blocks_override=24,
+              speculative_config={"method": "psd", "decoding": "psd"})
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0),
+                            use_tqdm=False)
+    finally:
+        del llm
+    assert preempted, "the test did not force a preemption"
+    assert [list(o.outputs[0].token_ids) for o in outs] == [r.token_ids for r in ref]
