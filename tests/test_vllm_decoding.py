@@ -119,13 +119,14 @@ def test_random_dream_and_sdar_match_reference(tiny_checkpoints, random_prompts,
     _check_parity(tiny_checkpoints[family], random_prompts, method, max_tokens=20)
 
 
-def test_continuous_batching_and_per_request_max_tokens(heldout_prompts):
-    """max_num_seqs 3: requests join and leave between steps; each request has its own max_tokens."""
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_continuous_batching_and_per_request_max_tokens(heldout_prompts, max_num_seqs):
+    """max_num_seqs 1 (batch size 1) and 3 (requests join and leave between steps); per-request max_tokens."""
     from vllm import LLM, SamplingParams
 
     ref_engine = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
     lengths = [8 + 5 * (i % 5) for i in range(len(heldout_prompts))]
-    llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_num_seqs=3,
+    llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_num_seqs=max_num_seqs,
               speculative_config={"method": "psd", "decoding": "psd", "depth": 3})
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts],
