@@ -147,7 +147,8 @@ def cmd_generate(args) -> int:
     from .evaluate import decode_answer, encode
 
     texts = _read_prompts(args)
-    engine, tok, kw, _ = _setup(args)
+    engine, tok, kw, method = _setup(args)
+    where = f"{'vLLM' if type(engine).__name__ == 'VLLMEngine' else 'reference engine'}, {method}"
     prompts = [encode(tok, t, chat=not args.raw) for t in texts]
     t0 = time.perf_counter()
     results = engine.generate(prompts, **kw)
@@ -160,7 +161,7 @@ def cmd_generate(args) -> int:
                               "finish_reason": res.finish_reason, **({"stats": res.stats} if res.stats else {}),
                               "seconds": round(res.seconds or dt / len(results), 4)}))
         else:
-            print(f"> {text}\n{answer}\n[{len(res.token_ids)} tokens, {res.nfe} forwards, TPF {res.tpf:.2f}]")
+            print(f"> {text}\n{answer}\n[{where}: {len(res.token_ids)} tokens, {res.nfe} forwards, TPF {res.tpf:.2f}]")
     getattr(engine, "close", lambda: None)()
     return 0
 
