@@ -47,6 +47,24 @@ def step_segments() -> list[Segment] | None:
     return _STEP_SEGMENTS
 
 
+@dataclass(frozen=True)
+class PrivatePages:
+    """Where the extra canvases of one request keep their K/V: canvas ``k >= 1`` of ``seg_len`` tokens
+    forwarded from position ``rf`` uses the request's pages ``first + (k - 1) * per_canvas`` onwards (past
+    the pages canvas 0 writes); ``extra_slots`` is what the request must reserve beyond its scheduled tokens."""
+
+    first: int
+    per_canvas: int
+    extra_slots: int
+
+    @classmethod
+    def plan(cls, rf: int, seg_len: int, n_canvases: int, page: int) -> "PrivatePages":
+        per_canvas = (rf % page + seg_len + page - 1) // page  # continues the prefix's last partial page
+        first = (rf + seg_len - 1) // page + 1
+        needed = (first + (n_canvases - 1) * per_canvas) * page
+        return cls(first, per_canvas, max(0, needed - (rf + n_canvases * seg_len)) if n_canvases > 1 else 0)
+
+
 def split_block_causal(segments: list[Segment], block_size: int) -> list[Segment]:
     """Block-causal attention (SDAR) as non-causal sub-segments: rows of attention block ``j`` see keys up
     to the end of block ``j`` (``seq_len_j = last position in the sub-segment + 1``)."""

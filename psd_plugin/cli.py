@@ -148,7 +148,9 @@ def cmd_generate(args) -> int:
 
     texts = _read_prompts(args)
     engine, tok, kw, method = _setup(args)
-    where = f"{'vLLM' if type(engine).__name__ == 'VLLMEngine' else 'reference engine'}, {method}"
+    from .vllm_engine import VLLMEngine  # imports vLLM lazily: fine without it
+
+    where = f"{'vLLM' if isinstance(engine, VLLMEngine) else 'reference engine'}, {method}"
     prompts = [encode(tok, t, chat=not args.raw) for t in texts]
     t0 = time.perf_counter()
     results = engine.generate(prompts, **kw)

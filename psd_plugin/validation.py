@@ -39,8 +39,8 @@ def step_span(cfg: PSDSpeculativeConfig, prompt_len: int, max_tokens: int, page:
         S, fresh = M + 1, P + M
     else:  # block: uncached finished tokens + the current block
         S, fresh = 2 * cfg.block_size + P % cfg.block_size, 0
-    # private pages of the extra canvases (psd_plugin.worker._propose): at most one page of rounding for
-    # canvas 0, plus per extra canvas its length and two pages of rounding
+    # private pages of the extra canvases (attention_backends.segments.PrivatePages): at most one page of
+    # rounding for canvas 0 plus two per extra canvas, wherever the window starts
     extra = (2 * K - 1) * page if K > 1 else 0
     span = max(P + M, P + M + (K - 1) * S + extra)
     return span, max(fresh, K * S)

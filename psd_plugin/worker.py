@@ -40,7 +40,7 @@ from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput, SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-from attention_backends.segments import Segment, set_step_segments
+from attention_backends.segments import PrivatePages, Segment, set_step_segments
 from model_executor.block_schedule import cached_after_step, plan_blocks, window
 from model_executor.decoding import BlockDecoder, make_decoder, merge_stats
 from model_executor.models.configs import ArchSpec
@@ -161,12 +161,7 @@ class DLLMModelRunner(CPUModelRunner):
         for c in canvases[1:]:
             drafts += recomputed + c.tolist() + trailing
         S, K = w1 - w0, len(canvases)
-        extra = 0
-        if K > 1:
-            page = self.input_batch.block_table[0].block_size
-            m = (w0 % page + S + page - 1) // page
-            pages = (w0 + S - 1) // page + 1 + (K - 1) * m
-            extra = max(0, pages * page - (w0 + K * S))
+        extra = PrivatePages.plan(w0, S, K, self.input_batch.block_table[0].block_size).extra_slots
         return _Step(w0, S, K, drafts, b0 - self.shift - w0, b1 - b0, extra)
 
     def _rebuild_step(self, r: _Request) -> _Step:
@@ -232,24 +227,22 @@ class DLLMModelRunner(CPUModelRunner):
             starts = [q0]
             if st.n_canvases > 1:
                 detached = True
-                row = bt.block_table.np[i]
-                f, o = st.rf // page, st.rf % page
-                m = (o + S + page - 1) // page
-                first_free = (st.rf + S - 1) // page + 1
-                if first_free + (st.n_canvases - 1) * m > int(bt.num_blocks_per_row[i]):
+                row = [int(p) for p in bt.block_table.np[i, : int(bt.num_blocks_per_row[i])]]
+                f = st.rf // page
+                lay = PrivatePages.plan(st.rf, S, st.n_canvases, page)
+                if lay.first + (st.n_canvases - 1) * lay.per_canvas > len(row):
                     raise RuntimeError(f"request {rid}: {st.n_canvases} canvases need more KV pages than reserved")
                 pos = torch.arange(st.rf, st.rf + S)
                 for k in range(1, st.n_canvases):
-                    private = [int(p) for p in row[first_free + (k - 1) * m: first_free + k * m]]
-                    if o:  # the prefix's last partial page, continued by this canvas
-                        self._copy_page(int(row[f]), private[0])
-                    pages = [int(p) for p in row[:f]] + private
+                    private = row[lay.first + (k - 1) * lay.per_canvas: lay.first + k * lay.per_canvas]
+                    if st.rf % page:  # the prefix's last partial page, continued by this canvas
+                        self._copy_page(row[f], private[0])
+                    pages = row[:f] + private
                     qk = q0 + k * S
                     self.positions[qk: qk + S] = pos
-                    slots = torch.tensor([pages[p // page] * page + p % page for p in pos.tolist()])
-                    bt.slot_mapping.gpu[qk: qk + S] = slots.to(bt.slot_mapping.gpu.dtype)
-                    if bt.slot_mapping.cpu is not bt.slot_mapping.gpu:
-                        bt.slot_mapping.cpu[qk: qk + S] = slots.to(bt.slot_mapping.cpu.dtype)
+                    slots = torch.tensor(pages)[pos // page] * page + pos % page
+                    for buf in {id(b): b for b in (bt.slot_mapping.gpu, bt.slot_mapping.cpu)}.values():
+                        buf[qk: qk + S] = slots.to(buf.dtype)
                     segments.append(Segment(i, qk, qk + S, st.rf + S, tuple(pages)))
                     starts.append(qk)
             plan[i] = []
