@@ -1,137 +1,117 @@
-"""Attention of new tokens over a paged prefix plus themselves, under a per-request mask: plain PyTorch.
+"""The PyTorch prefix attention backend: runs on any device and dtype, and is what CI tests.
 
-The operation draft verification needs (issue "attention_backends"): request ``r`` has a cached prefix of
-``prefix_lens[r]`` tokens in a paged KV cache and ``n_r`` new tokens (one or more draft canvases, a token
-tree, an SDAR block...). Every new token sees the whole prefix; among the new tokens a mask decides:
+Per layer it computes two attentions and merges them by their log-sum-exp (FlashInfer's ``merge_state``):
 
-- ``bidirectional``: all of them (one canvas);
-- ``causal``: earlier ones (by row order);
-- ``block_causal``: those whose attention block ``position // block_size`` is not later (SDAR);
-- ``custom``: a boolean ``[n_r, n_r]`` matrix per request (DAG of draft canvases: each canvas sees itself;
-  token trees: each token sees its ancestors), given packed as FlashInfer packs ``custom_mask``.
+1. *prefix*: the new rows of each request over its cached prefix, gathered from the pages once per request
+   (one gather per layer for the whole batch: ``[R, max_prefix]`` slots), however many canvases it has;
+2. *new tokens*: each segment's rows over the segment's own rows, under the plan's mask kind, padded to
+   ``[S, max_seg_len]``; a DAG of canvases costs ``sum n_s^2`` scores, not ``(sum n_s)^2``.
 
-The prefix is gathered once per request (not once per canvas) and the two parts are merged by their
-log-sum-exp (FlashInfer's ``merge_state``), so a request with K canvases costs one prefix gather. Layout
-of the cache: ``[num_pages, page_size, num_kv_heads, head_dim]`` for K and V (FlashInfer's ``NHD``).
-Grouped-query attention: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
-
-This is the reference that runs anywhere (CPU CI, GPUs); a FlashInfer path with the same signature is the
-fast GPU implementation (not built yet).
+Scores accumulate in float32 (float64 for float64 inputs: the exactness path). A row with no visible key
+(a padded row) contributes nothing rather than NaN. All index tensors and masks are built in ``plan`` so
+``run`` is a handful of batched tensor ops per layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 
-MaskKind = Literal["bidirectional", "causal", "block_causal", "custom"]
+from .prefix_attention import AttentionPlan
 
 
-@dataclass
-class PagedKV:
-    """A paged KV cache and, per request, its pages (``block_table``) and cached length (``prefix_lens``)."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [B, L, H, D]`` over ``k, v [B, S, Hkv, D]`` with ``mask [B, L, S]`` (True = attend) or None.
 
-    k_cache: torch.Tensor  # [num_pages, page_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor
-    block_table: torch.Tensor  # [num_requests, max_pages] int
-    prefix_lens: torch.Tensor  # [num_requests] int
-
-    def gather(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V of request ``r``'s prefix: ``[prefix_len, num_kv_heads, head_dim]`` each."""
-        n = int(self.prefix_lens[r])
-        page = self.k_cache.shape[1]
-        pages = self.block_table[r, : (n + page - 1) // page].long()
-        k = self.k_cache[pages].flatten(0, 1)[:n]
-        v = self.v_cache[pages].flatten(0, 1)[:n]
-        return k, v
-
-
-def pack_mask(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pack per-request boolean masks as FlashInfer does: row-major bits, little-endian within a byte.
-
-    Returns ``(packed uint8, mask_indptr)``; request ``r``'s bits start at byte ``mask_indptr[r]``.
+    Returns the output ``[B, L, H, D]`` and log-sum-exp ``[B, L, H]`` (natural log), in the accumulation
+    dtype. Grouped-query attention: head ``h`` reads KV head ``h // (H // Hkv)``.
     """
-    chunks, indptr = [], [0]
-    for m in masks:
-        bits = m.flatten().to(torch.uint8)
-        pad = (-bits.numel()) % 8
-        bits = torch.cat([bits, bits.new_zeros(pad)]).view(-1, 8)
-        chunks.append((bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8))
-        indptr.append(indptr[-1] + chunks[-1].numel())
-    return torch.cat(chunks), torch.tensor(indptr)
-
-
-def unpack_mask(packed: torch.Tensor, indptr: torch.Tensor, r: int, n: int) -> torch.Tensor:
-    """Request ``r``'s ``[n, n]`` boolean mask from :func:`pack_mask`'s output."""
-    b = packed[int(indptr[r]): int(indptr[r + 1])]
-    bits = (b[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
-    return bits.flatten()[: n * n].view(n, n).bool()
+    B, L, H, D = q.shape
+    Hkv = k.shape[2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    s = torch.einsum("blkgd,bskd->bkgls", q.view(B, L, Hkv, H // Hkv, D).to(acc), k.to(acc)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask[:, None, None], float("-inf"))
+    lse = torch.logsumexp(s, -1)  # [B, Hkv, G, L]
+    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # a row with no visible key contributes nothing
+    o = torch.einsum("bkgls,bskd->blkgd", p, v.to(acc)).reshape(B, L, H, D)
+    return o, lse.permute(0, 3, 1, 2).reshape(B, L, H)
 
 
 def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
-    """Combine two attention outputs over disjoint key sets from their log-sum-exps (``[T, H]``)."""
+    """Attention over the union of two disjoint key sets from the parts' outputs ``[..., H, D]`` and
+    log-sum-exps ``[..., H]``."""
     lse = torch.logaddexp(lse1, lse2)
-    return o1 * torch.exp(lse1 - lse)[..., None] + o2 * torch.exp(lse2 - lse)[..., None]
+    w1 = torch.exp(lse1 - lse).nan_to_num(0.0)[..., None]
+    w2 = torch.exp(lse2 - lse).nan_to_num(0.0)[..., None]
+    return o1 * w1 + o2 * w2
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, mask: torch.Tensor | None):
-    """Output and log-sum-exp of ``q [T, H, D]`` over ``k, v [S, Hkv, D]`` (``mask [T, S]`` bool or None)."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # accumulate in at least float32
-    s = torch.einsum("thd,shd->hts", q.to(acc), k.to(acc)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask[None], float("-inf"))
-    lse = torch.logsumexp(s, -1)  # [H, T]
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # a row with no visible key contributes nothing
-    o = torch.einsum("hts,shd->thd", p, v.to(acc))
-    return o, lse.transpose(0, 1)
+def _padded_index(indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[G, max_len]`` row ids of each group's rows (0 where padded) and the validity mask."""
+    lens = indptr[1:] - indptr[:-1]
+    n = int(lens.max()) if lens.numel() else 0
+    j = torch.arange(n)
+    valid = j < lens[:, None]
+    return torch.where(valid, indptr[:-1, None] + j, torch.zeros_like(j)), valid
 
 
-def new_token_mask(kind: MaskKind, n: int, positions: torch.Tensor | None = None, block_size: int = 0,
-                   custom: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The ``[n, n]`` visibility among one request's new tokens (None = all visible)."""
-    if kind == "bidirectional":
-        return None
-    if kind == "causal":
-        return torch.ones(n, n, dtype=torch.bool).tril()
-    if kind == "block_causal":
-        if positions is None or block_size <= 0:
-            raise ValueError("block_causal needs positions and block_size > 0")
-        blk = positions // block_size
-        return blk[None, :] <= blk[:, None]
-    if kind == "custom":
-        if custom is None or custom.shape != (n, n):
-            raise ValueError(f"custom mask must be [{n}, {n}] bool")
-        return custom.bool()
-    raise ValueError(f"mask kind {kind!r}; allowed: bidirectional, causal, block_causal, custom")
+class TorchPrefixAttention:
+    name = "torch"
 
+    def plan(self, plan: AttentionPlan, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+             scale: float | None = None, device: torch.device | str | None = None) -> None:
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        dev = torch.device(device) if device is not None else plan.block_table.device
+        self.geom = (num_heads, num_kv_heads, head_dim)
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.T = plan.num_tokens
+        # prefix part: request rows padded [R, Lq]; prefix slots [R, P]
+        has = plan.prefix_lens > 0
+        self.req = has.nonzero().flatten()
+        q_idx, q_ok = _padded_index(plan.qo_indptr)
+        self.pq_idx = q_idx[self.req].to(dev)
+        self.pq_ok = q_ok[self.req].to(dev)
+        slots = plan.prefix_slots()[self.req]
+        self.p_slots = slots.to(dev)
+        P = slots.shape[1]
+        self.p_mask = (torch.arange(P) < plan.prefix_lens[self.req, None]).to(dev)[:, None, :]  # [R', 1, P]
+        # new-token part: segment rows padded [S, Ls] and their [S, Ls, Ls] visibility
+        s_idx, s_ok = _padded_index(plan.seg_indptr)
+        self.s_idx, self.s_ok = s_idx.to(dev), s_ok.to(dev)
+        Ls = s_idx.shape[1]
+        m = s_ok[:, None, :].expand(-1, Ls, -1).clone()  # keys: the segment's own rows
+        if plan.kind == "causal":
+            m &= torch.ones(Ls, Ls, dtype=torch.bool).tril()
+        elif plan.kind == "block_causal":
+            blk = plan.positions.cpu()[s_idx] // plan.block_size
+            m &= blk[:, None, :] <= blk[:, :, None]
+        elif plan.kind == "custom":
+            for s, cm in enumerate(plan.custom_masks):
+                m[s, : cm.shape[0], : cm.shape[0]] &= cm.cpu()
+        self.s_mask = m.to(dev)
 
-def prefix_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv: PagedKV,
-                     qo_indptr: torch.Tensor, *, kind: MaskKind = "bidirectional", scale: float | None = None,
-                     positions: torch.Tensor | None = None, block_size: int = 0,
-                     packed_mask: torch.Tensor | None = None, mask_indptr: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of every request's new tokens over its paged prefix and its new tokens (module docstring).
-
-    ``q [T, H, D]``, ``k_new, v_new [T, Hkv, D]`` are the new tokens of all requests, request ``r`` owning
-    rows ``qo_indptr[r]:qo_indptr[r + 1]``; ``positions [T]`` (block_causal); ``packed_mask, mask_indptr``
-    (custom, from :func:`pack_mask`). Returns ``[T, H, D]`` in ``q``'s dtype.
-    """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out = torch.empty_like(q)
-    for r in range(qo_indptr.numel() - 1):
-        a, b = int(qo_indptr[r]), int(qo_indptr[r + 1])
-        if a == b:
-            continue
-        custom = unpack_mask(packed_mask, mask_indptr, r, b - a) if kind == "custom" else None
-        m = new_token_mask(kind, b - a, positions[a:b] if positions is not None else None, block_size, custom)
-        o, lse = _attend(q[a:b], k_new[a:b], v_new[a:b], scale, m)
-        if int(kv.prefix_lens[r]) > 0:
-            pk, pv = kv.gather(r)
-            o_p, lse_p = _attend(q[a:b], pk, pv, scale, None)
-            o = merge_state(o_p, lse_p, o, lse)
-        out[a:b] = o.to(q.dtype)
-    return out
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor) -> torch.Tensor:
+        """``q [T, H, D]``, ``k, v [T, Hkv, D]`` (the new rows); caches ``[pages, page, Hkv, D]`` -> ``[T, H, D]``."""
+        H, Hkv, D = self.geom
+        if q.shape != (self.T, H, D) or k.shape != (self.T, Hkv, D) or v.shape != k.shape:
+            raise ValueError(f"planned for q [{self.T}, {H}, {D}] and k, v [{self.T}, {Hkv}, {D}]; got "
+                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        if k_cache.shape[2:] != (Hkv, D) or v_cache.shape != k_cache.shape:
+            raise ValueError(f"caches must be [pages, page_size, {Hkv}, {D}]; got {tuple(k_cache.shape)}, "
+                             f"{tuple(v_cache.shape)}")
+        o_new, lse_new = attend(q[self.s_idx], k[self.s_idx], v[self.s_idx], self.scale, self.s_mask)
+        acc = o_new.dtype
+        out = torch.empty(self.T, H, D, dtype=acc, device=q.device)
+        out[self.s_idx[self.s_ok]] = o_new[self.s_ok]
+        if self.req.numel():
+            lse = torch.empty(self.T, H, dtype=acc, device=q.device)
+            lse[self.s_idx[self.s_ok]] = lse_new[self.s_ok]
+            kp = k_cache.flatten(0, 1)[self.p_slots]  # [R', P, Hkv, D]: the prefix, gathered once per request
+            vp = v_cache.flatten(0, 1)[self.p_slots]
+            o_p, lse_p = attend(q[self.pq_idx], kp, vp, self.scale, self.p_mask)
+            rows = self.pq_idx[self.pq_ok]
+            out[rows] = merge_state(o_p[self.pq_ok], lse_p[self.pq_ok], out[rows], lse[rows])
+        return out.to(q.dtype)

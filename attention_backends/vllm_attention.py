@@ -17,6 +17,14 @@ block boundaries, sub-segment ``j`` ending at the last key of its block. K/V wri
 Design choice: segments instead of a dense mask, because the CPU kernel has no arbitrary masks and
 segments keep every kernel's paged fast path.
 
+How this relates to :mod:`.prefix_attention` (the issue's "vLLM path as a registered backend or through the
+model classes" choice): the vLLM path keeps vLLM's own kernels and expresses an
+:class:`~.prefix_attention.AttentionPlan` with ``bidirectional`` / ``block_causal`` segments as kernel
+segments over block-table rows (a detached canvas's row lists the shared prefix pages plus private pages,
+:class:`.segments.PrivatePages`), so the prefix is read in place, never copied. The reference engine calls
+the :mod:`.prefix_attention` backends directly; ``custom`` (tree) masks, which vLLM's kernels cannot express
+as segments, are served by those backends only.
+
 The KV-cache spec is marked ``non_causal`` (as ``PrefillPrefixLMAttention`` does) so the engine turns
 off chunked prefill and prefix caching, which assume causal attention.
 """

@@ -32,9 +32,12 @@ from typing import Callable
 
 import torch
 
+from attention_backends.prefix_attention import AttentionPlan, make_backend
+
 from .block_schedule import CACHE_MODES, cached_after_step, plan_blocks, window
 from .decoding import METHODS, BlockDecoder, make_decoder, merge_stats
-from .models.reference import ReferenceDLLM, attention_mask
+from .kv_cache import PagedKVCache
+from .models.reference import ReferenceDLLM
 
 
 @dataclass
@@ -59,8 +62,8 @@ class _Request:
     blocks: list[tuple[int, int]]  # [start, end) absolute positions of each block to decode
     block: int = 0
     nfe: int = 0
-    kv: list | None = None  # per layer (k, v) [1, H, cached_len, D]
-    cached: int = 0  # number of positions whose K/V is in ``kv``
+    seq: int = 0  # the request's sequence in the batch's paged KV cache
+    cached: int = 0  # number of leading positions whose K/V in the cache is exact
     fresh_block: bool = True  # first step of the current block
     done: bool = False
     dec: BlockDecoder | None = None  # decodes the current block
@@ -73,14 +76,20 @@ class _Request:
 class ReferenceEngine:
     """Batched block decoding with a :class:`ReferenceDLLM` (see the module docstring)."""
 
-    def __init__(self, model: ReferenceDLLM):
+    def __init__(self, model: ReferenceDLLM, attention_backend: str = "auto", page_size: int = 16):
+        """``attention_backend``: ``auto``, ``torch`` or ``flashinfer`` (:func:`attention_backends.prefix_attention.make_backend`);
+        ``page_size``: tokens per page of the paged KV cache."""
         self.model = model
         self.spec = model.spec
-        self.device = next(model.parameters()).device
+        p = next(model.parameters())
+        self.device = p.device
+        self.attn = make_backend(attention_backend, p.device, p.dtype)
+        self.page_size = page_size
+        self.kv: PagedKVCache | None = None
 
     @classmethod
-    def from_pretrained(cls, path, dtype=torch.float32, device="cpu") -> "ReferenceEngine":
-        return cls(ReferenceDLLM.from_pretrained(path, dtype=dtype, device=device))
+    def from_pretrained(cls, path, dtype=torch.float32, device="cpu", **kw) -> "ReferenceEngine":
+        return cls(ReferenceDLLM.from_pretrained(path, dtype=dtype, device=device), **kw)
 
     def default_cache(self) -> str:
         return "block" if self.spec.attention == "block_causal" else "prefix"
@@ -124,8 +133,11 @@ class ReferenceEngine:
         make_decoder(method, torch.zeros(1, dtype=torch.long), spec.mask_token_id, **knobs)  # validate knobs early
         results: list[GenerationResult | None] = [None] * len(prompts)
         for s in range(0, len(prompts), batch_size):
-            reqs = [self._new_request(i, prompts[i], max_tokens, block_size, cache) for i in
+            reqs = [self._new_request(i, prompts[i], max_tokens, block_size, cache, batch_size) for i in
                     range(s, min(len(prompts), s + batch_size))]
+            w = next(self.model.parameters())
+            self.kv = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, [r.x.numel() for r in reqs],
+                                   self.page_size, w.dtype, w.device)
             for r in reqs:
                 gen = None
                 if knobs.get("temperature", 0) > 0:
@@ -137,13 +149,15 @@ class ReferenceEngine:
                 self._step([r for r in reqs if not r.done], cache)
             for r in reqs:
                 results[r.idx] = self._result(r)
+            self.kv = None  # the batch's pages
         return results  # type: ignore[return-value]
 
     # -------------------------------------------------------------------------------- internals
-    def _new_request(self, idx, prompt, max_tokens, block_size, cache) -> _Request:
+    def _new_request(self, idx, prompt, max_tokens, block_size, cache, batch_size) -> _Request:
         x = torch.tensor(prompt + [self.spec.mask_token_id] * max_tokens, dtype=torch.long, device=self.device)
         aligned = cache == "block" or self.spec.attention == "block_causal"  # SDAR: model-aligned blocks
-        return _Request(idx, list(prompt), x, plan_blocks(len(prompt), max_tokens, block_size, aligned))
+        return _Request(idx, list(prompt), x, plan_blocks(len(prompt), max_tokens, block_size, aligned),
+                        seq=idx % batch_size)
 
     def _start_block(self, r: _Request) -> None:
         b0, b1 = r.blocks[r.block]
@@ -156,42 +170,28 @@ class ReferenceEngine:
                       shift=int(self.spec.shift_logits))
 
     def _step(self, reqs: list[_Request], cache: str) -> None:
-        items = []  # (request, window, block canvas)
+        items = []  # (request, window, block canvases, cached length after this step)
         for r in reqs:
             canv = r.dec.canvases()
             if r.fresh_block and cache == "prefix" and len(canv) != 1:
                 raise RuntimeError("a decoder must forward only its state on the first step of a block")
-            w = self._window(r, cache)
-            items += [(r, w, c) for c in canv]
-        logits, new_kv = self._forward(items, cache)
-        off = 1 if self.spec.shift_logits else 0
-        by_req: dict[int, list] = {}
-        for (r, (w0, w1), _), lg, kv in zip(items, logits, new_kv):
-            b0, b1 = r.blocks[r.block]
-            if r.idx not in by_req:  # the K/V bookkeeping reads the first canvas (the state's context)
-                by_req[r.idx] = []
-                self._keep_kv(r, cache, w0, kv)
-            # row j of ``lg`` is position w0 + j (+1 if logits are shifted)
-            by_req[r.idx].append(lg[b0 - w0 - off: b1 - w0 - off])
-        for r in reqs:
+            w0, w1 = self._window(r, cache)
+            if w0 > r.cached:
+                raise RuntimeError(f"window starts at {w0} but only {r.cached} positions are cached")
+            keep = cached_after_step(cache, r.blocks[r.block], w0, fresh=r.fresh_block, cached=r.cached,
+                                     shift=int(self.spec.shift_logits), model_block=self.spec.block_size)
+            items.append((r, (w0, w1), canv, keep))
+        logits = self._forward(items).split([r.blocks[r.block][1] - r.blocks[r.block][0]
+                                             for r, _, canv, _ in items for _ in canv])
+        i = 0
+        for r, _, canv, keep in items:
+            r.cached = keep
             r.nfe += 1
             r.fresh_block = False
-            r.dec.update(by_req[r.idx])
+            r.dec.update(list(logits[i: i + len(canv)]))
+            i += len(canv)
             if r.dec.done:
                 self._finish_block(r)
-
-    def _keep_kv(self, r: _Request, cache: str, w0: int, kv) -> None:
-        keep = cached_after_step(cache, r.blocks[r.block], w0, fresh=r.fresh_block, cached=r.cached,
-                                 shift=int(self.spec.shift_logits), model_block=self.spec.block_size)
-        if keep == r.cached:
-            return
-        if cache == "prefix":  # keep K/V of everything before the block
-            r.kv = [(k[:, :, :keep], v[:, :, :keep]) for k, v in kv]
-        else:  # block: K/V of the finished blocks (before the block's aligned start) is exact
-            new = [(k[:, :, : keep - w0], v[:, :, : keep - w0]) for k, v in kv]
-            r.kv = new if r.kv is None else [(torch.cat([pk, k], 2), torch.cat([pv, v], 2))
-                                             for (pk, pv), (k, v) in zip(r.kv, new)]
-        r.cached = keep
 
     def _finish_block(self, r: _Request) -> None:
         b0, b1 = r.blocks[r.block]
@@ -205,46 +205,37 @@ class ReferenceEngine:
             r.block += 1
             self._start_block(r)
 
-    def _forward(self, items, cache: str):
-        """One batched model call over ``(request, window, block canvas)`` items (several canvases of a
-        request share its cached prefix); returns per-item logits and new K/V."""
-        B = len(items)
-        L = max(w1 - w0 for _, (w0, w1), _ in items)
-        uses_cache = [r.kv is not None and w0 > 0 for r, (w0, _), _ in items]
-        P = max((r.cached if u else 0) for (r, _, _), u in zip(items, uses_cache))
-        dev = self.device
-        ids = torch.full((B, L), self.spec.eos_token_id, dtype=torch.long, device=dev)
-        pos = torch.zeros((B, L), dtype=torch.long, device=dev)
-        q_valid = torch.zeros((B, L), dtype=torch.bool, device=dev)
-        p_valid = torch.zeros((B, P), dtype=torch.bool, device=dev)
-        p_pos = torch.zeros((B, P), dtype=torch.long, device=dev)
-        past = None
-        if P > 0:
-            ref = next(r.kv for (r, _, _), u in zip(items, uses_cache) if u)
-            past = [(k.new_zeros(B, k.shape[1], P, k.shape[3]), v.new_zeros(B, v.shape[1], P, v.shape[3]))
-                    for k, v in ref]
-        for b, ((r, (w0, w1), canvas), u) in enumerate(zip(items, uses_cache)):
-            n = w1 - w0
-            b0, b1 = r.blocks[r.block]
-            ids[b, :n] = r.x[w0:w1]
-            ids[b, b0 - w0: b1 - w0] = canvas
-            pos[b, :n] = torch.arange(w0, w1, device=dev)
-            q_valid[b, :n] = True
-            if u:
-                c = r.cached
-                for i, (k, v) in enumerate(r.kv):
-                    past[i][0][b, :, :c] = k[0, :, :c]
-                    past[i][1][b, :, :c] = v[0, :, :c]
-                p_valid[b, :c] = True
-                p_pos[b, :c] = torch.arange(c, device=dev)
-        k_pos = torch.cat([p_pos, pos], 1)
-        k_valid = torch.cat([p_valid, q_valid], 1)
-        mask = attention_mask(self.spec, pos, k_pos, k_valid)
-        logits, kv = self.model(ids, positions=pos, past=past, mask=mask, return_kv=True)
-        out_logits = [logits[b, : w1 - w0] for b, (_, (w0, w1), _) in enumerate(items)]
-        out_kv = [[(k[b: b + 1, :, : w1 - w0], v[b: b + 1, :, : w1 - w0]) for k, v in kv]
-                  for b, (_, (w0, w1), _) in enumerate(items)]
-        return out_logits, out_kv
+    def _forward(self, items) -> torch.Tensor:
+        """One model call over every request's window, once per block canvas: the canvases of a request
+        are segments that share its cached prefix ``[0, w0)`` on the paged cache and each see only
+        themselves (:class:`~attention_backends.prefix_attention.AttentionPlan`). Stores the K/V of the
+        positions ``[w0, keep)`` of the first canvas (the state's context) and returns the logits of every
+        canvas's block rows, concatenated in item order (row ``j`` predicts block position ``j``)."""
+        dev, off = self.device, int(self.spec.shift_logits)
+        ids, pos, rows, w_slots, w_rows = [], [], [], [], []
+        qo, seg, prefix, seqs = [0], [0], [], []
+        for r, (w0, w1), canv, keep in items:
+            n, (b0, b1), start = w1 - w0, r.blocks[r.block], qo[-1]
+            toks = r.x[w0:w1].repeat(len(canv), 1)
+            toks[:, b0 - w0: b1 - w0] = torch.stack(canv)
+            ids.append(toks.flatten())
+            pos.append(torch.arange(w0, w1).repeat(len(canv)))
+            for k in range(len(canv)):
+                seg.append(seg[-1] + n)
+                rows.append(torch.arange(b0 - w0 - off, b1 - w0 - off) + start + k * n)
+            qo.append(start + len(canv) * n)
+            prefix.append(w0)
+            seqs.append(r.seq)
+            if keep > w0:  # positions [w0, keep) become exact cache
+                w_slots.append(self.kv.slots(torch.full((keep - w0,), r.seq), torch.arange(w0, keep)))
+                w_rows.append(torch.arange(keep - w0) + start)
+        positions = torch.cat(pos)
+        plan = AttentionPlan(torch.tensor(qo), torch.tensor(prefix), self.kv.block_table[seqs], self.kv.page_size,
+                             kind=self.spec.attention, seg_indptr=torch.tensor(seg), positions=positions,
+                             block_size=self.spec.block_size)
+        write = (torch.cat(w_slots).to(dev), torch.cat(w_rows).to(dev)) if w_slots else None
+        return self.model.forward_paged(torch.cat(ids), positions.to(dev), plan, self.kv, self.attn, write=write,
+                                        logits_rows=torch.cat(rows).to(dev))
 
     def _result(self, r: _Request) -> GenerationResult:
         gen = r.x[len(r.prompt):].tolist()

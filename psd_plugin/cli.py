@@ -33,6 +33,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--block-size", type=int, default=None, help="decoding block (default 8; SDAR: its attention block)")
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float32")
+    p.add_argument("--device", default="cpu", help="--engine reference: torch device (cpu, cuda, cuda:1 ...)")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto",
+                   help="--engine reference: draft-verification attention (auto: FlashInfer on CUDA with bfloat16)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -124,7 +127,7 @@ def _setup(args):
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the command's output
         engine, tok = VLLMEngine(model, args.dtype), AutoTokenizer.from_pretrained(str(model))
     else:
-        engine, tok = load(model, args.dtype)
+        engine, tok = load(model, args.dtype, args.device, args.attention_backend)
     kw = {"max_tokens": args.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
           "batch_size": cfg.batch_size}
     if dllm:

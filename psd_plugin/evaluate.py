@@ -23,8 +23,8 @@ def is_dllm(path: str | Path) -> bool:
     return json.loads((Path(path) / "config.json").read_text()).get("model_type") in CONFIG_CLASSES
 
 
-def load(path: str | Path, dtype: str = "float32"):
-    """(engine, tokenizer) for a dLLM (:class:`ReferenceEngine`) or an AR model (:class:`AREngine`)."""
+def load(path: str | Path, dtype: str = "float32", device: str = "cpu", attention_backend: str = "auto"):
+    """(engine, tokenizer) for a dLLM (:class:`ReferenceEngine`) or an AR model (:class:`AREngine`) on ``device``."""
     from transformers import AutoTokenizer
 
     from model_executor.models.configs import register_configs
@@ -38,11 +38,12 @@ def load(path: str | Path, dtype: str = "float32"):
     if cfg is not None:
         from model_executor.engine import ReferenceEngine
 
-        engine = ReferenceEngine.from_pretrained(path, dtype=DTYPES[dtype])
+        engine = ReferenceEngine.from_pretrained(path, dtype=DTYPES[dtype], device=device,
+                                                 attention_backend=attention_backend)
     else:
         from model_executor.ar_engine import AREngine
 
-        engine = AREngine.from_pretrained(path, dtype=DTYPES[dtype])
+        engine = AREngine.from_pretrained(path, dtype=DTYPES[dtype], device=device)
     tok = AutoTokenizer.from_pretrained(str(path))
     return engine, tok
 

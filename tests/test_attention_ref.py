@@ -1,83 +1,156 @@
-"""attention_backends.torch_ref: paged prefix + new tokens under each mask kind equals dense masked attention."""
+"""attention_backends: a paged prefix + segmented new tokens under every mask kind equals dense masked attention.
+
+The oracle builds, per request, the full key set ``[prefix | new tokens]`` and one dense boolean mask, and runs a
+plain softmax. Cases vary page sizes, head counts and GQA ratios, prefix lengths (0 included), segment counts
+and mask kinds, in float64 and float32. The FlashInfer backend is checked against the same oracle on CUDA
+(``gpu`` marker).
+"""
 
 import numpy as np
 import pytest
 import torch
 
-from attention_backends.torch_ref import PagedKV, merge_state, pack_mask, prefix_attention, unpack_mask
+from attention_backends.prefix_attention import AttentionPlan, make_backend, pack_mask, unpack_mask
+from attention_backends.torch_ref import TorchPrefixAttention, attend, merge_state
+
+KINDS = ["bidirectional", "causal", "block_causal", "custom"]
 
 
-def _dense(q, k, v, mask, scale):
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    s = torch.einsum("thd,shd->hts", q, k) * scale
-    s = s.masked_fill(~mask[None], float("-inf"))
-    return torch.einsum("hts,shd->thd", torch.softmax(s, -1), v)
-
-
-def _case(seed, kind, H=4, Hkv=2, D=16, page=4):
+def _case(seed, kind, H=4, Hkv=2, D=16, page=4, dtype=torch.float64, device="cpu"):
+    """A random batch: requests with prefixes on shuffled pages, each request's rows cut into segments."""
     g = torch.Generator().manual_seed(seed)
-    prefix_lens = [0, 5, 9, 12]
-    n_new = [3, 6, 8, 7]
-    num_pages = 40
-    k_cache = torch.randn(num_pages, page, Hkv, D, generator=g, dtype=torch.float64)
-    v_cache = torch.randn(num_pages, page, Hkv, D, generator=g, dtype=torch.float64)
-    perm = torch.randperm(num_pages, generator=g)
-    table = torch.zeros(len(prefix_lens), 8, dtype=torch.int32)
-    used = 0
-    for r, n in enumerate(prefix_lens):
+    R = int(torch.randint(1, 6, (1,), generator=g))
+    prefix_lens = torch.randint(0, 20, (R,), generator=g)
+    prefix_lens[0] = 0  # always a request without a prefix
+    segs_per_req = [int(torch.randint(1, 5, (1,), generator=g)) for _ in range(R)]
+    seg_lens = [int(torch.randint(1, 9, (1,), generator=g)) for _ in range(sum(segs_per_req))]
+    num_pages = int(((prefix_lens + page - 1) // page).sum()) + 3
+    k_cache = torch.randn(num_pages, page, Hkv, D, generator=g, dtype=dtype)
+    v_cache = torch.randn(num_pages, page, Hkv, D, generator=g, dtype=dtype)
+    perm, used = torch.randperm(num_pages, generator=g), 0
+    width = max(1, int((prefix_lens.max() + page - 1) // page))
+    table = torch.zeros(R, width, dtype=torch.int32)
+    for r, n in enumerate(prefix_lens.tolist()):
         m = (n + page - 1) // page
         table[r, :m] = perm[used: used + m].int()
         used += m
-    T = sum(n_new)
-    q = torch.randn(T, H, D, generator=g, dtype=torch.float64)
-    kn = torch.randn(T, Hkv, D, generator=g, dtype=torch.float64)
-    vn = torch.randn(T, Hkv, D, generator=g, dtype=torch.float64)
-    qo = torch.tensor(np.cumsum([0] + n_new))
-    positions = torch.cat([torch.arange(p, p + n) for p, n in zip(prefix_lens, n_new)])
-    masks = []
-    for r, n in enumerate(n_new):
-        if kind == "custom":  # canvases of 2-3 tokens, each sees only itself (a DAG of drafts), plus a tree edge
-            seg = torch.arange(n) // 3
-            m = seg[:, None] == seg[None, :]
-            m[-1, 0] = True
-            masks.append(m)
-    packed, indptr = pack_mask(masks) if masks else (None, None)
-    kv = PagedKV(k_cache, v_cache, table, torch.tensor(prefix_lens))
-    return q, kn, vn, kv, qo, positions, masks, packed, indptr, prefix_lens, n_new
+    seg_indptr = torch.tensor(np.cumsum([0] + seg_lens))
+    qo, i = [0], 0
+    for n in segs_per_req:
+        qo.append(int(seg_indptr[i + n]))
+        i += n
+    T = int(seg_indptr[-1])
+    q = torch.randn(T, H, D, generator=g, dtype=dtype)
+    k = torch.randn(T, Hkv, D, generator=g, dtype=dtype)
+    v = torch.randn(T, Hkv, D, generator=g, dtype=dtype)
+    positions = torch.cat([torch.arange(int(prefix_lens[r]), int(prefix_lens[r]) + qo[r + 1] - qo[r])
+                           for r in range(R)])
+    custom = None
+    if kind == "custom":  # a random tree per segment: each token sees its ancestors and itself
+        custom = []
+        for n in seg_lens:
+            m = torch.eye(n, dtype=torch.bool)
+            for j in range(1, n):
+                parent = int(torch.randint(0, j, (1,), generator=g))
+                m[j] |= m[parent]
+            custom.append(m)
+    plan = AttentionPlan(torch.tensor(qo), prefix_lens, table, page, kind=kind, seg_indptr=seg_indptr,
+                         positions=positions, block_size=3, custom_masks=custom)
+    to = lambda t: t.to(device)  # noqa: E731
+    return plan, to(q), to(k), to(v), to(k_cache), to(v_cache)
 
 
-@pytest.mark.parametrize("kind", ["bidirectional", "causal", "block_causal", "custom"])
-def test_matches_dense_attention(kind):
-    q, kn, vn, kv, qo, positions, masks, packed, indptr, prefix_lens, n_new = _case(0, kind)
-    scale = 0.3
-    out = prefix_attention(q, kn, vn, kv, qo, kind=kind, scale=scale, positions=positions, block_size=4,
-                           packed_mask=packed, mask_indptr=indptr)
-    for r, (P, n) in enumerate(zip(prefix_lens, n_new)):
-        a, b = int(qo[r]), int(qo[r + 1])
-        pk, pv = kv.gather(r)
-        k = torch.cat([pk, kn[a:b]])
-        v = torch.cat([pv, vn[a:b]])
-        pos = positions[a:b]
-        if kind == "bidirectional":
-            new = torch.ones(n, n, dtype=torch.bool)
-        elif kind == "causal":
-            new = torch.ones(n, n, dtype=torch.bool).tril()
-        elif kind == "block_causal":
-            new = (pos[None] // 4) <= (pos[:, None] // 4)
-        else:
-            new = masks[r]
-        mask = torch.cat([torch.ones(n, P, dtype=torch.bool), new], 1)
-        want = _dense(q[a:b], k, v, mask, scale)
-        assert torch.allclose(out[a:b], want, atol=1e-12), (kind, r)
+def _oracle(plan: AttentionPlan, q, k, v, k_cache, v_cache, scale):
+    """Dense attention per request over [gathered prefix | its new rows] with one explicit mask (float64)."""
+    q, k, v, k_cache, v_cache = (t.double().cpu() for t in (q, k, v, k_cache, v_cache))
+    page = plan.page_size
+    out = torch.zeros_like(q)
+    for r in range(plan.qo_indptr.numel() - 1):
+        a, b = int(plan.qo_indptr[r]), int(plan.qo_indptr[r + 1])
+        P = int(plan.prefix_lens[r])
+        idx = torch.tensor([int(plan.block_table[r, i // page]) * page + i % page for i in range(P)], dtype=torch.long)
+        keys = torch.cat([k_cache.flatten(0, 1)[idx], k[a:b]])
+        vals = torch.cat([v_cache.flatten(0, 1)[idx], v[a:b]])
+        new = torch.zeros(b - a, b - a, dtype=torch.bool)
+        for s in range(plan.seg_indptr.numel() - 1):
+            s0, s1 = int(plan.seg_indptr[s]), int(plan.seg_indptr[s + 1])
+            if a <= s0 < b:
+                sm = plan.segment_mask(s)
+                new[s0 - a: s1 - a, s0 - a: s1 - a] = True if sm is None else sm
+        mask = torch.cat([torch.ones(b - a, P, dtype=torch.bool), new], 1)
+        group = q.shape[1] // k.shape[1]
+        kk, vv = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
+        sc = torch.einsum("thd,shd->hts", q[a:b], kk) * scale
+        sc = sc.masked_fill(~mask[None], float("-inf"))
+        out[a:b] = torch.einsum("hts,shd->thd", torch.softmax(sc, -1), vv)
+    return out
 
 
-def test_gather_reads_the_right_pages():
-    _, _, _, kv, *_ = _case(1, "bidirectional")
-    k, v = kv.gather(2)
-    page = kv.k_cache.shape[1]
-    for i in range(int(kv.prefix_lens[2])):
-        assert torch.equal(k[i], kv.k_cache[kv.block_table[2, i // page], i % page])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("geom", [(4, 4, 16, 1), (4, 2, 16, 4), (8, 1, 32, 16), (6, 3, 8, 5)])
+def test_torch_backend_matches_dense_oracle(kind, geom):
+    H, Hkv, D, page = geom
+    for seed in range(4):
+        for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+            plan, q, k, v, kc, vc = _case(seed, kind, H, Hkv, D, page, dtype)
+            be = TorchPrefixAttention()
+            be.plan(plan, H, Hkv, D, dtype, scale=0.3)
+            out = be.run(q, k, v, kc, vc)
+            assert out.dtype == dtype and out.shape == q.shape
+            want = _oracle(plan, q, k, v, kc, vc, 0.3)
+            assert torch.allclose(out.double(), want, atol=tol), (kind, geom, seed, dtype)
+
+
+def test_a_canvas_ignores_the_other_canvases():
+    """Segments of one request share its prefix but not each other: changing one leaves the other alone."""
+    plan, q, k, v, kc, vc = _case(7, "bidirectional")
+    be = TorchPrefixAttention()
+    be.plan(plan, 4, 2, 16, torch.float64)
+    out = be.run(q, k, v, kc, vc)
+    s0, s1 = int(plan.seg_indptr[0]), int(plan.seg_indptr[1])
+    k2, v2 = k.clone(), v.clone()
+    k2[s1:] += 1.0
+    v2[s1:] -= 1.0
+    assert torch.equal(be.run(q, k2, v2, kc, vc)[s0:s1], out[s0:s1])
+
+
+def test_bad_plans_and_shapes_raise_clear_errors():
+    plan, q, k, v, kc, vc = _case(0, "bidirectional")
+    qo, pl, bt = plan.qo_indptr, plan.prefix_lens, plan.block_table
+    with pytest.raises(ValueError, match="mask kind 'tree'; allowed: bidirectional, causal, block_causal, custom"):
+        AttentionPlan(qo, pl, bt, 4, kind="tree")
+    with pytest.raises(ValueError, match="prefix_lens must have one entry per request"):
+        AttentionPlan(qo, pl[:-1] if pl.numel() > 1 else torch.zeros(2, dtype=torch.long), bt, 4)
+    with pytest.raises(ValueError, match="block_table has .* pages per request"):
+        AttentionPlan(qo, pl + 100, bt, 4)
+    with pytest.raises(ValueError, match="block_causal needs positions"):
+        AttentionPlan(qo, pl, bt, 4, kind="block_causal")
+    with pytest.raises(ValueError, match="custom needs one mask per segment"):
+        AttentionPlan(qo, pl, bt, 4, kind="custom", custom_masks=[])
+    n = int(qo[-1])
+    with pytest.raises(ValueError, match="must be bool"):
+        AttentionPlan(qo, pl, bt, 4, kind="custom", seg_indptr=torch.tensor([0, n]) if qo.numel() == 2 else None,
+                      custom_masks=[torch.ones(1, 1)] * (qo.numel() - 1))
+    two = torch.tensor([0, 3, 6])
+    with pytest.raises(ValueError, match="must not span two requests"):
+        AttentionPlan(two, torch.zeros(2, dtype=torch.long), torch.zeros(2, 1), 4, seg_indptr=torch.tensor([0, 4, 6]))
+    be = TorchPrefixAttention()
+    be.plan(plan, 4, 2, 16, torch.float64)
+    with pytest.raises(ValueError, match="planned for q"):
+        be.run(q[:, :2], k, v, kc, vc)
+    with pytest.raises(ValueError, match="caches must be"):
+        be.run(q, k, v, kc[..., :8], vc[..., :8])
+    with pytest.raises(ValueError, match="num_heads 4 must be a multiple of num_kv_heads 3"):
+        be.plan(plan, 4, 3, 16, torch.float64)
+
+
+def test_backend_choice():
+    assert make_backend("auto", "cpu").name == "torch"
+    assert make_backend("torch").name == "torch"
+    with pytest.raises(ValueError, match="attention backend 'triton'; allowed: auto, torch, flashinfer"):
+        make_backend("triton")
+    with pytest.raises(ValueError, match="needs a CUDA device and float16/bfloat16"):
+        make_backend("flashinfer", "cpu", torch.float32)
 
 
 def test_pack_mask_round_trip_and_bit_order():
@@ -86,19 +159,47 @@ def test_pack_mask_round_trip_and_bit_order():
     packed, indptr = pack_mask(masks)
     for r, m in enumerate(masks):
         assert torch.equal(unpack_mask(packed, indptr, r, m.shape[0]), m)
-    # little-endian bits within a byte, as numpy.packbits(bitorder="little") and FlashInfer's packbits
+    # little-endian bits within a byte, as numpy.packbits(bitorder="little") and FlashInfer's segment_packbits
     flat = masks[3].flatten().numpy()
     assert packed[int(indptr[3]): int(indptr[4])].tolist() == np.packbits(flat, bitorder="little").tolist()
 
 
 def test_merge_state_equals_joint_softmax():
     g = torch.Generator().manual_seed(4)
-    q = torch.randn(5, 2, 8, generator=g, dtype=torch.float64)
-    k = torch.randn(11, 2, 8, generator=g, dtype=torch.float64)
-    v = torch.randn(11, 2, 8, generator=g, dtype=torch.float64)
-    from attention_backends.torch_ref import _attend
-
-    o1, l1 = _attend(q, k[:4], v[:4], 0.5, None)
-    o2, l2 = _attend(q, k[4:], v[4:], 0.5, None)
-    o, _ = _attend(q, k, v, 0.5, None)
+    q = torch.randn(1, 5, 2, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 11, 2, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 11, 2, 8, generator=g, dtype=torch.float64)
+    o1, l1 = attend(q, k[:, :4], v[:, :4], 0.5, None)
+    o2, l2 = attend(q, k[:, 4:], v[:, 4:], 0.5, None)
+    o, _ = attend(q, k, v, 0.5, None)
     assert torch.allclose(merge_state(o1, l1, o2, l2), o, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flashinfer_matches_torch_backend(kind, dtype):
+    pytest.importorskip("flashinfer")
+    fi = make_backend("flashinfer", "cuda", dtype)
+    for geom in [(4, 4, 64, 1), (8, 2, 128, 16), (32, 8, 128, 32)]:
+        H, Hkv, D, page = geom
+        for seed in range(4):
+            plan, q, k, v, kc, vc = _case(seed, kind, H, Hkv, D, page, dtype, "cuda")
+            fi.plan(plan, H, Hkv, D, dtype)
+            got = fi.run(q, k, v, kc, vc)
+            want = _oracle(plan, q, k, v, kc, vc, D ** -0.5)
+            assert torch.allclose(got.double().cpu(), want, atol=2e-2, rtol=2e-2), (kind, geom, seed, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pack_mask_equals_flashinfer_segment_packbits():
+    fi = pytest.importorskip("flashinfer")
+    g = torch.Generator().manual_seed(5)
+    masks = [torch.rand(n, n, generator=g) > 0.5 for n in (2, 3, 7)]
+    packed, indptr = pack_mask(masks)
+    flat = torch.cat([m.flatten() for m in masks]).cuda()
+    lens = torch.tensor([0] + [m.numel() for m in masks]).cumsum(0).cuda()
+    fp, fi_indptr = fi.segment_packbits(flat, lens, bitorder="little")
+    assert fp.cpu().tolist() == packed.tolist() and fi_indptr.cpu().tolist() == indptr.tolist()

@@ -117,18 +117,34 @@ def test_dream_logits_are_shifted(tiny_checkpoints):
 
 
 @pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
-def test_kv_cache_forward_matches_full_forward(tiny_checkpoints, family):
-    """Forwarding a suffix against cached K/V equals the full forward where the pattern makes it exact."""
+def test_paged_forward_matches_full_forward(tiny_checkpoints, family):
+    """Forwarding a suffix against paged cached K/V equals the full forward where the pattern makes it exact,
+    and two canvases of the suffix in one call (segments sharing the prefix) do not see each other."""
+    from attention_backends.prefix_attention import AttentionPlan, make_backend
+    from model_executor.kv_cache import PagedKVCache
+
     m = ReferenceDLLM.from_pretrained(tiny_checkpoints[family], dtype=torch.float64)
-    x = _ids(12, seed=1)
+    s = m.spec
+    x = _ids(12, seed=1)[0]
+    other = x.clone()
+    other[8:] = x[8:].flip(0)
+    attn = make_backend("torch")
+    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, [12], page_size=3, dtype=torch.float64)
+
+    def paged(ids, pos, prefix, segs, write=None):
+        plan = AttentionPlan(torch.tensor([0, ids.numel()]), torch.tensor([prefix]), cache.block_table[:1], 3,
+                             kind=s.attention, seg_indptr=torch.tensor(segs), positions=pos, block_size=s.block_size)
+        return m.forward_paged(ids, pos, plan, cache, attn, write=write)
+
     with torch.no_grad():
-        full = m(x)
-        _, kv = m(x[:, :8], return_kv=True)
-        part = m(x[:, 8:], past=kv)
-    if family == "sdar":  # earlier blocks never see later ones: the cache is exact
-        assert torch.allclose(part[0], full[0, 8:], atol=1e-10)
-    else:  # bidirectional: the cached prefix did not see the suffix, so only the suffix query side is exact
-        _, kv_full = m(x, return_kv=True)
-        with torch.no_grad():
-            part2 = m(x[:, 8:], past=[(k[:, :, :8], v[:, :, :8]) for k, v in kv_full])
-        assert torch.allclose(part2[0], full[0, 8:], atol=1e-10)
+        full = m(x[None])[0]
+        # exact K/V of the first 8 positions: SDAR's earlier blocks never see later ones; a bidirectional
+        # model's cached prefix must come from a forward that saw the whole sequence
+        ctx = x[:8] if family == "sdar" else x
+        first = paged(ctx, torch.arange(ctx.numel()), 0, [0, ctx.numel()],
+                      write=(cache.slots(torch.zeros(8, dtype=torch.long), torch.arange(8)), torch.arange(8)))
+        assert torch.allclose(first, full[: ctx.numel()], atol=1e-10)
+        two = paged(torch.cat([x[8:], other[8:]]), torch.arange(8, 12).repeat(2), 8, [0, 4, 8])
+        alone = paged(other[8:], torch.arange(8, 12), 8, [0, 4])
+    assert torch.allclose(two[:4], full[8:], atol=1e-10)
+    assert torch.allclose(two[4:], alone, atol=1e-10)

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention_backends.prefix_attention import AttentionPlan, PrefixAttention
+
+from ..kv_cache import PagedKVCache
 from .configs import ArchSpec, CONFIG_CLASSES
 from .weights import load_checkpoint
-
-KVCache = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v): [B, H_kv, T, D]
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -57,32 +57,25 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, L, D]; cos/sin: [B, L, D]."""
+    """x: [B, L, H, D]; cos/sin: [B, L, D]."""
     xf = x.to(cos.dtype)
     x1, x2 = xf.chunk(2, dim=-1)
     rot = torch.cat([-x2, x1], dim=-1)
-    return (xf * cos[:, None] + rot * sin[:, None]).to(x.dtype)
+    return (xf * cos[:, :, None] + rot * sin[:, :, None]).to(x.dtype)
 
 
-def attention_mask(spec: ArchSpec, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                   k_valid: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Boolean mask [B, 1, Lq, Lk] (True = attend) for the family's attention pattern.
+def attention_mask(spec: ArchSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
+    """Boolean mask [B, 1, Lq, Lk] (True = attend) for the family's attention pattern (None: attend everywhere).
 
-    ``q_pos``/``k_pos`` are absolute positions [B, L]; ``k_valid`` marks real (non-padding) keys.
-    Bidirectional models see every valid key; SDAR sees keys in its own or an earlier block; causal
-    models see keys at or before the query position.
+    ``q_pos``/``k_pos`` are absolute positions [B, L]. Bidirectional models see every key; SDAR sees keys in
+    its own or an earlier block; causal models see keys at or before the query position.
     """
     if spec.attention == "bidirectional":
-        m = None
-    elif spec.attention == "block_causal":
+        return None
+    if spec.attention == "block_causal":
         bs = spec.block_size
-        m = (k_pos[:, None, :] // bs) <= (q_pos[:, :, None] // bs)
-    else:
-        m = k_pos[:, None, :] <= q_pos[:, :, None]
-    if k_valid is not None:
-        kv = k_valid[:, None, :].expand(q_pos.shape[0], q_pos.shape[1], k_pos.shape[1])
-        m = kv if m is None else (m & kv)
-    return None if m is None else m[:, None]
+        return ((k_pos[:, None, :] // bs) <= (q_pos[:, :, None] // bs))[:, None]
+    return (k_pos[:, None, :] <= q_pos[:, :, None])[:, None]
 
 
 class Layer(nn.Module):
@@ -103,28 +96,39 @@ class Layer(nn.Module):
         self.up = nn.Linear(h, spec.intermediate_size, bias=False)
         self.down = nn.Linear(spec.intermediate_size, h, bias=False)
 
-    def forward(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None):
+    def _qkv(self, x, cos, sin):
+        """q [B, L, H, D] and k, v [B, L, Hkv, D] of ``x [B, L, hidden]``, q/k-normed (SDAR) and rotated."""
         s = self.spec
         B, L, _ = x.shape
         h = self.attn_norm(x)
-        q = self.q(h).view(B, L, s.num_heads, s.head_dim).transpose(1, 2)
-        k = self.k(h).view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        v = self.v(h).view(B, L, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        q = self.q(h).view(B, L, s.num_heads, s.head_dim)
+        k = self.k(h).view(B, L, s.num_kv_heads, s.head_dim)
+        v = self.v(h).view(B, L, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        new_kv = (k, v)
-        if past is not None:
-            k = torch.cat([past[0], k], dim=2)
-            v = torch.cat([past[1], v], dim=2)
-        rep = s.num_heads // s.num_kv_heads
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + self.o(a.transpose(1, 2).reshape(B, L, -1))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _rest(self, x, a):
+        """Output projection of the attention ``a [..., H * D]``, residual, and the MLP block."""
+        x = x + self.o(a)
         h = self.mlp_norm(x)
-        x = x + self.down(F.silu(self.gate(h)) * self.up(h))
-        return x, new_kv
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    def forward(self, x, cos, sin, mask):
+        """Whole sequences ``x [B, L, hidden]`` under a ``[B, 1, L, L]`` mask (training, the oracle)."""
+        B, L, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self._qkv(x, cos, sin))
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        return self._rest(x, a.transpose(1, 2).reshape(B, L, -1))
+
+    def forward_paged(self, i: int, x, cos, sin, attn, cache, write):
+        """New tokens ``x [T, hidden]`` over the paged cache through the planned ``attn`` backend; stores the
+        K/V of rows ``write[1]`` at cache slots ``write[0]`` (before attending: they never overlap a prefix)."""
+        q, k, v = (t[0] for t in self._qkv(x[None], cos[None], sin[None]))
+        if write is not None:
+            cache.write(i, write[0], k[write[1]], v[write[1]])
+        kc, vc = cache.layers[i]
+        return self._rest(x, attn.run(q, k, v, kc, vc).flatten(1))
 
 
 class ReferenceDLLM(nn.Module):
@@ -157,35 +161,41 @@ class ReferenceDLLM(nn.Module):
 
     # ---------------------------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
-                past: KVCache | None = None, mask: torch.Tensor | None | str = "auto",
-                past_valid: torch.Tensor | None = None, return_kv: bool = False):
-        """Raw outputs [B, L, V] for ``input_ids`` [B, L] placed after ``past`` (cached K/V).
+                mask: torch.Tensor | None | str = "auto") -> torch.Tensor:
+        """Raw outputs [B, L, V] of whole sequences ``input_ids`` [B, L] (training, tests, the oracle).
 
-        ``positions`` defaults to ``past_len + arange(L)``. ``mask="auto"`` builds the family's
-        pattern (:func:`attention_mask`) with ``past_valid`` [B, past_len] marking real cached keys;
-        an explicit boolean ``[B, 1, L, past_len + L]`` mask (or ``None`` = attend everywhere) is used
-        as given. With ``return_kv`` also returns the new tokens' per-layer (k, v).
+        ``positions`` defaults to ``arange(L)``; ``mask="auto"`` builds the family's pattern
+        (:func:`attention_mask`), an explicit boolean ``[B, 1, L, L]`` mask (or None = attend everywhere)
+        is used as given. Decoding with a KV cache goes through :meth:`forward_paged`.
         """
         B, L = input_ids.shape
-        P = 0 if past is None else past[0][0].shape[2]
         if positions is None:
-            positions = torch.arange(P, P + L, device=input_ids.device).expand(B, L)
+            positions = torch.arange(L, device=input_ids.device).expand(B, L)
         if isinstance(mask, str):
-            k_pos = positions if P == 0 else torch.cat(
-                [torch.arange(P, device=input_ids.device).expand(B, P), positions], 1)
-            k_valid = None
-            if past_valid is not None:
-                k_valid = torch.cat([past_valid, torch.ones(B, L, dtype=torch.bool, device=input_ids.device)], 1)
-            mask = attention_mask(self.spec, positions, k_pos, k_valid)
+            mask = attention_mask(self.spec, positions, positions)
         x = self.embed(input_ids)
         cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, x.dtype)
-        new: KVCache = []
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self._head(x)
+
+    def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
+                      cache: PagedKVCache, attn: PrefixAttention, write: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw outputs of the new tokens ``input_ids [T]`` at ``positions [T]``, laid out and masked by ``plan``
+        (shared paged prefixes, draft segments; :mod:`attention_backends.prefix_attention`), only at
+        ``logits_rows`` when given. ``write = (slots, rows)`` stores those rows' K/V in ``cache``."""
+        s = self.spec
+        x = self.embed(input_ids)
+        attn.plan(plan, s.num_heads, s.num_kv_heads, s.head_dim, x.dtype, device=x.device)
+        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, cos, sin, mask, None if past is None else past[i])
-            new.append(kv)
+            x = layer.forward_paged(i, x, cos, sin, attn, cache, write)
+        return self._head(x if logits_rows is None else x[logits_rows])
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)
-        logits = F.linear(x, self.embed.weight if self.spec.tie_embeddings else self.lm_head.weight)
-        return (logits, new) if return_kv else logits
+        return F.linear(x, self.embed.weight if self.spec.tie_embeddings else self.lm_head.weight)
 
     def token_logits(self, input_ids: torch.Tensor, **kw) -> torch.Tensor:
         """Logits aligned with the tokens (row i predicts token i), Dream's shift applied."""

@@ -1,0 +1,183 @@
+"""Attention of new tokens over a paged prefix plus themselves: the one interface both backends implement.
+
+Draft verification (LoPA branches, FreeDave / Spiffy / PSD draft canvases, PRESTO token trees) forwards
+many new tokens per request that all share the request's cached prefix but must not all see each other.
+An :class:`AttentionPlan` describes one batch of that work, once per forward (it is reused by every
+layer, like FlashInfer's ``plan``/``run`` split):
+
+- request ``r`` owns query rows ``qo_indptr[r]:qo_indptr[r + 1]`` and a cached prefix of
+  ``prefix_lens[r]`` tokens on the pages ``block_table[r]`` of a paged KV cache laid out
+  ``[num_pages, page_size, num_kv_heads, head_dim]`` (FlashInfer's ``NHD``); every new row sees the
+  whole prefix;
+- the rows of a request are cut into *segments* (``seg_indptr``; default: one segment per request). A row
+  sees only the rows of its own segment, under the mask ``kind``:
+
+  - ``bidirectional``: all of them (a draft canvas: each canvas of a request is one segment);
+  - ``causal``: those at or before it (row order);
+  - ``block_causal``: those whose attention block ``positions // block_size`` is not later (SDAR);
+  - ``custom``: an arbitrary boolean ``[n_s, n_s]`` matrix per segment (``custom_masks``): a DAG of
+    drafts or a token tree (each token sees its ancestors).
+
+A backend object is long-lived (it owns workspaces); per forward it is ``plan``-ned with the batch and the
+head geometry, then ``run`` once per layer with that layer's new ``q, k, v`` and paged cache. Backends:
+:class:`attention_backends.torch_ref.TorchPrefixAttention` (runs anywhere; what CI tests) and
+:class:`attention_backends.flashinfer_backend.FlashInferPrefixAttention` (CUDA, fp16/bf16). Both compute
+the prefix part and the new-token part separately and merge them by log-sum-exp, so the prefix is read
+once per request however many canvases it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+MaskKind = Literal["bidirectional", "causal", "block_causal", "custom"]
+MASK_KINDS = ("bidirectional", "causal", "block_causal", "custom")
+BACKENDS = ("auto", "torch", "flashinfer")
+
+
+@dataclass
+class AttentionPlan:
+    """One batch of prefix + new-token attention (module docstring). Index tensors are int64 on any device."""
+
+    qo_indptr: torch.Tensor  # [R + 1]
+    prefix_lens: torch.Tensor  # [R]
+    block_table: torch.Tensor  # [R, max_pages]
+    page_size: int
+    kind: MaskKind = "bidirectional"
+    seg_indptr: torch.Tensor | None = None  # [S + 1]; None: one segment per request
+    positions: torch.Tensor | None = None  # [T]; needed by block_causal
+    block_size: int = 0  # block_causal's attention block
+    custom_masks: list[torch.Tensor] | None = None  # kind "custom": one bool [n_s, n_s] per segment
+
+    def __post_init__(self):
+        if self.kind not in MASK_KINDS:
+            raise ValueError(f"mask kind {self.kind!r}; allowed: {', '.join(MASK_KINDS)}")
+        qo = self.qo_indptr = self.qo_indptr.long().cpu()
+        self.prefix_lens = self.prefix_lens.long().cpu()
+        R = qo.numel() - 1
+        if R < 0 or int(qo[0]) != 0 or bool((qo[1:] < qo[:-1]).any()):
+            raise ValueError("qo_indptr must start at 0 and not decrease")
+        if self.prefix_lens.shape != (R,):
+            raise ValueError(f"prefix_lens must have one entry per request ({R}), got {tuple(self.prefix_lens.shape)}")
+        if bool((self.prefix_lens < 0).any()):
+            raise ValueError("prefix_lens must be >= 0")
+        if self.page_size <= 0:
+            raise ValueError(f"page_size must be > 0 (got {self.page_size})")
+        if self.block_table.dim() != 2 or self.block_table.shape[0] != R:
+            raise ValueError(f"block_table must be [num_requests={R}, max_pages], got {tuple(self.block_table.shape)}")
+        need = int(((self.prefix_lens + self.page_size - 1) // self.page_size).max()) if R else 0
+        if need > self.block_table.shape[1]:
+            raise ValueError(f"block_table has {self.block_table.shape[1]} pages per request; a prefix needs {need}")
+        seg = qo if self.seg_indptr is None else self.seg_indptr.long().cpu()
+        if int(seg[0]) != 0 or int(seg[-1]) != int(qo[-1]) or bool((seg[1:] < seg[:-1]).any()):
+            raise ValueError("seg_indptr must run from 0 to the number of new tokens without decreasing")
+        if not bool(torch.isin(qo, seg).all()):
+            raise ValueError("a segment must not span two requests (every qo_indptr entry must be in seg_indptr)")
+        self.seg_indptr = seg
+        T = int(qo[-1])
+        if self.kind == "block_causal":
+            if self.positions is None or self.positions.shape != (T,) or self.block_size <= 0:
+                raise ValueError(f"block_causal needs positions [{T}] and block_size > 0")
+        if self.kind == "custom":
+            lens = (seg[1:] - seg[:-1]).tolist()
+            if self.custom_masks is None or len(self.custom_masks) != len(lens):
+                raise ValueError(f"custom needs one mask per segment ({len(lens)})")
+            for s, (m, n) in enumerate(zip(self.custom_masks, lens)):
+                if m.shape != (n, n) or m.dtype != torch.bool:
+                    raise ValueError(f"custom mask of segment {s} must be bool [{n}, {n}], got {m.dtype} {tuple(m.shape)}")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.qo_indptr[-1])
+
+    @property
+    def seg_lens(self) -> torch.Tensor:
+        return self.seg_indptr[1:] - self.seg_indptr[:-1]
+
+    def segment_mask(self, s: int) -> torch.Tensor | None:
+        """Visibility ``[n_s, n_s]`` among segment ``s``'s rows (None: all visible)."""
+        a, b = int(self.seg_indptr[s]), int(self.seg_indptr[s + 1])
+        if self.kind == "bidirectional":
+            return None
+        if self.kind == "causal":
+            return torch.ones(b - a, b - a, dtype=torch.bool).tril()
+        if self.kind == "block_causal":
+            blk = self.positions[a:b].cpu() // self.block_size
+            return blk[None, :] <= blk[:, None]
+        return self.custom_masks[s].cpu()
+
+    def prefix_slots(self) -> torch.Tensor:
+        """``[R, max_prefix]`` flat cache slots (``page * page_size + offset``) of each prefix, 0 past its end."""
+        P = int(self.prefix_lens.max()) if self.prefix_lens.numel() else 0
+        i = torch.arange(P)
+        pages = self.block_table.long().cpu().gather(1, (i // self.page_size).expand(self.prefix_lens.numel(), P))
+        slots = pages * self.page_size + i % self.page_size
+        return torch.where(i < self.prefix_lens[:, None], slots, torch.zeros_like(slots))
+
+
+class PrefixAttention(Protocol):
+    """What a backend provides (see the module docstring)."""
+
+    name: str
+
+    def plan(self, plan: AttentionPlan, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+             scale: float | None = None) -> None: ...
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor) -> torch.Tensor: ...
+
+
+def flashinfer_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import flashinfer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_backend(name: str = "auto", device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> PrefixAttention:
+    """The backend for ``name``: ``flashinfer`` (CUDA, fp16/bf16, ``pip install 'psd-plugin[gpu]'``),
+    ``torch`` (anywhere, any dtype), or ``auto`` (FlashInfer where it applies, else torch)."""
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r}; allowed: {', '.join(BACKENDS)}")
+    device = torch.device(device)
+    fits = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+    if name == "flashinfer" or (name == "auto" and fits and flashinfer_available()):
+        if not fits:
+            raise ValueError(f"attention backend 'flashinfer' needs a CUDA device and float16/bfloat16 "
+                             f"(got {device}, {dtype}); allowed here: torch")
+        if not flashinfer_available():
+            raise ValueError("attention backend 'flashinfer': flashinfer is not installed "
+                             "(pip install 'psd-plugin[gpu]'); allowed here: torch")
+        from .flashinfer_backend import FlashInferPrefixAttention
+
+        return FlashInferPrefixAttention(device)
+    from .torch_ref import TorchPrefixAttention
+
+    return TorchPrefixAttention()
+
+
+def pack_mask(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack per-segment boolean masks as FlashInfer's ``segment_packbits(..., bitorder="little")`` does:
+    row-major bits, little-endian within a byte, each segment starting on a byte. Returns ``(packed uint8,
+    byte indptr)``."""
+    chunks, indptr = [], [0]
+    for m in masks:
+        bits = m.flatten().to(torch.uint8).cpu()
+        bits = torch.cat([bits, bits.new_zeros((-bits.numel()) % 8)]).view(-1, 8)
+        chunks.append((bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8))
+        indptr.append(indptr[-1] + chunks[-1].numel())
+    return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8), torch.tensor(indptr)
+
+
+def unpack_mask(packed: torch.Tensor, indptr: torch.Tensor, s: int, n: int) -> torch.Tensor:
+    """Segment ``s``'s ``[n, n]`` boolean mask from :func:`pack_mask`'s output."""
+    b = packed[int(indptr[s]): int(indptr[s + 1])]
+    bits = (b[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.flatten()[: n * n].view(n, n).bool()

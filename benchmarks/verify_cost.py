@@ -1,0 +1,128 @@
+"""Cost of one draft-verification forward against the number of draft canvases: shared vs expanded prefix.
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/verify_cost.py [--backend torch] [--device cpu] [--dtype float32]
+
+One forward of the embedded model (``--model``, llada-tiny by default) for ``--batches`` requests, each with a
+cached prefix of ``P`` tokens and a window of ``--window`` new tokens (a block of 8 plus the masks after it, as
+the reference engine forwards with max_tokens 32), carrying the state canvas plus ``K`` draft canvases,
+K in 0, 1, 3, 7, 15. Two layouts of the same work through the same attention backend:
+
+- ``shared``: one request per sequence, its ``K + 1`` canvases as segments over one prefix (what both engines do);
+- ``expanded``: every canvas its own request with its own copy of the prefix (what a batch of independent
+  sequences costs: the prefix is read ``K + 1`` times).
+
+Reports the median wall time of a forward (``--reps`` timed after warm-up) and its ratio to K = 0 in the same
+layout, for each prefix length; writes ``verify_cost.md`` / ``.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from attention_backends.prefix_attention import AttentionPlan, make_backend  # noqa: E402
+from model_executor.kv_cache import PagedKVCache  # noqa: E402
+from model_executor.models.reference import ReferenceDLLM  # noqa: E402
+
+DRAFTS = (0, 1, 3, 7, 15)
+
+
+def verify_inputs(model: ReferenceDLLM, batch: int, prefix: int, window: int, canvases: int, shared: bool,
+                  page: int = 16, seed: int = 0):
+    """Token ids, positions, plan and a filled cache for one verification forward (module docstring)."""
+    s = model.spec
+    p = next(model.parameters())
+    g = torch.Generator().manual_seed(seed)
+    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, [prefix + window] * batch, page, p.dtype, p.device)
+    for kc, vc in cache.layers:  # a random prefix: only its layout matters for the cost
+        kc.copy_(torch.randn(kc.shape, generator=g))
+        vc.copy_(torch.randn(vc.shape, generator=g))
+    n = batch * canvases * window
+    ids = torch.randint(3, s.vocab_size, (n,), generator=g, device="cpu").to(p.device)
+    pos = torch.arange(prefix, prefix + window).repeat(batch * canvases).to(p.device)
+    seg = torch.arange(0, n + 1, window)
+    if shared:
+        qo = torch.arange(0, n + 1, canvases * window)
+        table = cache.block_table
+    else:  # each canvas a request of its own, reading its sequence's prefix pages
+        qo = seg
+        table = cache.block_table.repeat_interleave(canvases, 0)
+    plan = AttentionPlan(qo, torch.full((qo.numel() - 1,), prefix), table, page, kind=s.attention, seg_indptr=seg,
+                         positions=pos.cpu(), block_size=s.block_size)
+    return ids, pos, plan, cache
+
+
+def main() -> None:
+    from psd_plugin import DEFAULT_DLLM
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT_DLLM)
+    ap.add_argument("--backend", default="torch", help="auto, torch or flashinfer")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--batches", default="1,8", help="requests per forward")
+    ap.add_argument("--prefixes", default="64,448")
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = ap.parse_args()
+
+    dtype = getattr(torch, args.dtype)
+    model = ReferenceDLLM.from_pretrained(args.model, dtype=dtype, device=args.device)
+    attn = make_backend(args.backend, args.device, dtype)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    rows = []
+    for batch, prefix in [(b, p) for b in map(int, args.batches.split(",")) for p in map(int, args.prefixes.split(","))]:
+        base = {}
+        for k in DRAFTS:
+            row = {"batch": batch, "prefix": prefix, "drafts": k}
+            for layout in ("shared", "expanded"):
+                ids, pos, plan, cache = verify_inputs(model, batch, prefix, args.window, k + 1, layout == "shared")
+                times = []
+                with torch.no_grad():
+                    for i in range(args.reps + 3):
+                        sync()
+                        t0 = time.perf_counter()
+                        model.forward_paged(ids, pos, plan, cache, attn)
+                        sync()
+                        if i >= 3:
+                            times.append(time.perf_counter() - t0)
+                ms = 1e3 * statistics.median(times)
+                base.setdefault(layout, ms)
+                row[f"{layout}_ms"] = round(ms, 3)
+                row[f"{layout}_vs_k0"] = round(ms / base[layout], 2)
+            row["expanded_over_shared"] = round(row["expanded_ms"] / row["shared_ms"], 2)
+            rows.append(row)
+            print(row, flush=True)
+    meta = {"model": Path(args.model).name, "backend": attn.name, "device": args.device, "dtype": args.dtype,
+            "window": args.window, "reps": args.reps, "threads": torch.get_num_threads()}
+    if args.device.startswith("cuda"):
+        meta["gpu"] = torch.cuda.get_device_name()
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = "verify_cost" if args.device == "cpu" else f"verify_cost_{args.device.split(':')[0]}"
+    (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    (args.out / f"{name}.md").write_text(render(meta, rows))
+    print(render(meta, rows))
+
+
+def render(meta: dict, rows: list[dict]) -> str:
+    lines = [f"{meta['model']}, {meta['backend']} backend, {meta['device']}, {meta['dtype']}, window {meta['window']} "
+             f"tokens per canvas, {meta['threads']} thread(s), median of {meta['reps']} forwards",
+             "", "| batch | prefix | drafts K | shared ms | shared vs K=0 | expanded ms | expanded vs K=0 | expanded / shared |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['prefix']} | {r['drafts']} | {r['shared_ms']:.2f} | {r['shared_vs_k0']:.2f}x | "
+              f"{r['expanded_ms']:.2f} | {r['expanded_vs_k0']:.2f}x | {r['expanded_over_shared']:.2f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
