@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .prefix_attention import AttentionPlan
+from .prefix_attention import AttentionPlan, check_run_inputs
 
 
 class FlashInferPrefixAttention:
@@ -72,10 +72,7 @@ class FlashInferPrefixAttention:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor) -> torch.Tensor:
-        H, Hkv, D = self.geom
-        if q.shape != (self.T, H, D) or k.shape != (self.T, Hkv, D) or v.shape != k.shape:
-            raise ValueError(f"planned for q [{self.T}, {H}, {D}] and k, v [{self.T}, {Hkv}, {D}]; got "
-                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        check_run_inputs(self.T, self.geom, q, k, v, k_cache, v_cache)
         out, lse = self.ragged.run(q, k, v, return_lse=True)
         if self.rows is not None:
             qp = q[self.rows]

@@ -130,6 +130,18 @@ class PrefixAttention(Protocol):
             v_cache: torch.Tensor) -> torch.Tensor: ...
 
 
+def check_run_inputs(T: int, geom: tuple[int, int, int], q, k, v, k_cache, v_cache) -> None:
+    """Raise a clear error unless ``q [T, H, D]``, ``k, v [T, Hkv, D]`` and caches ``[pages, page, Hkv, D]``
+    match what a backend was planned for (``geom = (H, Hkv, D)``)."""
+    H, Hkv, D = geom
+    if q.shape != (T, H, D) or k.shape != (T, Hkv, D) or v.shape != k.shape:
+        raise ValueError(f"planned for q [{T}, {H}, {D}] and k, v [{T}, {Hkv}, {D}]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape[2:] != (Hkv, D) or v_cache.shape != k_cache.shape:
+        raise ValueError(f"caches must be [pages, page_size, {Hkv}, {D}]; got {tuple(k_cache.shape)}, "
+                         f"{tuple(v_cache.shape)}")
+
+
 def flashinfer_available() -> bool:
     if not torch.cuda.is_available():
         return False

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .prefix_attention import AttentionPlan
+from .prefix_attention import AttentionPlan, check_run_inputs
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -96,12 +96,7 @@ class TorchPrefixAttention:
             v_cache: torch.Tensor) -> torch.Tensor:
         """``q [T, H, D]``, ``k, v [T, Hkv, D]`` (the new rows); caches ``[pages, page, Hkv, D]`` -> ``[T, H, D]``."""
         H, Hkv, D = self.geom
-        if q.shape != (self.T, H, D) or k.shape != (self.T, Hkv, D) or v.shape != k.shape:
-            raise ValueError(f"planned for q [{self.T}, {H}, {D}] and k, v [{self.T}, {Hkv}, {D}]; got "
-                             f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-        if k_cache.shape[2:] != (Hkv, D) or v_cache.shape != k_cache.shape:
-            raise ValueError(f"caches must be [pages, page_size, {Hkv}, {D}]; got {tuple(k_cache.shape)}, "
-                             f"{tuple(v_cache.shape)}")
+        check_run_inputs(self.T, self.geom, q, k, v, k_cache, v_cache)
         o_new, lse_new = attend(q[self.s_idx], k[self.s_idx], v[self.s_idx], self.scale, self.s_mask)
         acc = o_new.dtype
         out = torch.empty(self.T, H, D, dtype=acc, device=q.device)
