@@ -20,7 +20,14 @@ MODEL_CLASSES = {
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
 DEFAULT_DLLM = CHECKPOINTS / "llada-tiny"
 DEFAULT_AR = CHECKPOINTS / "ar-tiny"
+DEFAULT_DRAFTER = CHECKPOINTS / "drafter-tiny"
 GRAPHS = Path(__file__).parent / "graphs"
+
+
+def default_ngram(drafter_dir: str | Path) -> Path | None:
+    """The n-gram file shipped next to a drafter (``ngram.json``), or None."""
+    p = Path(drafter_dir) / "ngram.json"
+    return p if p.exists() else None
 
 
 def default_graph(model_dir: str | Path, policy: str) -> Path:

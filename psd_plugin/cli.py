@@ -13,11 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-from . import DEFAULT_DLLM
+from . import DEFAULT_AR, DEFAULT_DLLM
 
 from model_executor.decoding import METHODS
 
-AR_METHODS = ("ar",)
+AR_METHODS = ("ar", "linear", "presto")
 
 
 class UsageError(Exception):
@@ -28,7 +28,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help=f"checkpoint directory (default: {DEFAULT_DLLM.name})")
     p.add_argument("--engine", choices=["reference", "vllm"], default=None,
                    help="vllm (default for dLLMs when vLLM is installed: the serving path) or reference (plain PyTorch)")
-    p.add_argument("--method", default=None, help=f"{' | '.join(METHODS)} (dLLMs; default psd), ar (AR models)")
+    p.add_argument("--method", default=None, help=f"{' | '.join(METHODS)} (dLLMs; default psd); "
+                   "ar | linear | presto (AR targets; the embedded AR model when no --model)")
     p.add_argument("--config", default=None, help='method knobs as JSON, e.g. \'{"threshold": 0.9, "cache": "prefix"}\'')
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--block-size", type=int, default=None, help="decoding block (default 8; SDAR: its attention block)")
@@ -67,6 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=["float32", "float64"], default="float64")
     c.add_argument("--out", type=Path, required=True)
     sub.add_parser("train", help="train an embedded model (see python -m psd_plugin.train --help)", add_help=False)
+    n = sub.add_parser("ngram", help="build PRESTO's n-gram prefix scorer from a corpus")
+    n.add_argument("--model", type=Path, default=None, help="whose tokenizer (default: the embedded AR model)")
+    n.add_argument("--corpus", type=Path, default=None, help="text file, one document per line (default: "
+                   "--examples generated training examples, never the held-out split)")
+    n.add_argument("--examples", type=int, default=3000)
+    n.add_argument("--n", type=int, default=3, help="n-gram order")
+    n.add_argument("--out", type=Path, required=True)
     return ap
 
 
@@ -97,7 +105,8 @@ def _setup(args):
     from .config import parse_config
     from .evaluate import is_dllm, load
 
-    model = args.model or DEFAULT_DLLM
+    model = args.model or (DEFAULT_AR if args.method in AR_METHODS else DEFAULT_DLLM)
+    args.model = model
     if not (Path(model) / "config.json").exists():
         raise UsageError(f"--model {model}: not a model directory (no config.json)")
     if args.max_tokens <= 0:
@@ -126,6 +135,8 @@ def _setup(args):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the command's output
         engine, tok = VLLMEngine(model, args.dtype), AutoTokenizer.from_pretrained(str(model))
+    elif method in ("linear", "presto"):
+        engine, tok = _presto(model, cfg, args)
     else:
         engine, tok = load(model, args.dtype, args.device, args.attention_backend)
     kw = {"max_tokens": args.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
@@ -137,7 +148,33 @@ def _setup(args):
         if method == "spiffy":
             graph = spiffy_graph(cfg, model, block)  # checked here, before any engine starts
             kw["graph"] = cfg.graph if engine_kind == "vllm" else graph
+    elif method in ("linear", "presto"):
+        kw.update(cfg.tree_kwargs())
+        if method == "linear":
+            kw["search"] = "linear"
     return engine, tok, kw, method
+
+
+def _presto(model, cfg, args):
+    """(PrestoEngine, tokenizer) for an AR target with the configured (or embedded) drafter and n-gram file."""
+    from transformers import AutoTokenizer
+
+    from model_executor.decoding.ngram import NGramModel
+    from model_executor.models.reference import ReferenceDLLM
+    from model_executor.presto_engine import PrestoEngine
+
+    from . import DEFAULT_DRAFTER, default_ngram
+    from .evaluate import DTYPES
+
+    drafter = Path(cfg.drafter) if cfg.drafter else DEFAULT_DRAFTER
+    if not (drafter / "config.json").exists():
+        raise UsageError(f"--config drafter {drafter}: not a model directory (no config.json)")
+    ngram = Path(cfg.ngram) if cfg.ngram else default_ngram(drafter)
+    dev, dt = args.device, DTYPES[args.dtype]
+    engine = PrestoEngine(ReferenceDLLM.from_pretrained(model, dtype=dt, device=dev),
+                          ReferenceDLLM.from_pretrained(drafter, dtype=dt, device=dev),
+                          NGramModel.load(ngram) if ngram else None, attention_backend=args.attention_backend)
+    return engine, AutoTokenizer.from_pretrained(str(model))
 
 
 def _has_vllm() -> bool:
@@ -163,10 +200,12 @@ def cmd_generate(args) -> int:
         if args.json:
             print(json.dumps({"prompt": text, "prompt_token_ids": res.prompt_token_ids, "text": answer,
                               "token_ids": res.token_ids, "nfe": res.nfe, "tpf": round(res.tpf, 4),
+                              **({"accept_len": round(res.tpf, 4)} if method in AR_METHODS else {}),
                               "finish_reason": res.finish_reason, **({"stats": res.stats} if res.stats else {}),
                               "seconds": round(res.seconds or dt / len(results), 4)}))
         else:
-            print(f"> {text}\n{answer}\n[{where}: {len(res.token_ids)} tokens, {res.nfe} forwards, TPF {res.tpf:.2f}]")
+            tail = f"accept_len {res.tpf:.2f}" if method in AR_METHODS else f"TPF {res.tpf:.2f}"
+            print(f"> {text}\n{answer}\n[{where}: {len(res.token_ids)} tokens, {res.nfe} forwards, {tail}]")
     getattr(engine, "close", lambda: None)()
     return 0
 
@@ -187,8 +226,10 @@ def cmd_eval(args) -> int:
             by.setdefault(r["task"], []).append(r)
         rows = [r for v in by.values() for r in v[: args.limit]]
     res = evaluate(engine, tok, rows, **kw)
-    res = {"model": str(args.model or DEFAULT_DLLM), "method": method,
+    res = {"model": str(args.model), "method": method,
            **{k: v for k, v in kw.items() if k != "batch_size"}, **res}
+    if method in AR_METHODS:  # target forwards = NFE, so tokens per target forward (τ) = TPF
+        res["accept_len"] = res["tpf"]
     if args.json:
         print(json.dumps(res))
     else:
@@ -256,6 +297,38 @@ def cmd_serve(argv: list[str]) -> int:
     return 0  # not reached
 
 
+def cmd_ngram(args) -> int:
+    from transformers import AutoTokenizer
+
+    from model_executor.decoding.ngram import NGramModel
+
+    model = args.model or DEFAULT_AR
+    if not (Path(model) / "tokenizer.json").exists():
+        raise UsageError(f"--model {model}: no tokenizer.json there")
+    if args.n < 1 or args.examples < 1:
+        raise UsageError("--n and --examples must be >= 1")
+    tok = AutoTokenizer.from_pretrained(str(model))
+    if args.corpus is not None:
+        try:
+            docs = [line for line in args.corpus.read_text().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"--corpus {args.corpus}: cannot read ({e})") from None
+        if not docs:
+            raise UsageError(f"--corpus {args.corpus}: no text in the file")
+    else:
+        from .tasks import load_heldout, training_stream
+        from .tokenizer import EOS, render_prompt
+
+        stream = training_stream(2**31 - 7, {r["prompt"] for r in load_heldout()})
+        docs = [render_prompt(e.prompt) + e.answer + EOS for e in (next(stream) for _ in range(args.examples))]
+    model_ng = NGramModel.fit((tok(d, add_special_tokens=False).input_ids for d in docs), n=args.n,
+                              vocab_size=len(tok))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    model_ng.save(args.out)
+    print(f"{args.out}: {args.n}-gram model of {len(docs)} documents, {len(model_ng.counts.table)} contexts")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -270,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     from model_executor.models.weights import CheckpointError
 
     try:
-        return {"generate": cmd_generate, "eval": cmd_eval, "calibrate": cmd_calibrate}[args.verb](args)
+        return {"generate": cmd_generate, "eval": cmd_eval, "calibrate": cmd_calibrate,
+                "ngram": cmd_ngram}[args.verb](args)
     except (UsageError, ConfigError, CheckpointError, ValueError, FileNotFoundError, _ClientError) as e:
         print(f"psd {args.verb}: error: {e}", file=sys.stderr)
         return 2

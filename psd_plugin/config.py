@@ -36,11 +36,42 @@ class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache: Literal["none", "prefix", "block"] | None = None
 
 
-class DecodeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
-    """``psd generate/eval --config JSON``: the method knobs (:class:`DecodeKnobs`) plus
+class TreeKnobs(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
+    """PRESTO tree drafting for an AR target (``--method linear | presto``; PRESTO §4, Alg. 1-2).
+
+    - ``search``: ``beam`` (Alg. 1, default) | ``best_first`` (Alg. 2); ``--method linear`` drafts a chain.
+    - ``tree_budget``: node budget B (draft tokens verified per target forward).
+    - ``width``, ``top_b``: beam width W and children per expansion b.
+    - ``lam``: λ of the prefix correction; ``adaptive_beta`` (with ``adaptive_c``): λ(H) = β H / (H + C) instead.
+    - ``draft_len``: positions the drafter proposes per round (default: its block).
+    - ``candidates``: per-depth candidate tokens (top of q_d) a node's children are chosen from.
+    - ``drafter``, ``ngram``: drafter checkpoint and n-gram file (default: the embedded ones).
+    """
+
+    search: Literal["beam", "best_first"] = "beam"
+    tree_budget: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 128
+    width: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 10
+    top_b: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 10
+    lam: Annotated[float, msgspec.Meta(ge=0.0)] = 0.2
+    adaptive_beta: Annotated[float, msgspec.Meta(gt=0.0)] | None = None
+    adaptive_c: Annotated[float, msgspec.Meta(gt=0.0)] = 1.0
+    draft_len: Annotated[int, msgspec.Meta(ge=1, le=256)] | None = None
+    candidates: Annotated[int, msgspec.Meta(ge=1)] = 64
+    drafter: str | None = None
+    ngram: str | None = None
+
+    def tree_kwargs(self) -> dict:
+        """Keyword arguments of :meth:`model_executor.presto_engine.PrestoEngine.generate`."""
+        return {"search": self.search, "tree_budget": self.tree_budget, "width": self.width, "top_b": self.top_b,
+                "lam": self.lam, "adaptive": (self.adaptive_beta, self.adaptive_c) if self.adaptive_beta else None,
+                "draft_len": self.draft_len, "candidates": self.candidates}
+
+
+class DecodeConfig(TreeKnobs, forbid_unknown_fields=True, kw_only=True):
+    """``psd generate/eval --config JSON``: the method knobs (:class:`DecodeKnobs`, :class:`TreeKnobs`) plus
 
     - ``temperature``: 0 is greedy; > 0 samples with Gumbel noise in float64 (LLaDA ``generate.py``;
-      static, confidence and localleap only).
+      static, confidence and localleap only); for AR targets, sampling from the target (lossless with trees).
     - ``seed``: seed of the sampling noise.
     - ``batch_size``: requests decoded together in one model call.
     """
@@ -50,8 +81,9 @@ class DecodeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
     batch_size: Annotated[int, msgspec.Meta(ge=1)] = 64
 
     def knobs(self) -> dict:
-        """Keyword arguments for the engines' ``generate``."""
-        return msgspec.structs.asdict(self)
+        """Keyword arguments for the dLLM engines' ``generate``."""
+        tree = set(TreeKnobs.__struct_fields__) - set(DecodeKnobs.__struct_fields__)
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if k not in tree}
 
 
 class ConfigError(ValueError):

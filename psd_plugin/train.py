@@ -1,4 +1,5 @@
-"""Train the embedded models: a LLaDA-format masked-diffusion model and a Llama-format AR baseline.
+"""Train the embedded models: a LLaDA-format masked-diffusion model, a Llama-format AR baseline and an
+SDAR-format block-diffusion drafter (PRESTO's drafter for the AR model).
 
 ``python -m psd_plugin.train --kind dllm --out DIR`` (or ``psd train``). CPU by default, CUDA when present;
 seeds fixed; a tqdm progress bar; resumable (``DIR/train_state.pt`` every ``--save-every`` steps; the
@@ -9,6 +10,12 @@ Objectives:
   padding to ``--gen-len``) is masked with probability ``t ~ U(eps, 1]``; loss = cross-entropy on masked
   positions weighted by ``1/t``, normalised by the answer length, averaged over the batch.
 - AR: next-token cross-entropy on the answer and its EOS.
+- drafter (SDAR format, block-causal attention of ``--block`` tokens aligned to absolute positions): as the
+  dLLM objective, but every attention block of the answer draws its own mask rate ``t_j ~ U(eps, 1]``, so
+  the model learns to fill a block from clean or partially masked earlier blocks. That is how PRESTO drafts:
+  the rest of the current block and the next block, masked, behind the accepted context (a choice: SDAR's
+  own recipe trains against clean context only; drafting one block ahead needs the noisy case too).
+  ``--init DIR`` starts from a dLLM checkpoint of the same shape (q/k norms start at one).
 """
 
 from __future__ import annotations
@@ -64,6 +71,19 @@ def dllm_loss(model, ids, is_answer, mask_id, generator=None, eps=1e-3):
     return (ce / t.expand_as(ids)[masked] / ans_len).sum() / B
 
 
+def drafter_loss(model, ids, is_answer, mask_id, block: int, generator=None, eps=1e-3):
+    """The block-diffusion objective of the module docstring: a mask rate per attention block."""
+    B, L = ids.shape
+    nb = -(-L // block)
+    t = (eps + (1 - eps) * torch.rand(B, nb, generator=generator, device=ids.device)).repeat_interleave(block, 1)[:, :L]
+    masked = (torch.rand(ids.shape, generator=generator, device=ids.device) < t) & is_answer
+    x = torch.where(masked, torch.full_like(ids, mask_id), ids)
+    logits = model(x)
+    ce = F.cross_entropy(logits[masked].float(), ids[masked], reduction="none")
+    ans_len = is_answer.sum(1, keepdim=True).expand_as(ids)[masked].float()
+    return (ce / t[masked] / ans_len).sum() / B
+
+
 def ar_loss(model, prompts, answers, eos, device):
     rows = [p + a + [eos] for p, a in zip(prompts, answers)]
     L = max(len(r) for r in rows)
@@ -77,8 +97,23 @@ def ar_loss(model, prompts, answers, eos, device):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
 
 
-def build_model(kind: str, size: str, tok, max_len: int):
+def build_model(kind: str, size: str, tok, max_len: int, block: int = 16):
     hidden, layers, heads, mlp = SIZES[size]
+    if kind == "drafter":
+        from model_executor.models.configs import ArchSpec, SDARConfig
+        from model_executor.models.reference import ReferenceDLLM
+
+        cfg = SDARConfig(block_size=block, vocab_size=len(tok), hidden_size=hidden, intermediate_size=mlp,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         head_dim=hidden // heads, rope_theta=10000.0, rms_norm_eps=1e-5,
+                         max_position_embeddings=max_len, mask_token_id=tok.mask_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                         tie_word_embeddings=False, architectures=["SDARForCausalLM"])
+        model = ReferenceDLLM(ArchSpec.from_hf_config(cfg))
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if n.endswith(("o.weight", "down.weight")) else 1))
+        return model, cfg
     if kind == "dllm":
         from model_executor.models.configs import ArchSpec, LLaDAConfig
         from model_executor.models.reference import ReferenceDLLM
@@ -104,7 +139,7 @@ def build_model(kind: str, size: str, tok, max_len: int):
 
 def save_model(kind, model, cfg, tok, out: Path):
     out.mkdir(parents=True, exist_ok=True)
-    if kind == "dllm":
+    if kind in ("dllm", "drafter"):
         from model_executor.models.weights import save_checkpoint
 
         save_checkpoint(model.spec, model.canonical_state(), out)
@@ -116,7 +151,9 @@ def save_model(kind, model, cfg, tok, out: Path):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="psd train", description=__doc__.splitlines()[0])
-    ap.add_argument("--kind", choices=["dllm", "ar"], required=True)
+    ap.add_argument("--kind", choices=["dllm", "ar", "drafter"], required=True)
+    ap.add_argument("--block", type=int, default=16, help="drafter: attention block (SDAR block_size)")
+    ap.add_argument("--init", type=Path, default=None, help="drafter: start from this dLLM checkpoint (same shape)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--size", choices=list(SIZES), default="small")
     ap.add_argument("--steps", type=int, default=3000)
@@ -149,7 +186,14 @@ def main(argv=None):
             texts.append(render_prompt(e.prompt) + e.answer + EOS)
         tok = train_tokenizer(texts, args.out)
 
-    model, cfg = build_model(args.kind, args.size, tok, max_len=512)
+    model, cfg = build_model(args.kind, args.size, tok, max_len=512, block=args.block)
+    if args.init is not None:
+        from model_executor.models.reference import ReferenceDLLM
+
+        init = ReferenceDLLM.from_pretrained(args.init).state_dict()
+        missing, unexpected = model.load_state_dict(init, strict=False)
+        if unexpected or any("norm" not in m for m in missing):
+            raise SystemExit(f"--init {args.init}: shapes differ (missing {missing}, unexpected {unexpected})")
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, args.steps // 30)
@@ -186,10 +230,13 @@ def main(argv=None):
         gen.manual_seed(args.seed * 7919 + step)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
-        if args.kind == "dllm":
+        if args.kind in ("dllm", "drafter"):
             ids, is_answer = _dllm_tensors(prompts, answers, args.gen_len, tok.eos_token_id)
             ids, is_answer = ids.to(device), is_answer.to(device)
-            loss = dllm_loss(model, ids, is_answer, tok.mask_token_id, gen)
+            if args.kind == "dllm":
+                loss = dllm_loss(model, ids, is_answer, tok.mask_token_id, gen)
+            else:
+                loss = drafter_loss(model, ids, is_answer, tok.mask_token_id, args.block, gen)
             tokens += ids.numel()
         else:
             loss = ar_loss(model, prompts, answers, tok.eos_token_id, device)
@@ -210,7 +257,7 @@ def main(argv=None):
             save_model(args.kind, model, cfg, tok, args.out)
     bar.close()
     info = {"kind": args.kind, "size": args.size, "parameters": n_params, "steps": step, "batch": args.batch,
-            "lr": args.lr, "gen_len": args.gen_len, "seed": args.seed, "device": device,
+            "lr": args.lr, "gen_len": args.gen_len, "init": str(args.init.name) if args.init else None, "seed": args.seed, "device": device,
             "wall_time_s": round(time.time() - t0, 1), "tokens_seen": tokens,
             "final_loss": log[-1]["loss"] if log else None, "schedule_restarts": resumes, "tasks": list(TASKS),
             "loss_log": log}

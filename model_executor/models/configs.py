@@ -95,7 +95,7 @@ AttentionKind = Literal["bidirectional", "block_causal", "causal"]
 class ArchSpec:
     """The facts about a dLLM checkpoint that the model code and the decoders depend on."""
 
-    family: Literal["llada", "dream", "sdar"]
+    family: Literal["llada", "dream", "sdar", "llama"]
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -106,7 +106,7 @@ class ArchSpec:
     rope_theta: float
     rms_norm_eps: float
     max_position: int
-    mask_token_id: int
+    mask_token_id: int  # -1 for autoregressive models
     eos_token_id: int
     qkv_bias: bool
     qk_norm: bool
@@ -114,6 +114,26 @@ class ArchSpec:
     attention: AttentionKind
     block_size: int | None  # SDAR's attention block; None for fully bidirectional models
     tie_embeddings: bool
+
+    @classmethod
+    def from_ar_config(cls, config: dict) -> "ArchSpec":
+        """A Llama-format autoregressive model (PRESTO's target), causal attention; errors name the field."""
+        if config.get("model_type") != "llama":
+            raise ValueError(f"config.json: model_type {config.get('model_type')!r}; an autoregressive target "
+                             "must be model_type 'llama'")
+        eos = config.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        if eos is None:
+            raise ValueError("config.json: eos_token_id is missing")
+        if config.get("attention_bias") or config.get("mlp_bias"):
+            raise ValueError("config.json: attention_bias / mlp_bias are not supported for Llama targets")
+        hidden, heads = config["hidden_size"], config["num_attention_heads"]
+        theta = (config.get("rope_parameters") or {}).get("rope_theta", config.get("rope_theta", 10000.0))
+        return cls("llama", hidden, config["num_hidden_layers"], heads, config.get("num_key_value_heads") or heads,
+                   config.get("head_dim") or hidden // heads, config["intermediate_size"], config["vocab_size"],
+                   float(theta), float(config.get("rms_norm_eps", 1e-6)),
+                   int(config.get("max_position_embeddings", 2048)), -1, int(eos), False, False, True, "causal",
+                   None, bool(config.get("tie_word_embeddings", False)))
 
     @classmethod
     def from_hf_config(cls, config) -> "ArchSpec":

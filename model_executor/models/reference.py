@@ -1,4 +1,4 @@
-"""Plain-PyTorch reference model for LLaDA, Dream and SDAR (no vLLM imports).
+"""Plain-PyTorch reference model for LLaDA, Dream and SDAR, and Llama as PRESTO's AR target (no vLLM imports).
 
 One transformer covers the three formats; :class:`~model_executor.models.configs.ArchSpec` switches
 q/k/v bias (Dream), per-head q/k RMSNorm (SDAR) and the attention pattern. It is the oracle the vLLM
@@ -147,7 +147,8 @@ class ReferenceDLLM(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                         device: str | torch.device = "cpu") -> "ReferenceDLLM":
-        spec = ArchSpec.from_hf_config(read_config(path))
+        cfg = read_config(path, allow_ar=True)
+        spec = ArchSpec.from_ar_config(cfg) if cfg.get("model_type") == "llama" else ArchSpec.from_hf_config(cfg)
         model = cls(spec)
         model.load_canonical(load_checkpoint(spec, path))
         return model.to(device=device, dtype=dtype).eval()
@@ -205,8 +206,9 @@ class ReferenceDLLM(nn.Module):
         return out
 
 
-def read_config(path: str | os.PathLike) -> dict:
-    """Read ``config.json`` of a checkpoint directory, with a clear error if it is missing or corrupt."""
+def read_config(path: str | os.PathLike, allow_ar: bool = False) -> dict:
+    """Read ``config.json`` of a checkpoint directory, with a clear error if it is missing or corrupt
+    (``allow_ar``: a Llama-format AR model is accepted too, as PRESTO's target)."""
     f = Path(path) / "config.json"
     if not f.exists():
         raise FileNotFoundError(f"{path}: no config.json (is this a model directory?)")
@@ -214,6 +216,6 @@ def read_config(path: str | os.PathLike) -> dict:
         cfg = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{f}: not valid JSON ({e})") from None
-    if cfg.get("model_type") not in CONFIG_CLASSES:
+    if cfg.get("model_type") not in CONFIG_CLASSES and not (allow_ar and cfg.get("model_type") == "llama"):
         ArchSpec.from_hf_config(cfg)  # raises the unknown-model_type error
     return cfg

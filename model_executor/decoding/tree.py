@@ -1,0 +1,201 @@
+"""PRESTO token trees: prefix-aligned scoring, tree construction, and lossless verification rules.
+
+A draft round starts from the accepted context. The drafter gives marginals ``q_d`` for the next ``k``
+positions (``logq [k, V]``, log-probabilities); the prefix scorer gives ``log ρ(t | c)``. Then:
+
+- token score ``s_{d,t}(c_d) = log q_d(t) + λ_d log ρ_d(t | c_d)`` (PRESTO Eq. 6-8), with a fixed
+  ``λ`` or the entropy-adaptive ``λ_d(H_d) = β H_d / (H_d + C)`` (appendix F); a path's score ``S`` sums
+  its tokens' scores (Eq. 8), so a child's score is its parent's plus one term;
+- tree construction under a node budget ``B`` (draft nodes, the root not counted):
+  ``linear`` — the drafter's top-1 chain, ``B`` long at most (DFlash's linear draft);
+  ``beam`` — beam search with global retention (Alg. 1: expand every in-beam node by its top-``b``
+  children, keep the top-``W`` new nodes as the next beam, retain all nodes; return the top-``B``). A
+  choice: the beam always runs to the drafter's depth ``k``. Alg. 1's ``while |T| < B`` would stop it at
+  depth 2 whenever ``B <= W·b + b`` (110 for the paper's W = b = 10), which cannot produce the deep trees
+  behind the paper's τ ≈ 9-11 at B = 128; retaining everything and keeping the top-B at the end does;
+  ``best_first`` — best-first search (Alg. 2: expand the highest-scoring frontier node by its top-``b``
+  children until ``B`` nodes exist; return the top-``B``). Every term of ``S`` is ``<= 0`` (``log q <= 0``,
+  ``log ρ <= 0``), so a node never outscores its parent and the top-``B`` set is closed under ancestors
+  (ties are broken by depth, parents first);
+- children are expanded from the ``candidates`` highest ``q_d`` tokens (a choice for large vocabularies;
+  exact when ``candidates >= V``): a token the drafter puts outside its top candidates is not drafted.
+
+Verification (the target's logits at the root and at every node, one forward with an ancestor mask):
+``accept_greedy`` walks the tree along the target's argmax and returns the matched path plus the target's
+bonus token, so outputs equal greedy decoding of the target. ``accept_sampling`` is SpecInfer's
+multi-candidate rejection sampling with deterministic candidates: at a node whose target distribution is
+``p``, try its children in score order, accepting child ``x`` with probability ``p(x)``; on rejection set
+``p(x) = 0`` and renormalise; if none is accepted, sample the bonus token from what is left. Each step's
+output is distributed exactly as ``p`` (the draft ``q`` of a deterministic candidate is a point mass, so
+``min(1, p/q) = p(x)`` and the residual ``max(p - q, 0)`` is ``p`` without ``x``), so sampling is lossless.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Callable, Literal
+
+import torch
+
+Search = Literal["linear", "beam", "best_first"]
+SEARCHES = ("linear", "beam", "best_first")
+LogRho = Callable[[tuple[int, ...]], torch.Tensor]  # draft path so far -> log ρ(· | c) [V]
+
+
+@dataclass
+class TokenTree:
+    """Draft nodes in creation order; ``parent[i] = -1`` for children of the root (the last accepted token)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parent: list[int] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+    score: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, token: int, parent: int, score: float) -> int:
+        self.tokens.append(int(token))
+        self.parent.append(parent)
+        self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
+        self.score.append(float(score))
+        return len(self.tokens) - 1
+
+    def path(self, i: int) -> tuple[int, ...]:
+        out = []
+        while i >= 0:
+            out.append(self.tokens[i])
+            i = self.parent[i]
+        return tuple(reversed(out))
+
+    def children(self) -> list[list[int]]:
+        """Children of every node (index ``len(self)`` holds the root's), in score order."""
+        ch: list[list[int]] = [[] for _ in range(len(self) + 1)]
+        for i, p in enumerate(self.parent):
+            ch[p if p >= 0 else len(self)].append(i)
+        for c in ch:
+            c.sort(key=lambda i: -self.score[i])
+        return ch
+
+    def ancestor_mask(self) -> torch.Tensor:
+        """``[N, N]`` bool: node ``i`` sees node ``j`` iff ``j`` is ``i`` or one of its ancestors."""
+        n = len(self)
+        m = torch.eye(n, dtype=torch.bool)
+        for i, p in enumerate(self.parent):  # parents come before children
+            if p >= 0:
+                m[i] |= m[p]
+        return m
+
+    def select(self, budget: int) -> "TokenTree":
+        """The top-``budget`` nodes by score (ties: shallower first), renumbered; closed under ancestors."""
+        keep = sorted(range(len(self)), key=lambda i: (-self.score[i], self.depth[i], i))[:budget]
+        keep.sort(key=lambda i: (self.depth[i], i))  # parents before children
+        new = {}
+        out = TokenTree()
+        for i in keep:
+            p = self.parent[i]
+            if p >= 0 and p not in new:
+                raise AssertionError("top-B selection lost an ancestor")
+            new[i] = out.add(self.tokens[i], new[p] if p >= 0 else -1, self.score[i])
+        return out
+
+
+def adaptive_lambda(logq: torch.Tensor, beta: float, c: float) -> torch.Tensor:
+    """``λ_d(H_d) = β H_d / (H_d + C)`` per depth from the marginals' entropies (PRESTO appendix F)."""
+    h = -(logq.exp() * logq).nan_to_num(0.0).sum(-1)
+    return beta * h / (h + c)
+
+
+def build_tree(logq: torch.Tensor, log_rho: LogRho | None, *, budget: int, search: Search = "beam",
+               lam: float | torch.Tensor = 0.2, width: int = 10, top_b: int = 10, candidates: int = 64) -> TokenTree:
+    """A draft tree for one request (module docstring). ``logq [k, V]``: the drafter's log-marginals of the
+    next ``k`` positions; ``log_rho(path)``: ``log ρ(· | context + path)`` (None: no prefix correction);
+    ``lam``: a float or a ``[k]`` tensor (per-depth λ, e.g. :func:`adaptive_lambda`)."""
+    if search not in SEARCHES:
+        raise ValueError(f"search {search!r}; allowed: {', '.join(SEARCHES)}")
+    if budget < 1:
+        raise ValueError(f"tree budget must be >= 1 (got {budget})")
+    k, V = logq.shape
+    logq = logq.double()
+    lams = torch.as_tensor(lam, dtype=torch.float64).expand(k)
+    top_q = logq.topk(min(candidates, V), dim=-1).indices  # [k, C] candidate tokens per depth
+    tree = TokenTree()
+
+    def expand(node: int, n: int) -> list[int]:
+        """Add node's top-``n`` children by token score; return their indices."""
+        d = 0 if node < 0 else tree.depth[node]
+        if d >= k:
+            return []
+        cand = top_q[d]
+        s = logq[d, cand]
+        if log_rho is not None and float(lams[d]) != 0.0:
+            s = s + lams[d] * log_rho(tree.path(node) if node >= 0 else ())[cand]
+        base = 0.0 if node < 0 else tree.score[node]
+        best = s.topk(min(n, cand.numel()))
+        return [tree.add(int(cand[j]), node, base + float(v)) for v, j in zip(best.values, best.indices)]
+
+    if search == "linear":  # the drafter's own top-1 chain: no prefix correction
+        log_rho = None
+        node = -1
+        while len(tree) < budget:
+            new = expand(node, 1)
+            if not new:
+                break
+            node = new[0]
+        return tree
+    if search == "beam":
+        beam = [-1]
+        for _ in range(k):
+            new = [c for v in beam for c in expand(v, top_b)]
+            beam = sorted(new, key=lambda i: -tree.score[i])[:width]
+        return tree.select(budget)
+    frontier = [(0.0, 0, -1)]  # (-score, tie, node): a max-heap on the score
+    tie = 1
+    while len(tree) < budget and frontier:
+        _, _, v = heapq.heappop(frontier)
+        for c in expand(v, top_b):
+            heapq.heappush(frontier, (-tree.score[c], tie, c))
+            tie += 1
+    return tree.select(budget)
+
+
+def accept_greedy(tree: TokenTree, target_tokens: torch.Tensor) -> tuple[list[int], list[int]]:
+    """Greedy verification. ``target_tokens [N + 1]``: the target's argmax after the root (row 0) and after
+    node ``i`` (row ``i + 1``). Returns (accepted tokens incl. the bonus token, accepted node indices)."""
+    ch = tree.children()
+    toks = target_tokens.tolist()
+    out, nodes, cur = [], [], len(tree)
+    while True:
+        want = toks[0 if cur == len(tree) else cur + 1]
+        out.append(want)
+        nxt = next((c for c in ch[cur] if tree.tokens[c] == want), None)
+        if nxt is None:
+            return out, nodes
+        nodes.append(nxt)
+        cur = nxt
+
+
+def accept_sampling(tree: TokenTree, target_probs: torch.Tensor,
+                    generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
+    """Lossless tree speculative sampling (module docstring). ``target_probs [N + 1, V]``: the target's
+    (temperature-scaled) distribution after the root (row 0) and after node ``i`` (row ``i + 1``)."""
+    ch = tree.children()
+    out, nodes, cur = [], [], len(tree)
+    while True:
+        p = target_probs[0 if cur == len(tree) else cur + 1].double().clone()
+        chosen = None
+        for c in ch[cur]:
+            x = tree.tokens[c]
+            px = float(p[x] / p.sum())
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) < px:
+                chosen = c
+                break
+            p[x] = 0.0
+        if chosen is None:
+            tok = int(torch.multinomial(p / p.sum(), 1, generator=generator))
+            out.append(tok)
+            return out, nodes
+        out.append(tree.tokens[chosen])
+        nodes.append(chosen)
+        cur = chosen
