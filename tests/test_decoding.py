@@ -158,7 +158,7 @@ def test_graph_file_errors(tmp_path, shipped_graph):
         load_graph(tmp_path / "none.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(ValueError, match="not a valid graph file"):
+    with pytest.raises(ValueError, match="not a valid draft graph file"):
         load_graph(bad)
     import msgspec
 

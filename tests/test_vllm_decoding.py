@@ -204,7 +204,7 @@ def test_bad_speculative_config_fails_before_engine_start(spec, match):
 def test_corrupt_graph_file(tmp_path):
     bad = tmp_path / "g.json"
     bad.write_text("{not json")
-    with pytest.raises(ValueError, match="not a valid graph file"):
+    with pytest.raises(ValueError, match="not a valid draft graph file"):
         _llm(DEFAULT_DLLM, decoding="spiffy", graph=str(bad))
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import msgspec
 import torch
 
+from ..typed_files import read_typed
+
 FORMAT_VERSION = 1
 
 
@@ -66,6 +68,18 @@ class NGramModel:
             raise ValueError(f"vocab_size must be >= 1 (got {vocab_size})")
         self.n, self.vocab_size = n, vocab_size
         self.counts = _Counts(n)
+        self._rows: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, dict[int, int]]] = {}
+
+    def row(self, ctx: tuple[int, ...]):
+        """(tokens, counts as float64, the count dict) seen after ``ctx``, as tensors built once; None if unseen."""
+        hit = self._rows.get(ctx)
+        if hit is None:
+            d = self.counts.table.get(ctx)
+            if not d:
+                return None
+            hit = (torch.tensor(list(d), dtype=torch.long), torch.tensor(list(d.values()), dtype=torch.float64), d)
+            self._rows[ctx] = hit
+        return hit
 
     @classmethod
     def fit(cls, sequences, n: int = 3, vocab_size: int = 0) -> "NGramModel":
@@ -84,12 +98,7 @@ class NGramModel:
     @classmethod
     def load(cls, path: str | Path) -> "NGramModel":
         p = Path(path)
-        if not p.exists():
-            raise FileNotFoundError(f"n-gram file {p}: no such file")
-        try:
-            f = msgspec.json.decode(p.read_bytes(), type=NGramFile)
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            raise ValueError(f"n-gram file {p}: not a valid n-gram file ({e})") from None
+        f = read_typed(p, NGramFile, "n-gram")
         if f.version != FORMAT_VERSION:
             raise ValueError(f"n-gram file {p}: version {f.version}; this build reads version {FORMAT_VERSION}")
         if not (len(f.contexts) == len(f.tokens) == len(f.counts)):
@@ -140,28 +149,31 @@ class RequestNGram:
         p = torch.full((V,), 1.0 / V, dtype=torch.float64)
         uni = self._row(())
         if uni is not None:  # add-one unigram
-            toks, cnts = uni
-            p = torch.ones(V, dtype=torch.float64).index_add_(0, toks, cnts)
-            p /= p.sum()
+            toks, cnts, N, _ = uni
+            p = torch.ones(V, dtype=torch.float64).index_add_(0, toks, cnts) / (N + V)
         for k in range(1, len(context) + 1):  # interpolate upwards through the orders
             row = self._row(context[len(context) - k:])
             if row is None:
                 continue
-            toks, cnts = row
-            N, T = float(cnts.sum()), float(toks.numel())
+            toks, cnts, N, T = row
             p = (p * T).index_add_(0, toks, cnts) / (N + T)
         out = p.log()
         self._cache[context] = out
         return out
 
     def _row(self, ctx: tuple[int, ...]):
-        """(tokens, counts) after ``ctx``: shared plus own counts; None if never seen."""
-        a, b = self.base.counts.table.get(ctx), self.own.table.get(ctx)
-        if not a and not b:
+        """(tokens, counts, N, T) after ``ctx``, shared plus own counts (tokens may repeat: index_add sums them);
+        None if never seen."""
+        base, own = self.base.row(ctx), self.own.table.get(ctx)
+        if base is None and not own:
             return None
-        merged = dict(a or {})
-        for t, c in (b or {}).items():
-            merged[t] = merged.get(t, 0) + c
-        keys = [t for t in merged if 0 <= t < self.vocab_size]
-        return (torch.tensor(keys, dtype=torch.long),
-                torch.tensor([merged[t] for t in keys], dtype=torch.float64))
+        if not own:
+            toks, cnts, d = base
+            return toks, cnts, float(cnts.sum()), len(d)
+        ot = torch.tensor(list(own), dtype=torch.long)
+        oc = torch.tensor(list(own.values()), dtype=torch.float64)
+        if base is None:
+            return ot, oc, float(oc.sum()), len(own)
+        toks, cnts, d = base
+        return (torch.cat([toks, ot]), torch.cat([cnts, oc]), float(cnts.sum() + oc.sum()),
+                len(d) + sum(t not in d for t in own))

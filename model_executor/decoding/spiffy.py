@@ -41,6 +41,7 @@ from typing import Callable, Iterable
 import msgspec
 import torch
 
+from ..typed_files import read_typed
 from .base import BlockDecoder, Prediction, predict
 
 GRAPH_FORMAT_VERSION = 1
@@ -87,14 +88,7 @@ class DraftGraph(msgspec.Struct, forbid_unknown_fields=True):
 
 def load_graph(path: str | Path) -> DraftGraph:
     """Read and validate a graph file; a missing or corrupt file is a one-line error naming the path."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"draft graph {path}: no such file")
-    try:
-        g = msgspec.json.decode(path.read_bytes(), type=DraftGraph)
-    except (msgspec.ValidationError, msgspec.DecodeError) as e:
-        raise ValueError(f"draft graph {path}: not a valid graph file ({e})") from None
-    return g.validate(f"draft graph {path}")
+    return read_typed(path, DraftGraph, "draft graph").validate(f"draft graph {path}")
 
 
 def save_graph(graph: DraftGraph, path: str | Path) -> None:

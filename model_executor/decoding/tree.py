@@ -51,23 +51,21 @@ class TokenTree:
     parent: list[int] = field(default_factory=list)
     depth: list[int] = field(default_factory=list)
     score: list[float] = field(default_factory=list)
+    paths: list[tuple[int, ...]] = field(default_factory=list)  # root-to-node tokens
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def add(self, token: int, parent: int, score: float) -> int:
-        self.tokens.append(int(token))
+        self.tokens.append(token)
         self.parent.append(parent)
         self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
-        self.score.append(float(score))
+        self.score.append(score)
+        self.paths.append((self.paths[parent] if parent >= 0 else ()) + (token,))
         return len(self.tokens) - 1
 
     def path(self, i: int) -> tuple[int, ...]:
-        out = []
-        while i >= 0:
-            out.append(self.tokens[i])
-            i = self.parent[i]
-        return tuple(reversed(out))
+        return self.paths[i] if i >= 0 else ()
 
     def children(self) -> list[list[int]]:
         """Children of every node (index ``len(self)`` holds the root's), in score order."""
@@ -81,10 +79,14 @@ class TokenTree:
     def ancestor_mask(self) -> torch.Tensor:
         """``[N, N]`` bool: node ``i`` sees node ``j`` iff ``j`` is ``i`` or one of its ancestors."""
         n = len(self)
-        m = torch.eye(n, dtype=torch.bool)
-        for i, p in enumerate(self.parent):  # parents come before children
-            if p >= 0:
-                m[i] |= m[p]
+        m = torch.zeros(n, n, dtype=torch.bool)
+        par, rows, cur = torch.tensor(self.parent, dtype=torch.long), torch.arange(n), torch.arange(n)
+        while n:  # walk every node up to the root at once: one step per tree level
+            ok = cur >= 0
+            if not bool(ok.any()):
+                break
+            m[rows[ok], cur[ok]] = True
+            cur = torch.where(ok, par[cur.clamp_min(0)], cur)
         return m
 
     def select(self, budget: int) -> "TokenTree":
@@ -120,26 +122,27 @@ def build_tree(logq: torch.Tensor, log_rho: LogRho | None, *, budget: int, searc
     logq = logq.double()
     lams = torch.as_tensor(lam, dtype=torch.float64).expand(k)
     top_q = logq.topk(min(candidates, V), dim=-1).indices  # [k, C] candidate tokens per depth
+    cand_l = top_q.tolist()
     tree = TokenTree()
 
-    def expand(node: int, n: int) -> list[int]:
-        """Add node's top-``n`` children by token score; return their indices."""
-        d = 0 if node < 0 else tree.depth[node]
+    def expand(nodes: list[int], n: int) -> list[list[int]]:
+        """Add the top-``n`` children by token score of every node in ``nodes`` (all at one depth)."""
+        d = 0 if nodes[0] < 0 else tree.depth[nodes[0]]
         if d >= k:
-            return []
-        cand = top_q[d]
-        s = logq[d, cand]
+            return [[] for _ in nodes]
+        s = logq[d, top_q[d]].expand(len(nodes), -1)
         if log_rho is not None and float(lams[d]) != 0.0:
-            s = s + lams[d] * log_rho(tree.path(node) if node >= 0 else ())[cand]
-        base = 0.0 if node < 0 else tree.score[node]
-        best = s.topk(min(n, cand.numel()))
-        return [tree.add(int(cand[j]), node, base + float(v)) for v, j in zip(best.values, best.indices)]
+            s = s + lams[d] * torch.stack([log_rho(tree.path(v)) for v in nodes])[:, top_q[d]]
+        s = s + torch.tensor([0.0 if v < 0 else tree.score[v] for v in nodes], dtype=torch.float64)[:, None]
+        best = s.topk(min(n, s.shape[1]), dim=1)
+        vals, idx = best.values.tolist(), best.indices.tolist()
+        return [[tree.add(cand_l[d][j], v, x) for x, j in zip(vs, js)] for v, vs, js in zip(nodes, vals, idx)]
 
     if search == "linear":  # the drafter's own top-1 chain: no prefix correction
         log_rho = None
         node = -1
         while len(tree) < budget:
-            new = expand(node, 1)
+            new = expand([node], 1)[0]
             if not new:
                 break
             node = new[0]
@@ -147,14 +150,14 @@ def build_tree(logq: torch.Tensor, log_rho: LogRho | None, *, budget: int, searc
     if search == "beam":
         beam = [-1]
         for _ in range(k):
-            new = [c for v in beam for c in expand(v, top_b)]
+            new = [c for cs in expand(beam, top_b) for c in cs] if beam else []
             beam = sorted(new, key=lambda i: -tree.score[i])[:width]
         return tree.select(budget)
     frontier = [(0.0, 0, -1)]  # (-score, tie, node): a max-heap on the score
     tie = 1
     while len(tree) < budget and frontier:
         _, _, v = heapq.heappop(frontier)
-        for c in expand(v, top_b):
+        for c in expand([v], top_b)[0]:
             heapq.heappush(frontier, (-tree.score[c], tie, c))
             tie += 1
     return tree.select(budget)
