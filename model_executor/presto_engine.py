@@ -44,22 +44,123 @@ PRESTO_SEARCHES = ("ar",) + SEARCHES
 
 
 @dataclass
-class _Req:
-    idx: int
-    slot: int  # its sequence in the batch's paged caches
+class DraftState:
+    """What drafting keeps per request (both engines): its tokens, its drafter cache, its ρ and last tree."""
+
     seq: list[int]
-    prompt_len: int
+    slot: int  # its sequence in the drafter's paged cache
     rho: RequestNGram | None
-    gen: torch.Generator | None
-    t_cached: int = 0  # target: exact K/V of positions [0, t_cached)
     d_cached: int = 0  # drafter: exact K/V of its finished blocks [0, d_cached)
-    nfe: int = 0
     drafter_calls: int = 0
+    tree: TokenTree = field(default_factory=TokenTree)
+
+
+@dataclass
+class _Req(DraftState):
+    idx: int = 0
+    prompt_len: int = 0
+    gen: torch.Generator | None = None
+    t_cached: int = 0  # target: exact K/V of positions [0, t_cached)
+    nfe: int = 0
     nodes: int = 0
     done: bool = False
     reason: str = "length"
-    logq: torch.Tensor | None = None
-    tree: TokenTree = field(default_factory=TokenTree)
+
+
+class TreeDrafter:
+    """Steps 1-2 of a round (module docstring): one batched drafter forward, then a tree per request."""
+
+    def __init__(self, drafter: ReferenceDLLM, ngram: NGramModel | None, attn, page_size: int = 16):
+        if drafter.spec.family != "sdar":
+            raise ValueError(f"the PRESTO drafter must be a block-diffusion (SDAR-format) model, got {drafter.spec.family}")
+        self.drafter, self.ngram, self.attn, self.page_size = drafter, ngram, attn, page_size
+        p = next(drafter.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.kv: PagedKVCache | None = None
+        self.timing = {"draft_forward_s": 0.0, "tree_s": 0.0}
+
+    def allocate(self, seq_lens: list[int]) -> None:
+        """A paged cache with one sequence (``DraftState.slot``) per entry of ``seq_lens``."""
+        s = self.drafter.spec
+        self.kv = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, seq_lens, self.page_size, self.dtype,
+                               self.device)
+
+    def new_rho(self, prompt: list[int]) -> RequestNGram | None:
+        """The request's ρ: the shared n-gram counts plus its prompt (None without an n-gram model)."""
+        if self.ngram is None:
+            return None
+        rho = self.ngram.request()
+        rho.extend(prompt)
+        return rho
+
+    def draft(self, reqs: list[DraftState], o: dict) -> None:
+        """Marginals of the next ``o["k"]`` positions of every request (one forward), then its tree."""
+        spec, k, blk = self.drafter.spec, o["k"], self.drafter.spec.block_size
+        ids, pos, rows, qo, prefix, w_slots, w_rows = [], [], [], [0], [], [], []
+        for r in reqs:
+            n = len(r.seq)
+            a0, end = r.d_cached, -(-(n + k) // blk) * blk
+            ids += r.seq[a0:n] + [spec.mask_token_id] * (end - n)
+            pos.append(torch.arange(a0, end))
+            rows.append(torch.arange(n - a0, n - a0 + k) + qo[-1])
+            done_to = n // blk * blk  # blocks the accepted tokens have finished: their K/V becomes exact
+            if done_to > a0:
+                w_slots.append(self.kv.slots(torch.full((done_to - a0,), r.slot), torch.arange(a0, done_to)))
+                w_rows.append(torch.arange(done_to - a0) + qo[-1])
+            qo.append(qo[-1] + end - a0)
+            prefix.append(a0)
+        positions = torch.cat(pos)
+        plan = AttentionPlan(torch.tensor(qo), torch.tensor(prefix), self.kv.block_table[[r.slot for r in reqs]],
+                             self.page_size, kind="block_causal", positions=positions, block_size=blk)
+        write = (torch.cat(w_slots).to(self.device), torch.cat(w_rows).to(self.device)) if w_slots else None
+        t0 = time.perf_counter()
+        logits = self.drafter.forward_paged(torch.tensor(ids, device=self.device), positions.to(self.device), plan,
+                                            self.kv, self.attn, write=write, logits_rows=torch.cat(rows).to(self.device))
+        logq = torch.log_softmax(logits.double(), -1).cpu().split(k)
+        self.timing["draft_forward_s"] += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for r, lq in zip(reqs, logq):
+            r.d_cached = max(r.d_cached, len(r.seq) // blk * blk)
+            r.drafter_calls += 1
+            lam = adaptive_lambda(lq, *o["adaptive"]) if o["adaptive"] else o["lam"]
+            rho = None
+            if r.rho is not None:
+                rho = (lambda path, r=r: r.rho.logprobs(r.rho.context(path)))
+            r.tree = build_tree(lq, rho, budget=o["budget"], search=o["search"], lam=lam, width=o["width"],
+                                top_b=o["top_b"], candidates=o["candidates"])
+        self.timing["tree_s"] += time.perf_counter() - t0
+
+    def accepted(self, r: DraftState, tokens: list[int]) -> None:
+        """Append a round's emitted tokens to the request's context (and its ρ)."""
+        r.seq += tokens
+        if r.rho is not None:
+            r.rho.extend(tokens)
+
+
+def check_pair(target: ReferenceDLLM, drafter: ReferenceDLLM | None) -> None:
+    """A Llama-format target and (if any) an SDAR-format drafter on the same vocabulary, or a clear error."""
+    if target.spec.family != "llama":
+        raise ValueError(f"the PRESTO target must be an autoregressive (Llama-format) model, got {target.spec.family}")
+    if drafter is not None:
+        if drafter.spec.family != "sdar":
+            raise ValueError(f"the PRESTO drafter must be a block-diffusion (SDAR-format) model, got {drafter.spec.family}")
+        if drafter.spec.vocab_size != target.spec.vocab_size:
+            raise ValueError(f"drafter vocabulary {drafter.spec.vocab_size} != target vocabulary "
+                             f"{target.spec.vocab_size}: the drafter must use the target's tokenizer")
+
+
+def draft_options(drafter: ReferenceDLLM | None, *, search: str, tree_budget: int, width: int, top_b: int, lam: float,
+                  adaptive, draft_len: int | None, candidates: int, temperature: float = 0.0) -> dict:
+    """The options :meth:`TreeDrafter.draft` and verification read, validated."""
+    if search not in PRESTO_SEARCHES:
+        raise ValueError(f"search {search!r}; allowed: {', '.join(PRESTO_SEARCHES)}")
+    if search != "ar" and drafter is None:
+        raise ValueError(f"search {search!r} needs a drafter model")
+    if tree_budget < 1:
+        raise ValueError(f"tree_budget must be >= 1 (got {tree_budget})")
+    k = draft_len or (drafter.spec.block_size if drafter is not None else 1)
+    return dict(search=search, budget=tree_budget, width=width, top_b=top_b, lam=lam, adaptive=adaptive, k=k,
+                candidates=candidates, temperature=temperature)
 
 
 class PrestoEngine:
@@ -67,19 +168,13 @@ class PrestoEngine:
 
     def __init__(self, target: ReferenceDLLM, drafter: ReferenceDLLM | None, ngram: NGramModel | None = None,
                  attention_backend: str = "auto", page_size: int = 16):
-        if target.spec.family != "llama":
-            raise ValueError(f"the PRESTO target must be an autoregressive (Llama-format) model, got {target.spec.family}")
-        if drafter is not None:
-            if drafter.spec.family != "sdar":
-                raise ValueError(f"the PRESTO drafter must be a block-diffusion (SDAR-format) model, got {drafter.spec.family}")
-            if drafter.spec.vocab_size != target.spec.vocab_size:
-                raise ValueError(f"drafter vocabulary {drafter.spec.vocab_size} != target vocabulary "
-                                 f"{target.spec.vocab_size}: the drafter must use the target's tokenizer")
+        check_pair(target, drafter)
         self.target, self.drafter, self.ngram = target, drafter, ngram
         p = next(target.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.attn = make_backend(attention_backend, p.device, p.dtype)
         self.page_size = page_size
+        self.drafting = TreeDrafter(drafter, ngram, self.attn, page_size) if drafter is not None else None
         self.timing = {"draft_forward_s": 0.0, "tree_s": 0.0, "verify_forward_s": 0.0}
 
     @classmethod
@@ -97,43 +192,37 @@ class PrestoEngine:
         """Decode every prompt. ``search``: ``ar`` | ``linear`` | ``beam`` | ``best_first``; ``tree_budget``
         B; ``width`` W and ``top_b`` b (Alg. 1-2); ``lam`` λ, or ``adaptive=(β, C)`` for λ(H); ``draft_len`` k."""
         spec = self.target.spec
-        if search not in PRESTO_SEARCHES:
-            raise ValueError(f"search {search!r}; allowed: {', '.join(PRESTO_SEARCHES)}")
-        if search != "ar" and self.drafter is None:
-            raise ValueError(f"search {search!r} needs a drafter model")
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0 (got {max_tokens})")
-        if tree_budget < 1:
-            raise ValueError(f"tree_budget must be >= 1 (got {tree_budget})")
-        k = draft_len or (self.drafter.spec.block_size if self.drafter is not None else 1)
+        opts = draft_options(self.drafter, search=search, tree_budget=tree_budget, width=width, top_b=top_b, lam=lam,
+                             adaptive=adaptive, draft_len=draft_len, candidates=candidates, temperature=temperature)
+        k, blk = opts["k"], (self.drafter.spec.block_size if self.drafter else 0)
+        limit = spec.max_position if self.drafter is None else min(spec.max_position, self.drafter.spec.max_position)
         for p in prompts:
             if not p:
                 raise ValueError("empty prompt: at least one token is needed")
-            limit = spec.max_position if self.drafter is None else min(spec.max_position, self.drafter.spec.max_position)
-            if len(p) + max_tokens + k + (self.drafter.spec.block_size if self.drafter else 0) > limit:
+            if len(p) + max_tokens + k + blk > limit:
                 raise ValueError(f"prompt of {len(p)} tokens + max_tokens {max_tokens} + draft room exceeds the "
                                  f"models' context of {limit} tokens")
-        opts = dict(search=search, budget=tree_budget, width=width, top_b=top_b, lam=lam, adaptive=adaptive,
-                    k=k, candidates=candidates, temperature=temperature)
         results: list[GenerationResult | None] = [None] * len(prompts)
         for s in range(0, len(prompts), batch_size):
             chunk = range(s, min(len(prompts), s + batch_size))
             reqs = []
             for i in chunk:
-                rho = None
-                if self.ngram is not None and search != "ar":
-                    rho = self.ngram.request()
-                    rho.extend(prompts[i])
+                rho = self.drafting.new_rho(prompts[i]) if search != "ar" else None
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + i) if temperature > 0 else None
-                reqs.append(_Req(i, i - s, list(prompts[i]), len(prompts[i]), rho, gen))
-            room = [len(r.seq) + max_tokens + k + (self.drafter.spec.block_size if self.drafter else 0) for r in reqs]
-            self.t_kv = self._cache(self.target, room)
-            self.d_kv = self._cache(self.drafter, room) if search != "ar" else None
+                reqs.append(_Req(list(prompts[i]), i - s, rho, idx=i, prompt_len=len(prompts[i]), gen=gen))
+            room = [len(r.seq) + max_tokens + k + blk for r in reqs]
+            s_ = self.target.spec
+            self.t_kv = PagedKVCache(s_.num_layers, s_.num_kv_heads, s_.head_dim, room, self.page_size, self.dtype,
+                                     self.device)
+            if search != "ar":
+                self.drafting.allocate(room)
             t0 = time.perf_counter()
             while any(not r.done for r in reqs):
                 live = [r for r in reqs if not r.done]
                 if search != "ar":
-                    self._draft(live, opts)
+                    self.drafting.draft(live, opts)
                 self._verify(live, opts, max_tokens)
             dt = time.perf_counter() - t0
             for r in reqs:
@@ -141,53 +230,13 @@ class PrestoEngine:
                 results[r.idx] = GenerationResult(r.seq[: r.prompt_len], toks, r.nfe, dt, r.reason, {
                     "accept_len": len(toks) / max(1, r.nfe), "drafter_calls": r.drafter_calls,
                     "tree_nodes": r.nodes})
-            self.t_kv = self.d_kv = None
+            self.t_kv = None
+            if self.drafting is not None:
+                self.drafting.kv = None
+                self.timing.update(self.drafting.timing)
         return results  # type: ignore[return-value]
 
     # -------------------------------------------------------------------------------- internals
-    def _cache(self, model, seq_lens):
-        s = model.spec
-        return PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, seq_lens, self.page_size, self.dtype, self.device)
-
-    def _draft(self, reqs: list[_Req], o: dict) -> None:
-        """One drafter forward for every request: marginals of the next ``k`` positions, then its tree."""
-        spec, k, blk = self.drafter.spec, o["k"], self.drafter.spec.block_size
-        ids, pos, rows, qo, prefix, w_slots, w_rows = [], [], [], [0], [], [], []
-        for r in reqs:
-            n = len(r.seq)
-            a0, end = r.d_cached, -(-(n + k) // blk) * blk
-            ids += r.seq[a0:n] + [spec.mask_token_id] * (end - n)
-            pos.append(torch.arange(a0, end))
-            rows.append(torch.arange(n - a0, n - a0 + k) + qo[-1])
-            done_to = n // blk * blk  # blocks the accepted tokens have finished: their K/V becomes exact
-            if done_to > a0:
-                w_slots.append(self.d_kv.slots(torch.full((done_to - a0,), r.slot),
-                                               torch.arange(a0, done_to)))
-                w_rows.append(torch.arange(done_to - a0) + qo[-1])
-            qo.append(qo[-1] + end - a0)
-            prefix.append(a0)
-        seqs = [r.slot for r in reqs]
-        positions = torch.cat(pos)
-        plan = AttentionPlan(torch.tensor(qo), torch.tensor(prefix), self.d_kv.block_table[seqs], self.page_size,
-                             kind="block_causal", positions=positions, block_size=blk)
-        write = (torch.cat(w_slots).to(self.device), torch.cat(w_rows).to(self.device)) if w_slots else None
-        t0 = time.perf_counter()
-        logits = self.drafter.forward_paged(torch.tensor(ids, device=self.device), positions.to(self.device), plan,
-                                            self.d_kv, self.attn, write=write, logits_rows=torch.cat(rows).to(self.device))
-        logq = torch.log_softmax(logits.double(), -1).cpu().split(k)
-        self.timing["draft_forward_s"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for r, lq in zip(reqs, logq):
-            r.d_cached = max(r.d_cached, len(r.seq) // blk * blk)
-            r.drafter_calls += 1
-            lam = adaptive_lambda(lq, *o["adaptive"]) if o["adaptive"] else o["lam"]
-            rho = None
-            if r.rho is not None:
-                rho = (lambda path, r=r: r.rho.logprobs(r.rho.context(path)))
-            r.tree = build_tree(lq, rho, budget=o["budget"], search=o["search"], lam=lam, width=o["width"],
-                                top_b=o["top_b"], candidates=o["candidates"])
-        self.timing["tree_s"] += time.perf_counter() - t0
-
     def _verify(self, reqs: list[_Req], o: dict, max_tokens: int) -> None:
         """One target forward over every request's pending tokens and tree; accept and emit."""
         ids, pos, rows, qo, prefix, masks, w_slots, w_rows = [], [], [], [0], [], [], [], []
@@ -231,8 +280,9 @@ class PrestoEngine:
             if eos in out:
                 out = out[: out.index(eos) + 1]
                 r.done, r.reason = True, "stop"
-            r.seq += out
-            if r.rho is not None:
-                r.rho.extend(out)
+            if self.drafting is not None:
+                self.drafting.accepted(r, out)
+            else:
+                r.seq += out
             if len(r.seq) - r.prompt_len >= max_tokens:
                 r.done = True

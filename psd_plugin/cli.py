@@ -119,7 +119,9 @@ def _setup(args):
         raise UsageError(f"--method {method!r} for {kind}; allowed: {', '.join(allowed)}")
     from .config import spiffy_graph
 
-    cfg = parse_config(args.config)
+    from .config import DecodeConfig, TreeConfig
+
+    cfg = parse_config(args.config, DecodeConfig if dllm else TreeConfig)
     engine_kind = args.engine or ("vllm" if dllm and _has_vllm() else "reference")
     if engine_kind == "vllm":
         if not dllm:

@@ -36,10 +36,10 @@ class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache: Literal["none", "prefix", "block"] | None = None
 
 
-class TreeKnobs(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
-    """PRESTO tree drafting for an AR target (``--method linear | presto``; PRESTO §4, Alg. 1-2).
+class TreeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """PRESTO tree drafting for an AR target (PRESTO §4, Alg. 1-2; ``model_executor/decoding/tree.py``).
 
-    - ``search``: ``beam`` (Alg. 1, default) | ``best_first`` (Alg. 2); ``--method linear`` drafts a chain.
+    - ``search``: ``beam`` (Alg. 1, default) | ``best_first`` (Alg. 2) | ``linear`` (the drafter's top-1 chain).
     - ``tree_budget``: node budget B (draft tokens verified per target forward).
     - ``width``, ``top_b``: beam width W and children per expansion b.
     - ``lam``: λ of the prefix correction; ``adaptive_beta`` (with ``adaptive_c``): λ(H) = β H / (H + C) instead.
@@ -48,7 +48,7 @@ class TreeKnobs(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
     - ``drafter``, ``ngram``: drafter checkpoint and n-gram file (default: the embedded ones).
     """
 
-    search: Literal["beam", "best_first"] = "beam"
+    search: Literal["linear", "beam", "best_first"] = "beam"
     tree_budget: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 128
     width: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 10
     top_b: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 10
@@ -67,23 +67,35 @@ class TreeKnobs(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
                 "draft_len": self.draft_len, "candidates": self.candidates}
 
 
-class DecodeConfig(TreeKnobs, forbid_unknown_fields=True, kw_only=True):
-    """``psd generate/eval --config JSON``: the method knobs (:class:`DecodeKnobs`, :class:`TreeKnobs`) plus
+Temperature = Annotated[float, msgspec.Meta(ge=0.0)]
+BatchSize = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class TreeConfig(TreeKnobs, forbid_unknown_fields=True, kw_only=True):
+    """``psd generate/eval --config JSON`` for AR targets (``--method ar | linear | presto``): the tree knobs
+    plus ``temperature`` (sampling from the target; lossless with trees), ``seed`` and ``batch_size``."""
+
+    temperature: Temperature = 0.0
+    seed: int = 0
+    batch_size: BatchSize = 64
+
+
+class DecodeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
+    """``psd generate/eval --config JSON`` for dLLMs: the method knobs (:class:`DecodeKnobs`) plus
 
     - ``temperature``: 0 is greedy; > 0 samples with Gumbel noise in float64 (LLaDA ``generate.py``;
-      static, confidence and localleap only); for AR targets, sampling from the target (lossless with trees).
+      static, confidence and localleap only).
     - ``seed``: seed of the sampling noise.
     - ``batch_size``: requests decoded together in one model call.
     """
 
-    temperature: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    temperature: Temperature = 0.0
     seed: int = 0
-    batch_size: Annotated[int, msgspec.Meta(ge=1)] = 64
+    batch_size: BatchSize = 64
 
     def knobs(self) -> dict:
         """Keyword arguments for the dLLM engines' ``generate``."""
-        tree = set(TreeKnobs.__struct_fields__) - set(DecodeKnobs.__struct_fields__)
-        return {k: v for k, v in msgspec.structs.asdict(self).items() if k not in tree}
+        return msgspec.structs.asdict(self)
 
 
 class ConfigError(ValueError):

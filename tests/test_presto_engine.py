@@ -95,6 +95,6 @@ def test_cli_presto_and_linear(capsys):
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert res["method"] == "linear" and res["accept_len"] >= 1
     assert main(["generate", "--method", "presto", "--config", '{"search": "dfs"}']) == 2
-    assert "allowed: beam, best_first" in capsys.readouterr().err
+    assert "allowed: linear, beam, best_first" in capsys.readouterr().err
     assert main(["generate", "--method", "presto", "--model", str(DEFAULT_DLLM)]) == 2
     assert "allowed:" in capsys.readouterr().err
