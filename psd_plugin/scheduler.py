@@ -67,17 +67,24 @@ class DLLMScheduler(Scheduler):
         return spec_decoding_stats
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
-        rfs = getattr(draft_token_ids, "recompute_from", None)
-        extras = getattr(draft_token_ids, "extra_slots", None)
-        for i, (req_id, drafts) in enumerate(zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)):
-            r = self.requests.get(req_id)
-            if r is None or r.is_finished():
-                continue
-            r.spec_token_ids = list(drafts)
-            if rfs is not None:
-                r.num_computed_tokens = min(r.num_computed_tokens, rfs[i])
-                self._extra_slots[req_id] = extras[i]
+        apply_draft_updates(self, draft_token_ids)
+        for req_id, extra in zip(draft_token_ids.req_ids, getattr(draft_token_ids, "extra_slots", None) or []):
+            if req_id in self.requests:
+                self._extra_slots[req_id] = extra
 
     def _free_request(self, request, *args, **kwargs):
         self._extra_slots.pop(request.request_id, None)
         return super()._free_request(request, *args, **kwargs)
+
+
+def apply_draft_updates(scheduler: Scheduler, draft_token_ids) -> None:
+    """Set each running request's drafts and roll ``num_computed_tokens`` back to the runner's
+    ``recompute_from`` (where its next forward starts; the K/V before it stays in the paged cache)."""
+    rfs = getattr(draft_token_ids, "recompute_from", None)
+    for i, (req_id, drafts) in enumerate(zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)):
+        r = scheduler.requests.get(req_id)
+        if r is None or r.is_finished():
+            continue
+        r.spec_token_ids = list(drafts)
+        if rfs is not None:
+            r.num_computed_tokens = min(r.num_computed_tokens, rfs[i])

@@ -108,11 +108,16 @@ def translate(engine_args, target_model_config, target_parallel_config) -> None:
     dllm = is_dllm_config(target_model_config.hf_config)
     is_psd = isinstance(raw, dict) and raw.get("method") == "psd"
     if not dllm:
+        if is_psd and raw.get("mode") == "presto":
+            from .presto import translate as translate_presto
+
+            return translate_presto(engine_args, target_model_config, target_parallel_config, raw)
         if is_psd:
             raise ConfigError(f"speculative_config method 'psd' decodes diffusion LLMs (LLaDA, Dream, SDAR); "
                               f"{target_model_config.model} is model_type "
-                              f"{getattr(target_model_config.hf_config, 'model_type', '?')!r}. Drop the "
-                              "speculative config or use an autoregressive method (ngram, eagle, ...)")
+                              f"{getattr(target_model_config.hf_config, 'model_type', '?')!r}. For an autoregressive "
+                              "target use {\"method\": \"psd\", \"mode\": \"presto\"} (tree drafting with a "
+                              "diffusion drafter), another speculative method, or none")
         return
     if raw is not None and not is_psd:
         method = raw.get("method") if isinstance(raw, dict) else raw

@@ -1,4 +1,5 @@
-"""Request validation for the dLLM path, in vLLM's front end (a bad request is a 400, never an engine crash).
+"""Request validation for the dLLM and PRESTO paths, in vLLM's front end (a bad request is a 400, never an
+engine crash).
 
 :func:`install` wraps ``InputProcessor.process_inputs``: after vLLM's own checks (which also fill in
 ``max_tokens``), a request to a dLLM served with the ``psd`` method is checked for
@@ -46,14 +47,28 @@ def step_span(cfg: PSDSpeculativeConfig, prompt_len: int, max_tokens: int, page:
     return span, max(fresh, K * S)
 
 
-def check(vllm_config, params, prompt_len: int) -> None:
-    """Raise :class:`VLLMValidationError` for a request the dLLM path cannot serve."""
-    cfg = from_vllm_config(vllm_config)
+def _check_supported(params, what: str) -> None:
     for name, default, why in _UNSUPPORTED:
         value = getattr(params, name, default)
         if value is None or value == default or (isinstance(value, (list, dict, tuple)) and not value):
             continue
-        raise VLLMValidationError(f"{name}={value!r}: {why}", parameter=name, value=value)
+        raise VLLMValidationError(f"{name}={value!r}: {why.replace('dLLM decoding', what)}", parameter=name,
+                                  value=value)
+
+
+def check_presto(params) -> None:
+    """Raise :class:`VLLMValidationError` for a request PRESTO's tree verification cannot serve: it samples
+    from the target's full (temperature-scaled) distribution and produces no logprobs."""
+    _check_supported(params, "PRESTO tree verification")
+    if params.temperature > 0 and (params.top_p < 1.0 or params.top_k not in (0, -1) or params.min_p > 0):
+        raise VLLMValidationError("top_p/top_k/min_p: PRESTO's lossless tree sampling draws from the target's full "
+                                  "distribution; leave them at their defaults", parameter="top_p")
+
+
+def check(vllm_config, params, prompt_len: int) -> None:
+    """Raise :class:`VLLMValidationError` for a request the dLLM path cannot serve."""
+    cfg = from_vllm_config(vllm_config)
+    _check_supported(params, "dLLM decoding")
     if params.temperature > 0:
         if cfg.decoding in GREEDY_ONLY:
             raise VLLMValidationError(
@@ -96,9 +111,12 @@ def install() -> None:
 
     def process_inputs(self, *args, **kwargs):
         request = original(self, *args, **kwargs)
-        if "psd" in (self.vllm_config.additional_config or {}) and isinstance(request.sampling_params,
-                                                                              SamplingParams):
-            check(self.vllm_config, request.sampling_params, len(request.prompt_token_ids or ()))
+        extra = self.vllm_config.additional_config or {}
+        if isinstance(request.sampling_params, SamplingParams):
+            if "psd" in extra:
+                check(self.vllm_config, request.sampling_params, len(request.prompt_token_ids or ()))
+            elif "presto" in extra:
+                check_presto(request.sampling_params)
         return request
 
     InputProcessor.process_inputs = process_inputs

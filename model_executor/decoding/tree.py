@@ -89,6 +89,13 @@ class TokenTree:
             cur = torch.where(ok, par[cur.clamp_min(0)], cur)
         return m
 
+    def prefix(self, n: int) -> "TokenTree":
+        """The first ``n`` nodes (a tree whenever parents come before children, as :meth:`select` orders them)."""
+        out = TokenTree()
+        for i in range(min(n, len(self))):
+            out.add(self.tokens[i], self.parent[i], self.score[i])
+        return out
+
     def select(self, budget: int) -> "TokenTree":
         """The top-``budget`` nodes by score (ties: shallower first), renumbered; closed under ancestors."""
         keep = sorted(range(len(self)), key=lambda i: (-self.score[i], self.depth[i], i))[:budget]
