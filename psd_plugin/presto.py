@@ -32,7 +32,6 @@ from vllm.logger import init_logger
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.cpu_worker import CPUWorker
 
 from attention_backends.prefix_attention import AttentionPlan
 from attention_backends.torch_ref import TorchPrefixAttention
@@ -43,6 +42,7 @@ from model_executor.models.reference import ReferenceDLLM
 from model_executor.presto_engine import DraftState, TreeDrafter, draft_options
 
 from .config import ConfigError, TreeKnobs, parse_config
+from .worker import DLLMDraftTokenIds, RunnerSwapWorker
 
 logger = init_logger(__name__)
 
@@ -267,8 +267,6 @@ class PrestoModelRunner(CPUModelRunner):
         return drafts
 
     def take_draft_token_ids(self):
-        from .worker import DLLMDraftTokenIds
-
         if not self._draft_token_req_ids:
             return None
         drafts, req_ids = self._get_draft_token_ids_cpu()
@@ -296,18 +294,10 @@ class PrestoModelRunner(CPUModelRunner):
         return t
 
 
-class PrestoWorker(CPUWorker):
-    """``CPUWorker`` that builds :class:`PrestoModelRunner` (``worker_cls`` set by PRESTO mode)."""
+class PrestoWorker(RunnerSwapWorker):
+    """Builds :class:`PrestoModelRunner` (``worker_cls`` set by PRESTO mode)."""
 
-    def init_device(self):
-        import vllm.v1.worker.cpu_worker as cpu_worker
-
-        original = cpu_worker.CPUModelRunner
-        cpu_worker.CPUModelRunner = PrestoModelRunner
-        try:
-            super().init_device()
-        finally:
-            cpu_worker.CPUModelRunner = original
+    runner_cls = PrestoModelRunner
 
     def presto_stats(self) -> dict:
         """Verification figures (``LLM.collective_rpc("presto_stats")``): steps, tokens, mean τ."""

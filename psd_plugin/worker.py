@@ -341,18 +341,27 @@ class DLLMModelRunner(CPUModelRunner):
         return {"totals": t, "requests": dict(self.finished)}
 
 
-class DLLMWorker(CPUWorker):
-    """``CPUWorker`` that builds :class:`DLLMModelRunner` (``worker_cls`` set by the ``psd`` method)."""
+class RunnerSwapWorker(CPUWorker):
+    """``CPUWorker`` that builds ``runner_cls`` instead of ``CPUModelRunner`` (the worker reads that name from
+    its module when it sets up the device)."""
+
+    runner_cls: type = CPUModelRunner
 
     def init_device(self):
         import vllm.v1.worker.cpu_worker as cpu_worker
 
         original = cpu_worker.CPUModelRunner
-        cpu_worker.CPUModelRunner = DLLMModelRunner
+        cpu_worker.CPUModelRunner = self.runner_cls
         try:
             super().init_device()
         finally:
             cpu_worker.CPUModelRunner = original
+
+
+class DLLMWorker(RunnerSwapWorker):
+    """Builds :class:`DLLMModelRunner` (``worker_cls`` set by the ``psd`` method)."""
+
+    runner_cls = DLLMModelRunner
 
     def psd_stats(self) -> dict:
         """Decoding figures (``LLM.collective_rpc("psd_stats")``): totals and recent finished requests."""
