@@ -141,7 +141,8 @@ class PrestoModelRunner(CPUModelRunner):
         self.trees: dict[str, TokenTree] = {}
         self.accepted: dict[str, int] = {}
         self._rf: dict[str, int] = {}
-        self.totals = {"steps": 0, "tokens": 0, "tree_nodes": 0}
+        # forwards: target forwards requests took part in (prefills included); steps: tree verifications
+        self.totals = {"forwards": 0, "steps": 0, "tokens": 0, "tree_nodes": 0}
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -172,6 +173,7 @@ class PrestoModelRunner(CPUModelRunner):
         rows, qo, prefix, table, masks = [], [0], [], [], []
         bt = self.input_batch.block_table[0]
         self._verifying: dict[str, TokenTree] = {}
+        self.totals["forwards"] += len(self.input_batch.req_ids)
         for i, rid in enumerate(self.input_batch.req_ids):
             drafts = scheduler_output.scheduled_spec_decode_tokens.get(rid) or []
             tree = self.trees.get(rid)
@@ -220,9 +222,9 @@ class PrestoModelRunner(CPUModelRunner):
             else:
                 out, _ = accept_greedy(tree, lg[: len(tree) + 1].argmax(-1))
             self.accepted[rid] = len(out) - 1
-            self.totals["steps"] += 1
-            self.totals["tokens"] += len(out)
-            self.totals["tree_nodes"] += len(tree)
+            if len(tree):
+                self.totals["steps"] += 1
+                self.totals["tree_nodes"] += len(tree)
             outs.append(out)
         width = max(2, max(map(len, outs), default=1))
         ids = torch.full((len(outs), width), -1, dtype=torch.int32)
@@ -289,8 +291,10 @@ class PrestoModelRunner(CPUModelRunner):
         self._rf.pop(req_id, None)
 
     def presto_stats(self) -> dict:
+        """Totals since start: target forwards per request summed (``forwards``), tree verifications
+        (``steps``) and their nodes, and ``tree_nodes / steps``."""
         t = dict(self.totals)
-        t["accept_len"] = t["tokens"] / max(1, t["steps"])
+        t["nodes_per_tree"] = t["tree_nodes"] / max(1, t["steps"])
         return t
 
 
@@ -300,5 +304,5 @@ class PrestoWorker(RunnerSwapWorker):
     runner_cls = PrestoModelRunner
 
     def presto_stats(self) -> dict:
-        """Verification figures (``LLM.collective_rpc("presto_stats")``): steps, tokens, mean τ."""
+        """Verification figures (``LLM.collective_rpc("presto_stats")``): forwards, tree steps, nodes."""
         return self.model_runner.presto_stats()
