@@ -6,14 +6,7 @@ stream aborted mid-way while another request runs (that one is unaffected, the s
 bad request (400, not a crash), then a clean shutdown on SIGTERM.
 """
 
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
-import urllib.request
 
 import pytest
 
@@ -26,40 +19,13 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "psd_plugin.cli", "serve", "--host", "127.0.0.1", "--port",
-                             str(port), "--max-model-len", "512"], env=env, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while True:
-        try:
-            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()[-3000:]}")
-        if time.time() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise RuntimeError("server did not become healthy in 300 s")
-        time.sleep(1)
-    yield openai.OpenAI(base_url=url + "/v1", api_key="none"), proc
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        assert proc.wait(timeout=60) is not None
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    from psd_plugin.server import start
+
+    srv = start(["--max-model-len", "512"])
+    yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none"), srv.proc
+    assert srv.stop() is not None
 
 
 @pytest.fixture(scope="module")
