@@ -1,6 +1,8 @@
 """Cost of one draft-verification forward against the number of draft canvases: shared vs expanded prefix.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/verify_cost.py [--backend torch] [--device cpu] [--dtype float32]
+    python benchmarks/verify_cost.py --shape llada-8b --device cuda --dtype bfloat16 --backend flashinfer \
+        --prefixes 512 --window 32        # the GPU issue's setting (random weights, no checkpoint needed)
 
 One forward of the embedded model (``--model``, llada-tiny by default) for ``--batches`` requests, each with a
 cached prefix of ``P`` tokens and a window of ``--window`` new tokens (a block of 8 plus the masks after it, as
@@ -66,6 +68,9 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_DLLM)
+    ap.add_argument("--shape", choices=["checkpoint", "llada-8b"], default="checkpoint",
+                    help="llada-8b: LLaDA-8B's shape (32 layers, hidden 4096, 32 heads, MLP 12288) with random "
+                         "weights, for GPU figures (needs about 16 GB in bfloat16)")
     ap.add_argument("--backend", default="torch", help="auto, torch or flashinfer")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -77,7 +82,17 @@ def main() -> None:
     args = ap.parse_args()
 
     dtype = getattr(torch, args.dtype)
-    model = ReferenceDLLM.from_pretrained(args.model, dtype=dtype, device=args.device)
+    if args.shape == "llada-8b":
+        from model_executor.models.configs import ArchSpec
+
+        spec = ArchSpec("llada", 4096, 32, 32, 32, 128, 12288, 126464, 500000.0, 1e-5, 4096, 126336, 126081,
+                        False, False, False, "bidirectional", None, False)
+        torch.set_default_dtype(dtype)
+        with torch.device(args.device):
+            model = ReferenceDLLM(spec).eval()
+        torch.set_default_dtype(torch.float32)
+    else:
+        model = ReferenceDLLM.from_pretrained(args.model, dtype=dtype, device=args.device)
     attn = make_backend(args.backend, args.device, dtype)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     rows = []
@@ -103,12 +118,12 @@ def main() -> None:
             row["expanded_over_shared"] = round(row["expanded_ms"] / row["shared_ms"], 2)
             rows.append(row)
             print(row, flush=True)
-    meta = {"model": Path(args.model).name, "backend": attn.name, "device": args.device, "dtype": args.dtype,
+    meta = {"model": Path(args.model).name if args.shape == "checkpoint" else "LLaDA-8B shape, random", "backend": attn.name, "device": args.device, "dtype": args.dtype,
             "window": args.window, "reps": args.reps, "threads": torch.get_num_threads()}
     if args.device.startswith("cuda"):
         meta["gpu"] = torch.cuda.get_device_name()
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "verify_cost" if args.device == "cpu" else f"verify_cost_{args.device.split(':')[0]}"
+    name = "verify_cost" if args.device == "cpu" else f"verify_cost_{args.device.split(':')[0]}_{args.shape}"
     (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     (args.out / f"{name}.md").write_text(render(meta, rows))
     print(render(meta, rows))
