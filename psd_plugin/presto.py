@@ -142,7 +142,7 @@ class PrestoModelRunner(CPUModelRunner):
         self.accepted: dict[str, int] = {}
         self._rf: dict[str, int] = {}
         # forwards: target forwards requests took part in (prefills included); steps: tree verifications
-        self.totals = {"forwards": 0, "steps": 0, "tokens": 0, "tree_nodes": 0}
+        self.totals = {"forwards": 0, "steps": 0, "tree_nodes": 0}
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -295,6 +295,7 @@ class PrestoModelRunner(CPUModelRunner):
         (``steps``) and their nodes, and ``tree_nodes / steps``."""
         t = dict(self.totals)
         t["nodes_per_tree"] = t["tree_nodes"] / max(1, t["steps"])
+        t["drafting_requests"] = len(self.states)  # requests holding a drafter slot now
         return t
 
 
