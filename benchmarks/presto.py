@@ -20,13 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from model_executor.decoding.ngram import NGramModel  # noqa: E402
-from model_executor.models.reference import ReferenceDLLM  # noqa: E402
 from model_executor.presto_engine import PrestoEngine  # noqa: E402
 from psd_plugin import DEFAULT_AR, DEFAULT_DRAFTER, default_ngram  # noqa: E402
 from psd_plugin.evaluate import decode_answer, encode  # noqa: E402
@@ -45,8 +42,7 @@ def main() -> None:
     args = ap.parse_args()
 
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))
-    engine = PrestoEngine(ReferenceDLLM.from_pretrained(DEFAULT_AR), ReferenceDLLM.from_pretrained(DEFAULT_DRAFTER),
-                          NGramModel.load(default_ngram(DEFAULT_DRAFTER)))
+    engine = PrestoEngine.from_pretrained(DEFAULT_AR, DEFAULT_DRAFTER, default_ngram(DEFAULT_DRAFTER))
     rows = [r for t in TASKS for r in load_heldout(t)[: args.limit]]
     prompts = [encode(tok, r["prompt"]) for r in rows]
     ar = {}

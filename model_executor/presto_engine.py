@@ -70,14 +70,18 @@ class _Req(DraftState):
 class TreeDrafter:
     """Steps 1-2 of a round (module docstring): one batched drafter forward, then a tree per request."""
 
-    def __init__(self, drafter: ReferenceDLLM, ngram: NGramModel | None, attn, page_size: int = 16):
+    def __init__(self, drafter: ReferenceDLLM, ngram: NGramModel | None, attn, page_size: int = 16,
+                 timing: dict | None = None):
+        """``timing``: the dict its seconds accumulate in (``draft_forward_s``, ``tree_s``); the engine's."""
         if drafter.spec.family != "sdar":
             raise ValueError(f"the PRESTO drafter must be a block-diffusion (SDAR-format) model, got {drafter.spec.family}")
         self.drafter, self.ngram, self.attn, self.page_size = drafter, ngram, attn, page_size
         p = next(drafter.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.kv: PagedKVCache | None = None
-        self.timing = {"draft_forward_s": 0.0, "tree_s": 0.0}
+        self.timing = timing if timing is not None else {}
+        self.timing.setdefault("draft_forward_s", 0.0)
+        self.timing.setdefault("tree_s", 0.0)
 
     def allocate(self, seq_lens: list[int]) -> None:
         """A paged cache with one sequence (``DraftState.slot``) per entry of ``seq_lens``."""
@@ -174,8 +178,8 @@ class PrestoEngine:
         self.device, self.dtype = p.device, p.dtype
         self.attn = make_backend(attention_backend, p.device, p.dtype)
         self.page_size = page_size
-        self.drafting = TreeDrafter(drafter, ngram, self.attn, page_size) if drafter is not None else None
         self.timing = {"draft_forward_s": 0.0, "tree_s": 0.0, "verify_forward_s": 0.0}
+        self.drafting = TreeDrafter(drafter, ngram, self.attn, page_size, self.timing) if drafter is not None else None
 
     @classmethod
     def from_pretrained(cls, target, drafter=None, ngram=None, dtype=torch.float32, device="cpu", **kw) -> "PrestoEngine":
@@ -233,7 +237,6 @@ class PrestoEngine:
             self.t_kv = None
             if self.drafting is not None:
                 self.drafting.kv = None
-                self.timing.update(self.drafting.timing)
         return results  # type: ignore[return-value]
 
     # -------------------------------------------------------------------------------- internals
@@ -245,11 +248,7 @@ class PrestoEngine:
             m, N = n - c, len(tree)
             ids += r.seq[c:n] + tree.tokens
             pos.append(torch.cat([torch.arange(c, n), torch.tensor(tree.depth, dtype=torch.long) + n - 1]))
-            mask = torch.zeros(m + N, m + N, dtype=torch.bool)
-            mask[:m, :m] = torch.ones(m, m, dtype=torch.bool).tril()
-            mask[m:, :m] = True
-            mask[m:, m:] = tree.ancestor_mask()
-            masks.append(mask)
+            masks.append(tree.verify_mask(m))
             rows.append(torch.arange(m - 1, m + N) + qo[-1])  # the root (last pending token) and every node
             w_slots.append(self.t_kv.slots(torch.full((m,), r.slot), torch.arange(c, n)))
             w_rows.append(torch.arange(m) + qo[-1])

@@ -161,8 +161,6 @@ def _presto(model, cfg, args):
     """(PrestoEngine, tokenizer) for an AR target with the configured (or embedded) drafter and n-gram file."""
     from transformers import AutoTokenizer
 
-    from model_executor.decoding.ngram import NGramModel
-    from model_executor.models.reference import ReferenceDLLM
     from model_executor.presto_engine import PrestoEngine
 
     from . import DEFAULT_DRAFTER, default_ngram
@@ -172,10 +170,8 @@ def _presto(model, cfg, args):
     if not (drafter / "config.json").exists():
         raise UsageError(f"--config drafter {drafter}: not a model directory (no config.json)")
     ngram = Path(cfg.ngram) if cfg.ngram else default_ngram(drafter)
-    dev, dt = args.device, DTYPES[args.dtype]
-    engine = PrestoEngine(ReferenceDLLM.from_pretrained(model, dtype=dt, device=dev),
-                          ReferenceDLLM.from_pretrained(drafter, dtype=dt, device=dev),
-                          NGramModel.load(ngram) if ngram else None, attention_backend=args.attention_backend)
+    engine = PrestoEngine.from_pretrained(model, drafter, ngram, dtype=DTYPES[args.dtype], device=args.device,
+                                          attention_backend=args.attention_backend)
     return engine, AutoTokenizer.from_pretrained(str(model))
 
 

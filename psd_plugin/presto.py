@@ -115,11 +115,9 @@ def translate(engine_args, target_model_config, target_parallel_config, raw: dic
 
 
 def from_vllm_config(vllm_config) -> PrestoSpeculativeConfig:
-    raw = (vllm_config.additional_config or {}).get("presto")
-    if raw is None:
-        raise RuntimeError("psd-plugin's PRESTO scheduler/worker need additional_config['presto']; they are "
-                           "selected by speculative_config={'method': 'psd', 'mode': 'presto', ...}")
-    return msgspec.convert(raw, PrestoSpeculativeConfig)
+    from .speculative import stored_config
+
+    return stored_config(vllm_config, "presto", PrestoSpeculativeConfig, "{'method': 'psd', 'mode': 'presto', ...}")
 
 
 class PrestoScheduler(Scheduler):
@@ -186,15 +184,11 @@ class PrestoModelRunner(CPUModelRunner):
             m = q1 - q0 - D
             n = c + m
             self.positions[q0 + m: q1] = torch.tensor(tree.depth, dtype=self.positions.dtype) + n - 1
-            mask = torch.zeros(m + D, m + D, dtype=torch.bool)
-            mask[:m, :m] = torch.ones(m, m, dtype=torch.bool).tril()
-            mask[m:, :m] = True
-            mask[m:, m:] = tree.ancestor_mask()
             rows.append(torch.arange(q0, q1))
             qo.append(qo[-1] + q1 - q0)
             prefix.append(c)
             table.append(torch.from_numpy(bt.block_table.np[i]).long())
-            masks.append(mask)
+            masks.append(tree.verify_mask(m))
             self._verifying[rid] = tree
         step = None
         if rows:

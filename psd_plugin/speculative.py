@@ -87,13 +87,18 @@ def parse(raw: dict) -> PSDSpeculativeConfig:
     return parse_config(msgspec.json.encode(raw), PSDSpeculativeConfig, where="speculative_config")
 
 
-def from_vllm_config(vllm_config) -> PSDSpeculativeConfig:
-    """The resolved config stored by :func:`translate` (engine core and workers read it from here)."""
-    raw = (vllm_config.additional_config or {}).get("psd")
+def stored_config(vllm_config, key: str, cls, selected_by: str):
+    """The resolved config a ``translate`` stored in ``additional_config[key]`` (the engine core and the
+    workers read it from there), as ``cls``."""
+    raw = (vllm_config.additional_config or {}).get(key)
     if raw is None:
-        raise RuntimeError("psd-plugin's scheduler/worker need additional_config['psd']; they are selected by "
-                           "speculative_config={'method': 'psd', ...}, not by hand")
-    return msgspec.convert(raw, PSDSpeculativeConfig)
+        raise RuntimeError(f"psd-plugin's scheduler/worker need additional_config[{key!r}]; they are selected by "
+                           f"speculative_config={selected_by}, not by hand")
+    return msgspec.convert(raw, cls)
+
+
+def from_vllm_config(vllm_config) -> PSDSpeculativeConfig:
+    return stored_config(vllm_config, "psd", PSDSpeculativeConfig, "{'method': 'psd', ...}")
 
 
 def is_dllm_config(hf_config) -> bool:

@@ -89,6 +89,17 @@ class TokenTree:
             cur = torch.where(ok, par[cur.clamp_min(0)], cur)
         return m
 
+    def verify_mask(self, pending: int) -> torch.Tensor:
+        """``[pending + N, pending + N]`` bool for a verification forward of ``pending`` accepted tokens (causal
+        among themselves; the last one is the root) followed by the nodes (each sees them all, its ancestors
+        and itself)."""
+        m, n = pending, len(self)
+        mask = torch.zeros(m + n, m + n, dtype=torch.bool)
+        mask[:m, :m] = torch.ones(m, m, dtype=torch.bool).tril()
+        mask[m:, :m] = True
+        mask[m:, m:] = self.ancestor_mask()
+        return mask
+
     def prefix(self, n: int) -> "TokenTree":
         """The first ``n`` nodes (a tree whenever parents come before children, as :meth:`select` orders them)."""
         out = TokenTree()
