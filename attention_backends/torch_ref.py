@@ -8,7 +8,8 @@ Per layer it computes two attentions and merges them by their log-sum-exp (Flash
    ``[S, max_seg_len]``; a DAG of canvases costs ``sum n_s^2`` scores, not ``(sum n_s)^2``.
 
 Scores accumulate in float32 (float64 for float64 inputs: the exactness path). A row with no visible key
-(a padded row) contributes nothing rather than NaN. All index tensors and masks are built in ``plan`` so
+(a padded row) contributes nothing rather than NaN, and cache slots beyond each prefix are never read into the
+result, so caches may be allocated uninitialised. All index tensors and masks are built in ``plan`` so
 ``run`` is a handful of batched tensor ops per layer.
 """
 
@@ -105,7 +106,9 @@ class TorchPrefixAttention:
             lse = torch.empty(self.T, H, dtype=acc, device=q.device)
             lse[self.s_idx[self.s_ok]] = lse_new[self.s_ok]
             kp = k_cache.flatten(0, 1)[self.p_slots]  # [R', P, Hkv, D]: the prefix, gathered once per request
-            vp = v_cache.flatten(0, 1)[self.p_slots]
+            # slots past a prefix's end are padding (slot 0): zero their values, so unwritten (uninitialised)
+            # cache memory there cannot leak NaN through a zero attention weight
+            vp = v_cache.flatten(0, 1)[self.p_slots].masked_fill(~self.p_mask[:, 0, :, None, None], 0)
             o_p, lse_p = attend(q[self.pq_idx], kp, vp, self.scale, self.p_mask)
             rows = self.pq_idx[self.pq_ok]
             out[rows] = merge_state(o_p[self.pq_ok], lse_p[self.pq_ok], out[rows], lse[rows])

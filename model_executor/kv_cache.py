@@ -22,7 +22,8 @@ class PagedKVCache:
         self.block_table = first[:, None] + torch.arange(width)  # [num_seqs, max_pages]; unused tail entries
         total = sum(n_pages)
         shape = (total, page_size, num_kv_heads, head_dim)
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        # uninitialised: a page is only read where it was written (a large allocation is not resident until touched)
+        self.layers = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
                        for _ in range(num_layers)]
 
     def slots(self, seq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

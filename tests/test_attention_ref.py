@@ -114,6 +114,24 @@ def test_a_canvas_ignores_the_other_canvases():
     assert torch.equal(be.run(q, k2, v2, kc, vc)[s0:s1], out[s0:s1])
 
 
+def test_unwritten_cache_slots_never_reach_the_output():
+    """Caches may be uninitialised: NaN in every slot outside the prefixes changes nothing (slot 0, which
+    padded prefix positions point at, included)."""
+    plan, q, k, v, kc, vc = _case(2, "custom")
+    be = TorchPrefixAttention()
+    be.plan(plan, 4, 2, 16, torch.float64)
+    want = be.run(q, k, v, kc, vc)
+    used = set()
+    for r, n in enumerate(plan.prefix_lens.tolist()):
+        used |= {int(plan.block_table[r, i // 4]) * 4 + i % 4 for i in range(n)}
+    kn, vn = kc.clone().flatten(0, 1), vc.clone().flatten(0, 1)
+    free = torch.tensor(sorted(set(range(kn.shape[0])) - used))
+    assert 0 in free.tolist()
+    kn[free], vn[free] = float("nan"), float("nan")
+    got = be.run(q, k, v, kn.view_as(kc), vn.view_as(vc))
+    assert torch.equal(got, want)
+
+
 def test_bad_plans_and_shapes_raise_clear_errors():
     plan, q, k, v, kc, vc = _case(0, "bidirectional")
     qo, pl, bt = plan.qo_indptr, plan.prefix_lens, plan.block_table
