@@ -75,7 +75,8 @@ class TorchPrefixAttention:
         self.pq_idx = q_idx[self.req].to(dev)
         self.pq_ok = q_ok[self.req].to(dev)
         slots = plan.prefix_slots()[self.req]
-        self.p_slots = slots.to(dev)
+        # (page, offset) pairs rather than flat slots: the caches may be strided views (vLLM's per-layer K|V pages)
+        self.p_page, self.p_off = (slots // plan.page_size).to(dev), (slots % plan.page_size).to(dev)
         P = slots.shape[1]
         self.p_mask = (torch.arange(P) < plan.prefix_lens[self.req, None]).to(dev)[:, None, :]  # [R', 1, P]
         # new-token part: segment rows padded [S, Ls] and their [S, Ls, Ls] visibility
@@ -105,10 +106,10 @@ class TorchPrefixAttention:
         if self.req.numel():
             lse = torch.empty(self.T, H, dtype=acc, device=q.device)
             lse[self.s_idx[self.s_ok]] = lse_new[self.s_ok]
-            kp = k_cache.flatten(0, 1)[self.p_slots]  # [R', P, Hkv, D]: the prefix, gathered once per request
+            kp = k_cache[self.p_page, self.p_off]  # [R', P, Hkv, D]: the prefix, gathered once per request
             # slots past a prefix's end are padding (slot 0): zero their values, so unwritten (uninitialised)
             # cache memory there cannot leak NaN through a zero attention weight
-            vp = v_cache.flatten(0, 1)[self.p_slots].masked_fill(~self.p_mask[:, 0, :, None, None], 0)
+            vp = v_cache[self.p_page, self.p_off].masked_fill(~self.p_mask[:, 0, :, None, None], 0)
             o_p, lse_p = attend(q[self.pq_idx], kp, vp, self.scale, self.p_mask)
             rows = self.pq_idx[self.pq_ok]
             out[rows] = merge_state(o_p[self.pq_ok], lse_p[self.pq_ok], out[rows], lse[rows])

@@ -27,7 +27,7 @@ from model_executor.decoding.policies import make_policy  # noqa: E402
 from psd_plugin import DEFAULT_DLLM, default_graph  # noqa: E402
 from psd_plugin.calibrate import TrajectoryRecorder  # noqa: E402
 from psd_plugin.evaluate import encode, load  # noqa: E402
-from psd_plugin.tasks import TASKS, load_heldout  # noqa: E402
+from psd_plugin.train.tasks import TASKS, load_heldout  # noqa: E402
 
 
 def min_margin(engine, prompt, policy: str) -> dict:

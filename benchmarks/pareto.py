@@ -30,7 +30,7 @@ from model_executor.decoding.freedave import topk_jump  # noqa: E402
 from psd_plugin import DEFAULT_DLLM  # noqa: E402
 from psd_plugin.calibrate import TrajectoryRecorder, calibrate_graph, default_calibration_prompts, model_name  # noqa: E402
 from psd_plugin.evaluate import encode, evaluate, load  # noqa: E402
-from psd_plugin.tasks import TASKS, load_heldout  # noqa: E402
+from psd_plugin.train.tasks import TASKS, load_heldout  # noqa: E402
 
 
 def grid(graphs):

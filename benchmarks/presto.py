@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from model_executor.presto_engine import PrestoEngine  # noqa: E402
 from psd_plugin import DEFAULT_AR, DEFAULT_DRAFTER, default_ngram  # noqa: E402
 from psd_plugin.evaluate import decode_answer, encode  # noqa: E402
-from psd_plugin.tasks import TASKS, grade, load_heldout  # noqa: E402
+from psd_plugin.train.tasks import TASKS, grade, load_heldout  # noqa: E402
 
 
 def main() -> None:

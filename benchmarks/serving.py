@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/serving.py [--requests 64] [--concurrency 1,4,16,64] [--out benchmarks/results]
 
-For each configuration, vLLM's OpenAI-compatible server starts on loopback (``psd_plugin.server``), a
+For each configuration, vLLM's OpenAI-compatible server starts on loopback (``psd_plugin.vllm.server``), a
 load generator (asyncio + aiohttp, streaming completions with token-id prompts) keeps ``c`` requests in
 flight until ``--requests`` fixed held-out prompts (the same for every configuration, every task
 represented) are done, for each concurrency ``c``; then the server is stopped by its PID. Greedy,
@@ -89,8 +89,8 @@ def main() -> None:
 
     from psd_plugin import CHECKPOINTS
     from psd_plugin.evaluate import encode
-    from psd_plugin.server import start
-    from psd_plugin.tasks import TASKS, grade, load_heldout
+    from psd_plugin.vllm.server import start
+    from psd_plugin.train.tasks import TASKS, grade, load_heldout
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=64)

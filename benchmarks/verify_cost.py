@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from attention_backends.prefix_attention import AttentionPlan, make_backend  # noqa: E402
-from model_executor.kv_cache import PagedKVCache  # noqa: E402
+from attention_backends.paged_kv_cache import PagedKVCache  # noqa: E402
 from model_executor.models.reference import ReferenceDLLM  # noqa: E402
 
 DRAFTS = (0, 1, 3, 7, 15)

@@ -29,8 +29,8 @@ def main() -> None:
     from model_executor.decoding import load_graph
     from psd_plugin import DEFAULT_DLLM, default_graph
     from psd_plugin.evaluate import encode, load
-    from psd_plugin.tasks import TASKS, grade, load_heldout
-    from psd_plugin.vllm_engine import VLLMEngine
+    from psd_plugin.train.tasks import TASKS, grade, load_heldout
+    from psd_plugin.vllm.engine import VLLMEngine
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_DLLM)

@@ -41,7 +41,7 @@ def main() -> None:
     from model_executor.presto_engine import PrestoEngine
     from psd_plugin import DEFAULT_AR, DEFAULT_DRAFTER, default_ngram
     from psd_plugin.evaluate import encode
-    from psd_plugin.tasks import TASKS, load_heldout
+    from psd_plugin.train.tasks import TASKS, load_heldout
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--limit", type=int, default=20, help="held-out items per task")

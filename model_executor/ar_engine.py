@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from .engine import GenerationResult
+from .outputs import GenerationResult
 
 
 class AREngine:

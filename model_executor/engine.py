@@ -27,50 +27,18 @@ part in, ``tpf = len(token_ids) / nfe`` with ``token_ids`` counted up to and inc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
+from attention_backends.paged_kv_cache import PagedKVCache
 from attention_backends.prefix_attention import AttentionPlan, make_backend
 
-from .block_schedule import CACHE_MODES, cached_after_step, plan_blocks, window
-from .decoding import METHODS, BlockDecoder, make_decoder, merge_stats
-from .kv_cache import PagedKVCache
+from .block_schedule import CACHE_MODES
+from .decoding import METHODS, BlockDecoder, make_decoder
+from .dllm_request import DLLMRequest, DLLMStep
 from .models.reference import ReferenceDLLM
-
-
-@dataclass
-class GenerationResult:
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # generated ids up to and including the first EOS
-    nfe: int
-    seconds: float = 0.0
-    finish_reason: str = "length"  # "stop" when an EOS ended the answer
-    stats: dict = field(default_factory=dict)  # method-specific counters (accepted drafts ...)
-
-    @property
-    def tpf(self) -> float:
-        return len(self.token_ids) / max(1, self.nfe)
-
-
-@dataclass
-class _Request:
-    idx: int
-    prompt: list[int]
-    x: torch.Tensor  # [prompt | answer region], masks where undecoded
-    blocks: list[tuple[int, int]]  # [start, end) absolute positions of each block to decode
-    block: int = 0
-    nfe: int = 0
-    seq: int = 0  # the request's sequence in the batch's paged KV cache
-    cached: int = 0  # number of leading positions whose K/V in the cache is exact
-    fresh_block: bool = True  # first step of the current block
-    done: bool = False
-    dec: BlockDecoder | None = None  # decodes the current block
-    make: Callable[[torch.Tensor], BlockDecoder] | None = None  # builds the decoder of a block
-    stats: dict = field(default_factory=dict)  # method counters summed over blocks
-    t0: float = field(default_factory=time.perf_counter)
-    seconds: float = 0.0
+from .outputs import GenerationResult
 
 
 class ReferenceEngine:
@@ -132,118 +100,74 @@ class ReferenceEngine:
                                  f"context of {spec.max_position} tokens")
         make_decoder(method, torch.zeros(1, dtype=torch.long), spec.mask_token_id, **knobs)  # validate knobs early
         results: list[GenerationResult | None] = [None] * len(prompts)
+        aligned = cache == "block" or spec.attention == "block_causal"  # SDAR: model-aligned blocks
         for s in range(0, len(prompts), batch_size):
-            reqs = [self._new_request(i, prompts[i], max_tokens, block_size, cache, batch_size) for i in
-                    range(s, min(len(prompts), s + batch_size))]
-            w = next(self.model.parameters())
-            self.kv = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, [r.x.numel() for r in reqs],
-                                   self.page_size, w.dtype, w.device)
-            for r in reqs:
+            idx = list(range(s, min(len(prompts), s + batch_size)))
+            reqs: list[DLLMRequest] = []
+            for i in idx:
                 gen = None
                 if knobs.get("temperature", 0) > 0:
-                    gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + r.idx)
-                r.make = decoder_factory or (
+                    gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + i)
+                make = decoder_factory or (
                     lambda blk, gen=gen: make_decoder(method, blk, spec.mask_token_id, generator=gen, **knobs))
-                self._start_block(r)
-            while any(not r.done for r in reqs):
-                self._step([r for r in reqs if not r.done], cache)
-            for r in reqs:
-                results[r.idx] = self._result(r)
+                reqs.append(DLLMRequest(list(prompts[i]), max_tokens, block_size, make, spec.mask_token_id,
+                                        spec.eos_token_id, aligned=aligned, device=self.device))
+            w = next(self.model.parameters())
+            self.kv = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, [r.total for r in reqs],
+                                   self.page_size, w.dtype, w.device)
+            t0, seconds = time.perf_counter(), [0.0] * len(reqs)
+            while True:
+                live = [(j, r) for j, r in enumerate(reqs) if not r.done]
+                if not live:
+                    break
+                self._step(live, cache)
+                for j, r in live:
+                    if r.done:
+                        seconds[j] = time.perf_counter() - t0
+            for j, (i, r) in enumerate(zip(idx, reqs)):
+                results[i] = GenerationResult(list(r.prompt), r.answer(), r.nfe, seconds[j], r.finish_reason,
+                                              r.stats)
             self.kv = None  # the batch's pages
         return results  # type: ignore[return-value]
 
     # -------------------------------------------------------------------------------- internals
-    def _new_request(self, idx, prompt, max_tokens, block_size, cache, batch_size) -> _Request:
-        x = torch.tensor(prompt + [self.spec.mask_token_id] * max_tokens, dtype=torch.long, device=self.device)
-        aligned = cache == "block" or self.spec.attention == "block_causal"  # SDAR: model-aligned blocks
-        return _Request(idx, list(prompt), x, plan_blocks(len(prompt), max_tokens, block_size, aligned),
-                        seq=idx % batch_size)
-
-    def _start_block(self, r: _Request) -> None:
-        b0, b1 = r.blocks[r.block]
-        r.dec = r.make(r.x[b0:b1])
-        r.fresh_block = True
-
-    def _window(self, r: _Request, cache: str) -> tuple[int, int]:
-        """[start, end) of the positions this step forwards; K/V before ``start`` comes from the cache."""
-        return window(cache, r.blocks[r.block], r.x.numel(), fresh=r.fresh_block, cached=r.cached,
-                      shift=int(self.spec.shift_logits))
-
-    def _step(self, reqs: list[_Request], cache: str) -> None:
-        items = []  # (request, window, block canvases, cached length after this step)
-        for r in reqs:
-            canv = r.dec.canvases()
-            if r.fresh_block and cache == "prefix" and len(canv) != 1:
-                raise RuntimeError("a decoder must forward only its state on the first step of a block")
-            w0, w1 = self._window(r, cache)
-            if w0 > r.cached:
-                raise RuntimeError(f"window starts at {w0} but only {r.cached} positions are cached")
-            keep = cached_after_step(cache, r.blocks[r.block], w0, fresh=r.fresh_block, cached=r.cached,
-                                     shift=int(self.spec.shift_logits), model_block=self.spec.block_size)
-            items.append((r, (w0, w1), canv, keep))
-        logits = self._forward(items).split([r.blocks[r.block][1] - r.blocks[r.block][0]
-                                             for r, _, canv, _ in items for _ in canv])
+    def _step(self, live: list[tuple[int, DLLMRequest]], cache: str) -> None:
+        """One forward for every live request (``(sequence in the batch's cache, request)``)."""
+        shift = int(self.spec.shift_logits)
+        steps = [r.next_step(cache, shift, self.spec.block_size or 1) for _, r in live]
+        logits = self._forward([(seq, st) for (seq, _), st in zip(live, steps)])
+        logits = logits.split([st.block_len for st in steps for _ in range(st.num_canvases)])
         i = 0
-        for r, _, canv, keep in items:
-            r.cached = keep
-            r.nfe += 1
-            r.fresh_block = False
-            r.dec.update(list(logits[i: i + len(canv)]))
-            i += len(canv)
-            if r.dec.done:
-                self._finish_block(r)
+        for (_, r), st in zip(live, steps):
+            r.apply(st, list(logits[i: i + st.num_canvases]))
+            i += st.num_canvases
 
-    def _finish_block(self, r: _Request) -> None:
-        b0, b1 = r.blocks[r.block]
-        r.x[b0:b1] = r.dec.state
-        r.stats = merge_stats([r.stats, r.dec.stats()])  # method counters summed over blocks
-        gen = r.x[len(r.prompt): b1]
-        if (gen == self.spec.eos_token_id).any() or r.block + 1 == len(r.blocks):
-            r.done = True
-            r.seconds = time.perf_counter() - r.t0
-        else:
-            r.block += 1
-            self._start_block(r)
-
-    def _forward(self, items) -> torch.Tensor:
+    def _forward(self, items: list[tuple[int, DLLMStep]]) -> torch.Tensor:
         """One model call over every request's window, once per block canvas: the canvases of a request
         are segments that share its cached prefix ``[0, w0)`` on the paged cache and each see only
         themselves (:class:`~attention_backends.prefix_attention.AttentionPlan`). Stores the K/V of the
         positions ``[w0, keep)`` of the first canvas (the state's context) and returns the logits of every
         canvas's block rows, concatenated in item order (row ``j`` predicts block position ``j``)."""
-        dev, off = self.device, int(self.spec.shift_logits)
+        dev = self.device
         ids, pos, rows, w_slots, w_rows = [], [], [], [], []
         qo, seg, prefix, seqs = [0], [0], [], []
-        for r, (w0, w1), canv, keep in items:
-            n, (b0, b1), start = w1 - w0, r.blocks[r.block], qo[-1]
-            toks = r.x[w0:w1].repeat(len(canv), 1)
-            toks[:, b0 - w0: b1 - w0] = torch.stack(canv)
-            ids.append(toks.flatten())
-            pos.append(torch.arange(w0, w1).repeat(len(canv)))
-            for k in range(len(canv)):
+        for seq, st in items:
+            n, K, start = st.seg_len, st.num_canvases, qo[-1]
+            ids.append(st.tokens.flatten())
+            pos.append(torch.arange(st.w0, st.w1).repeat(K))
+            for k in range(K):
                 seg.append(seg[-1] + n)
-                rows.append(torch.arange(b0 - w0 - off, b1 - w0 - off) + start + k * n)
-            qo.append(start + len(canv) * n)
-            prefix.append(w0)
-            seqs.append(r.seq)
-            if keep > w0:  # positions [w0, keep) become exact cache
-                w_slots.append(self.kv.slots(torch.full((keep - w0,), r.seq), torch.arange(w0, keep)))
-                w_rows.append(torch.arange(keep - w0) + start)
+                rows.append(torch.arange(st.first_row, st.first_row + st.block_len) + start + k * n)
+            qo.append(start + K * n)
+            prefix.append(st.w0)
+            seqs.append(seq)
+            if st.keep > st.w0:  # positions [w0, keep) become exact cache
+                w_slots.append(self.kv.slots(torch.full((st.keep - st.w0,), seq), torch.arange(st.w0, st.keep)))
+                w_rows.append(torch.arange(st.keep - st.w0) + start)
         positions = torch.cat(pos)
         plan = AttentionPlan(torch.tensor(qo), torch.tensor(prefix), self.kv.block_table[seqs], self.kv.page_size,
                              kind=self.spec.attention, seg_indptr=torch.tensor(seg), positions=positions,
                              block_size=self.spec.block_size)
         write = (torch.cat(w_slots).to(dev), torch.cat(w_rows).to(dev)) if w_slots else None
-        return self.model.forward_paged(torch.cat(ids), positions.to(dev), plan, self.kv, self.attn, write=write,
-                                        logits_rows=torch.cat(rows).to(dev))
-
-    def _result(self, r: _Request) -> GenerationResult:
-        gen = r.x[len(r.prompt):].tolist()
-        eos = self.spec.eos_token_id
-        reason = "length"
-        if eos in gen:
-            gen = gen[: gen.index(eos) + 1]
-            reason = "stop"
-        else:
-            gen = [t for t in gen if t != self.spec.mask_token_id]
-        return GenerationResult(r.prompt, gen, r.nfe, r.seconds, reason, r.stats)
+        return self.model.forward_paged(torch.cat(ids).to(dev), positions.to(dev), plan, self.kv, self.attn,
+                                        write=write, logits_rows=torch.cat(rows).to(dev))

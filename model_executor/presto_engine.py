@@ -1,24 +1,11 @@
-"""PRESTO tree drafting in plain PyTorch: a block-diffusion drafter speculates for an autoregressive target.
+"""PRESTO tree speculative decoding in plain PyTorch: a block-diffusion drafter speculates for an AR target.
 
-Each round, batched over the active requests (one drafter call and one target call per round):
-
-1. *Draft* (one drafter forward): the drafter (SDAR format, block-causal attention of ``block`` tokens)
-   forwards the accepted tokens of its unfinished block plus masks up to ``k`` positions past the context
-   (``k`` = ``draft_len``, by default the drafter's block), against the exact K/V of its finished blocks
-   on its own paged cache; blocks the accepted context has finished are written to that cache in the same
-   forward. Its logits at the ``k`` masked positions are the marginals ``q_d``.
-2. *Tree*: :func:`model_executor.decoding.tree.build_tree` with the request's n-gram scorer ρ (prompt and
-   accepted tokens counted online) under the node budget.
-3. *Verify* (one target forward): the target (Llama format, causal) forwards the accepted tokens it has
-   not cached yet (the last of them is the tree's root) and the tree's nodes, as one segment with a custom
-   mask (pending tokens causal; a node sees the pending tokens, its ancestors and itself) over its paged
-   prefix, through :mod:`attention_backends`; the pending tokens' K/V is written to the cache in that
-   forward. Rejected nodes are never written; accepted ones are re-forwarded as pending tokens next round
-   (a choice: it costs ``τ`` extra rows per round instead of a K/V copy out of the tree).
-4. *Accept*: greedy (:func:`~model_executor.decoding.tree.accept_greedy`, outputs equal the target's
-   greedy decoding) or, at ``temperature > 0``, lossless tree speculative sampling
-   (:func:`~model_executor.decoding.tree.accept_sampling`). The matched path plus the target's bonus token
-   are emitted, up to EOS and ``max_tokens``.
+Each round, batched over the active requests, is one drafter call and one target call; its pieces (draft,
+tree, verification layout, acceptance) are :mod:`model_executor.presto_round`'s, shared with the vLLM runner.
+Here the target verifies on its own paged cache through :mod:`attention_backends`; the pending tokens' K/V is
+written in that forward, rejected nodes are never written (a choice: accepted tokens are re-forwarded as
+pending tokens next round, ``τ`` extra rows per round instead of a K/V copy out of the tree). The matched
+path plus the target's bonus token are emitted, up to EOS and ``max_tokens``.
 
 ``search="ar"`` drafts nothing: every round is one target forward that emits one token (the AR baseline on
 the same code path). ``nfe`` counts target forwards (the prompt's prefill is the first round's forward);
@@ -28,31 +15,18 @@ the same code path). ``nfe`` counts target forwards (the prompt's prefill is the
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from attention_backends.paged_kv_cache import PagedKVCache
 from attention_backends.prefix_attention import AttentionPlan, make_backend
 
-from .decoding.ngram import NGramModel, RequestNGram
-from .decoding.tree import SEARCHES, TokenTree, accept_greedy, accept_sampling, adaptive_lambda, build_tree
-from .engine import GenerationResult
-from .kv_cache import PagedKVCache
+from .decoding.ngram import NGramModel
+from .decoding.tree import TokenTree
 from .models.reference import ReferenceDLLM
-
-PRESTO_SEARCHES = ("ar",) + SEARCHES
-
-
-@dataclass
-class DraftState:
-    """What drafting keeps per request (both engines): its tokens, its drafter cache, its ρ and last tree."""
-
-    seq: list[int]
-    slot: int  # its sequence in the drafter's paged cache
-    rho: RequestNGram | None
-    d_cached: int = 0  # drafter: exact K/V of its finished blocks [0, d_cached)
-    drafter_calls: int = 0
-    tree: TokenTree = field(default_factory=TokenTree)
+from .outputs import GenerationResult
+from .presto_round import DraftState, TreeDrafter, accept, check_pair, draft_options, verify_layout
 
 
 @dataclass
@@ -65,106 +39,6 @@ class _Req(DraftState):
     nodes: int = 0
     done: bool = False
     reason: str = "length"
-
-
-class TreeDrafter:
-    """Steps 1-2 of a round (module docstring): one batched drafter forward, then a tree per request."""
-
-    def __init__(self, drafter: ReferenceDLLM, ngram: NGramModel | None, attn, page_size: int = 16,
-                 timing: dict | None = None):
-        """``timing``: the dict its seconds accumulate in (``draft_forward_s``, ``tree_s``); the engine's."""
-        if drafter.spec.family != "sdar":
-            raise ValueError(f"the PRESTO drafter must be a block-diffusion (SDAR-format) model, got {drafter.spec.family}")
-        self.drafter, self.ngram, self.attn, self.page_size = drafter, ngram, attn, page_size
-        p = next(drafter.parameters())
-        self.device, self.dtype = p.device, p.dtype
-        self.kv: PagedKVCache | None = None
-        self.timing = timing if timing is not None else {}
-        self.timing.setdefault("draft_forward_s", 0.0)
-        self.timing.setdefault("tree_s", 0.0)
-
-    def allocate(self, seq_lens: list[int]) -> None:
-        """A paged cache with one sequence (``DraftState.slot``) per entry of ``seq_lens``."""
-        s = self.drafter.spec
-        self.kv = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, seq_lens, self.page_size, self.dtype,
-                               self.device)
-
-    def new_rho(self, prompt: list[int]) -> RequestNGram | None:
-        """The request's ρ: the shared n-gram counts plus its prompt (None without an n-gram model)."""
-        if self.ngram is None:
-            return None
-        rho = self.ngram.request()
-        rho.extend(prompt)
-        return rho
-
-    def draft(self, reqs: list[DraftState], o: dict) -> None:
-        """Marginals of the next ``o["k"]`` positions of every request (one forward), then its tree."""
-        spec, k, blk = self.drafter.spec, o["k"], self.drafter.spec.block_size
-        ids, pos, rows, qo, prefix, w_slots, w_rows = [], [], [], [0], [], [], []
-        for r in reqs:
-            n = len(r.seq)
-            a0, end = r.d_cached, -(-(n + k) // blk) * blk
-            ids += r.seq[a0:n] + [spec.mask_token_id] * (end - n)
-            pos.append(torch.arange(a0, end))
-            rows.append(torch.arange(n - a0, n - a0 + k) + qo[-1])
-            done_to = n // blk * blk  # blocks the accepted tokens have finished: their K/V becomes exact
-            if done_to > a0:
-                w_slots.append(self.kv.slots(torch.full((done_to - a0,), r.slot), torch.arange(a0, done_to)))
-                w_rows.append(torch.arange(done_to - a0) + qo[-1])
-            qo.append(qo[-1] + end - a0)
-            prefix.append(a0)
-        positions = torch.cat(pos)
-        plan = AttentionPlan(torch.tensor(qo), torch.tensor(prefix), self.kv.block_table[[r.slot for r in reqs]],
-                             self.page_size, kind="block_causal", positions=positions, block_size=blk)
-        write = (torch.cat(w_slots).to(self.device), torch.cat(w_rows).to(self.device)) if w_slots else None
-        t0 = time.perf_counter()
-        logits = self.drafter.forward_paged(torch.tensor(ids, device=self.device), positions.to(self.device), plan,
-                                            self.kv, self.attn, write=write, logits_rows=torch.cat(rows).to(self.device))
-        logq = torch.log_softmax(logits.double(), -1).cpu().split(k)
-        self.timing["draft_forward_s"] += time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for r, lq in zip(reqs, logq):
-            r.d_cached = max(r.d_cached, len(r.seq) // blk * blk)
-            r.drafter_calls += 1
-            lam = adaptive_lambda(lq, *o["adaptive"]) if o["adaptive"] else o["lam"]
-            rho = None
-            if r.rho is not None:
-                rho = (lambda path, r=r: r.rho.logprobs(r.rho.context(path)))
-            r.tree = build_tree(lq, rho, budget=o["budget"], search=o["search"], lam=lam, width=o["width"],
-                                top_b=o["top_b"], candidates=o["candidates"])
-        self.timing["tree_s"] += time.perf_counter() - t0
-
-    def accepted(self, r: DraftState, tokens: list[int]) -> None:
-        """Append a round's emitted tokens to the request's context (and its ρ)."""
-        r.seq += tokens
-        if r.rho is not None:
-            r.rho.extend(tokens)
-
-
-def check_pair(target: ReferenceDLLM, drafter: ReferenceDLLM | None) -> None:
-    """A Llama-format target and (if any) an SDAR-format drafter on the same vocabulary, or a clear error."""
-    if target.spec.family != "llama":
-        raise ValueError(f"the PRESTO target must be an autoregressive (Llama-format) model, got {target.spec.family}")
-    if drafter is not None:
-        if drafter.spec.family != "sdar":
-            raise ValueError(f"the PRESTO drafter must be a block-diffusion (SDAR-format) model, got {drafter.spec.family}")
-        if drafter.spec.vocab_size != target.spec.vocab_size:
-            raise ValueError(f"drafter vocabulary {drafter.spec.vocab_size} != target vocabulary "
-                             f"{target.spec.vocab_size}: the drafter must use the target's tokenizer")
-
-
-def draft_options(drafter: ReferenceDLLM | None, *, search: str, tree_budget: int, width: int, top_b: int, lam: float,
-                  adaptive, draft_len: int | None, candidates: int, temperature: float = 0.0) -> dict:
-    """The options :meth:`TreeDrafter.draft` and verification read, validated."""
-    if search not in PRESTO_SEARCHES:
-        raise ValueError(f"search {search!r}; allowed: {', '.join(PRESTO_SEARCHES)}")
-    if search != "ar" and drafter is None:
-        raise ValueError(f"search {search!r} needs a drafter model")
-    if tree_budget < 1:
-        raise ValueError(f"tree_budget must be >= 1 (got {tree_budget})")
-    k = draft_len or (drafter.spec.block_size if drafter is not None else 1)
-    return dict(search=search, budget=tree_budget, width=width, top_b=top_b, lam=lam, adaptive=adaptive, k=k,
-                candidates=candidates, temperature=temperature)
 
 
 class PrestoEngine:
@@ -247,8 +121,9 @@ class PrestoEngine:
             n, c, tree = len(r.seq), r.t_cached, (r.tree if o["search"] != "ar" else TokenTree())
             m, N = n - c, len(tree)
             ids += r.seq[c:n] + tree.tokens
-            pos.append(torch.cat([torch.arange(c, n), torch.tensor(tree.depth, dtype=torch.long) + n - 1]))
-            masks.append(tree.verify_mask(m))
+            p_, mask = verify_layout(tree, m, n)
+            pos.append(p_)
+            masks.append(mask)
             rows.append(torch.arange(m - 1, m + N) + qo[-1])  # the root (last pending token) and every node
             w_slots.append(self.t_kv.slots(torch.full((m,), r.slot), torch.arange(c, n)))
             w_rows.append(torch.arange(m) + qo[-1])
@@ -267,10 +142,7 @@ class PrestoEngine:
         eos = self.target.spec.eos_token_id
         for r, lg in zip(reqs, logits.split([len(r.tree) + 1 if o["search"] != "ar" else 1 for r in reqs])):
             tree = r.tree if o["search"] != "ar" else TokenTree()
-            if o["temperature"] > 0:
-                out, _ = accept_sampling(tree, torch.softmax(lg.double() / o["temperature"], -1).cpu(), r.gen)
-            else:
-                out, _ = accept_greedy(tree, lg.argmax(-1).cpu())
+            out = accept(tree, lg, o["temperature"], r.gen)
             r.t_cached = len(r.seq)
             r.nfe += 1
             r.nodes += len(tree)

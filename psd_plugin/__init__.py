@@ -15,6 +15,7 @@ MODEL_CLASSES = {
     "LLaDAModelLM": "model_executor.models.vllm_models:LLaDAModelLM",
     "DreamModel": "model_executor.models.vllm_models:DreamModel",
     "SDARForCausalLM": "model_executor.models.vllm_models:SDARForCausalLM",
+    "PSDLlamaForCausalLM": "model_executor.models.vllm_models:PSDLlamaForCausalLM",  # PRESTO's target
 }
 
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
@@ -80,11 +81,9 @@ def register() -> None:
     except ImportError:  # the reference engine works without vLLM
         _registered = True
         return
-    from .speculative import install
-    from .validation import install as install_validation
+    from .vllm import install
 
     install()
-    install_validation()
     supported = set(ModelRegistry.get_supported_archs())
     for arch, qualname in MODEL_CLASSES.items():
         if arch not in supported:

@@ -47,7 +47,7 @@ def calibrate_graph(engine, prompts: list[list[int]], *, model_name: str, policy
 
 def default_calibration_prompts(n: int, seed: int = 12345) -> list[str]:
     """``n`` prompts from the training distribution (never the held-out split), tasks interleaved."""
-    from .tasks import load_heldout, training_stream
+    from .train.tasks import load_heldout, training_stream
 
     held = {r["prompt"] for r in load_heldout()}
     stream = training_stream(seed, held)

@@ -102,7 +102,7 @@ def _read_prompts(args) -> list[str]:
 
 
 def _setup(args):
-    from .config import parse_config
+    from .knobs import parse_config
     from .evaluate import is_dllm, load
 
     model = args.model or (DEFAULT_AR if args.method in AR_METHODS else DEFAULT_DLLM)
@@ -117,7 +117,7 @@ def _setup(args):
     if method not in allowed:
         kind = "a dLLM" if dllm else "an autoregressive model"
         raise UsageError(f"--method {method!r} for {kind}; allowed: {', '.join(allowed)}")
-    from .config import spiffy_graph
+    from .knobs import spiffy_graph
 
     from .config import DecodeConfig, TreeConfig
 
@@ -132,7 +132,7 @@ def _setup(args):
             raise UsageError("--engine vllm: vLLM is not installed (pip install 'psd-plugin[cpu]' or '[gpu]')")
         from transformers import AutoTokenizer
 
-        from .vllm_engine import VLLMEngine
+        from .vllm.engine import VLLMEngine
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the command's output
@@ -186,7 +186,7 @@ def cmd_generate(args) -> int:
 
     texts = _read_prompts(args)
     engine, tok, kw, method = _setup(args)
-    from .vllm_engine import VLLMEngine  # imports vLLM lazily: fine without it
+    from .vllm.engine import VLLMEngine  # imports vLLM lazily: fine without it
 
     where = f"{'vLLM' if isinstance(engine, VLLMEngine) else 'reference engine'}, {method}"
     prompts = [encode(tok, t, chat=not args.raw) for t in texts]
@@ -210,7 +210,7 @@ def cmd_generate(args) -> int:
 
 def cmd_eval(args) -> int:
     from .evaluate import evaluate
-    from .tasks import TASKS, load_heldout
+    from .train.tasks import TASKS, load_heldout
 
     if args.task != "all" and args.task not in TASKS:
         raise UsageError(f"--task {args.task!r}; allowed: all, {', '.join(TASKS)}")
@@ -325,7 +325,7 @@ def cmd_ngram(args) -> int:
         if not docs:
             raise UsageError(f"--corpus {args.corpus}: no text in the file")
     else:
-        from .tasks import load_heldout, training_stream
+        from .train.tasks import load_heldout, training_stream
         from .tokenizer import EOS, render_prompt
 
         stream = training_stream(2**31 - 7, {r["prompt"] for r in load_heldout()})
@@ -343,12 +343,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:
         return cmd_serve(argv[1:])
     if argv[:1] == ["train"]:
-        from .train import main as train_main
+        from .train.trainer import main as train_main
 
         train_main(argv[1:])
         return 0
     args = build_parser().parse_args(argv)
-    from .config import ConfigError
+    from .knobs import ConfigError
     from model_executor.models.weights import CheckpointError
 
     try:

@@ -11,7 +11,7 @@ import torch
 
 from model_executor.decoding import merge_stats
 
-from .tasks import grade
+from .train.tasks import grade
 from .tokenizer import render_prompt
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}

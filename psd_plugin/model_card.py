@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from .evaluate import evaluate, is_dllm, load
-from .tasks import HELDOUT_SIZE, TASKS, load_heldout
+from .train.tasks import HELDOUT_SIZE, TASKS, load_heldout
 
 DLLM_RUNS = {"static": {"method": "static"}, "confidence": {"method": "confidence", "threshold": 0.9}}
 

@@ -8,7 +8,7 @@ from model_executor.decoding.policies import localleap_policy
 from model_executor.engine import ReferenceEngine
 from psd_plugin import DEFAULT_DLLM
 from psd_plugin.evaluate import encode
-from psd_plugin.tasks import TASKS, load_heldout
+from psd_plugin.train.tasks import TASKS, load_heldout
 
 
 @pytest.fixture(scope="module")

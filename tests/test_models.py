@@ -121,7 +121,7 @@ def test_paged_forward_matches_full_forward(tiny_checkpoints, family):
     """Forwarding a suffix against paged cached K/V equals the full forward where the pattern makes it exact,
     and two canvases of the suffix in one call (segments sharing the prefix) do not see each other."""
     from attention_backends.prefix_attention import AttentionPlan, make_backend
-    from model_executor.kv_cache import PagedKVCache
+    from attention_backends.paged_kv_cache import PagedKVCache
 
     m = ReferenceDLLM.from_pretrained(tiny_checkpoints[family], dtype=torch.float64)
     s = m.spec

@@ -17,7 +17,7 @@ from model_executor.presto_engine import PrestoEngine
 from psd_plugin import DEFAULT_AR, DEFAULT_DLLM, DEFAULT_DRAFTER, default_ngram
 from psd_plugin.cli import main
 from psd_plugin.evaluate import encode
-from psd_plugin.tasks import TASKS, load_heldout
+from psd_plugin.train.tasks import TASKS, load_heldout
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ def prompts():
     from transformers import AutoTokenizer
 
     from psd_plugin.evaluate import encode
-    from psd_plugin.tasks import TASKS, load_heldout
+    from psd_plugin.train.tasks import TASKS, load_heldout
 
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_DLLM))
     return [encode(tok, r["prompt"]) for t in TASKS for r in load_heldout(t)[:10]][:64]
@@ -35,7 +35,7 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def dllm_server():
-    from psd_plugin.server import start
+    from psd_plugin.vllm.server import start
 
     srv = start(["--max-model-len", "512", "--max-num-seqs", "64", "--dtype", "float32"])
     yield srv
@@ -149,7 +149,7 @@ def test_malformed_requests_get_4xx_and_the_server_lives(dllm_server, prompts):
 def test_presto_server_under_load(prompts):
     """64 concurrent streams on the AR + PRESTO server equal plain AR greedy decoding."""
     from model_executor.ar_engine import AREngine
-    from psd_plugin.server import start
+    from psd_plugin.vllm.server import start
 
     alone = [r.token_ids for r in AREngine.from_pretrained(DEFAULT_AR).generate(prompts, max_tokens=32)]
     srv = start([str(DEFAULT_AR), "--served-model-name", "ar-tiny", "--max-model-len", "512",

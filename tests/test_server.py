@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server():
-    from psd_plugin.server import start
+    from psd_plugin.vllm.server import start
 
     srv = start(["--max-model-len", "512"])
     yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none"), srv.proc

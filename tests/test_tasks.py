@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from psd_plugin import tasks
+from psd_plugin.train import tasks
 
 
 def test_heldout_file_is_the_seeded_split():

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.usefixtures("in_process_vllm")
 @pytest.fixture(scope="module")
 def heldout_prompts():
     from psd_plugin.evaluate import encode, load
-    from psd_plugin.tasks import load_heldout
+    from psd_plugin.train.tasks import load_heldout
 
     _, tok = load(DEFAULT_DLLM)
     rows = load_heldout()[::151][:14]  # every task, mixed lengths
@@ -180,10 +180,14 @@ def test_greedy_only_methods_reject_temperature(heldout_prompts):
         with pytest.raises(VLLMValidationError, match="temperature.*greedy"):
             llm.generate([{"prompt_token_ids": heldout_prompts[0]}], SamplingParams(max_tokens=8, temperature=0.7),
                          use_tqdm=False)
-        # fits the context alone, but not with the draft canvases' KV positions
+        # the answer region must fit the context (draft canvases need none of it: the same prompt with
+        # max_tokens 100 was refused before canvases became extra rows)
         long = (heldout_prompts[0] * 20)[:300]
-        with pytest.raises(VLLMValidationError, match="KV positions per step.*4 canvases.*max_model_len is 512"):
-            llm.generate([{"prompt_token_ids": long}], SamplingParams(max_tokens=100, temperature=0), use_tqdm=False)
+        with pytest.raises(VLLMValidationError, match=r"\+ max_tokens \(300\) is 600; max_model_len is 512"):
+            llm.generate([{"prompt_token_ids": long}], SamplingParams(max_tokens=300, temperature=0), use_tqdm=False)
+        out = llm.generate([{"prompt_token_ids": long}], SamplingParams(max_tokens=100, temperature=0),
+                           use_tqdm=False)
+        assert out[0].outputs[0].token_ids
     finally:
         del llm
 
@@ -227,10 +231,10 @@ def test_sdar_block_size_must_be_the_models(tiny_checkpoints):
 
 @pytest.mark.parametrize("family", ("llada", "sdar"))
 def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, family):
-    """A KV cache of 24 pages forces vLLM to preempt and resume requests; outputs stay the reference's."""
+    """A KV cache of 8 usable pages of 16 tokens forces vLLM to preempt and resume requests; outputs stay the reference's."""
     from vllm import LLM, SamplingParams
 
-    from psd_plugin.scheduler import DLLMScheduler
+    from psd_plugin.vllm.scheduler import DLLMScheduler
 
     preempted = []
     original = DLLMScheduler._preempt_request
@@ -240,7 +244,8 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
                                                                                 random_prompts * 3)
     engine = ReferenceEngine.from_pretrained(path)
     ref = engine.generate(prompts, max_tokens=32, method="psd", block_size=engine.spec.block_size or 8)
-    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, num_gpu_blocks_override=24,
+    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
+              num_gpu_blocks_override=9,
               speculative_config={"method": "psd", "decoding": "psd"})
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0),
@@ -249,3 +254,36 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
         del llm
     assert preempted, "the test did not force a preemption"
     assert [list(o.outputs[0].token_ids) for o in outs] == [r.token_ids for r in ref]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_serves_a_request_that_fills_the_context(tiny_checkpoints, method):
+    """prompt + max_tokens = max_model_len: draft canvases take no context (they are extra rows of a step, not
+    sequence positions), so every method serves it, equal to the reference engine, and runs to the last
+    position with ignore_eos."""
+    from vllm import LLM, SamplingParams
+
+    path = tiny_checkpoints["llada"]
+    g = torch.Generator().manual_seed(5)
+    prompts = [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (93, 61)]
+    max_tokens = [128 - len(p) for p in prompts]
+    knobs = _knobs(path, method)
+    ref_knobs = dict(knobs)
+    if method == "spiffy":
+        from model_executor.decoding import load_graph
+
+        ref_knobs["graph"] = load_graph(knobs["graph"])
+    engine = ReferenceEngine.from_pretrained(path)
+    ref = [engine.generate([p], max_tokens=m, method=method, **ref_knobs)[0].token_ids for p, m in zip(prompts, max_tokens)]
+    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, seed=0, max_model_len=128,
+              speculative_config={"method": "psd", "decoding": method, **knobs})
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens], use_tqdm=False)
+        full = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in max_tokens],
+                            use_tqdm=False)
+    finally:
+        del llm
+    assert [list(o.outputs[0].token_ids) for o in outs] == ref
+    assert [len(o.outputs[0].token_ids) for o in full] == max_tokens

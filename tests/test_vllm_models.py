@@ -93,7 +93,7 @@ def test_embedded_ar_model_in_vllm_matches_transformers_greedy(tokenizer_dir):
     from model_executor.ar_engine import AREngine
     from psd_plugin import DEFAULT_AR
     from psd_plugin.evaluate import encode
-    from psd_plugin.tasks import TASKS, load_heldout
+    from psd_plugin.train.tasks import TASKS, load_heldout
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))

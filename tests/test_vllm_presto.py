@@ -21,7 +21,7 @@ def prompts():
     from transformers import AutoTokenizer
 
     from psd_plugin.evaluate import encode
-    from psd_plugin.tasks import TASKS, load_heldout
+    from psd_plugin.train.tasks import TASKS, load_heldout
 
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))
     return [encode(tok, r["prompt"]) for t in TASKS for r in load_heldout(t)[:2]]
@@ -66,7 +66,7 @@ def test_vllm_presto_equals_the_reference(prompts, reference, search, budget, se
 def test_preemption_keeps_outputs(monkeypatch, prompts, reference):
     from vllm import LLM
 
-    from psd_plugin.presto import PrestoScheduler
+    from psd_plugin.vllm.scheduler import PrestoScheduler
 
     preempted = []
     original = PrestoScheduler._preempt_request
@@ -116,5 +116,6 @@ def test_bad_presto_config_fails_before_engine_start(spec, match):
 def test_presto_mode_needs_an_ar_target():
     from vllm import LLM
 
-    with pytest.raises(ValueError, match="unknown field"):
+    with pytest.raises(ValueError, match="PRESTO verifies trees with an autoregressive.*target and drafts with a "
+                                         "diffusion model.*is a diffusion LLM itself"):
         LLM(model=str(DEFAULT_DLLM), dtype="float32", speculative_config={"method": "psd", "mode": "presto"})

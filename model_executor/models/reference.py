@@ -25,7 +25,7 @@ from torch import nn
 
 from attention_backends.prefix_attention import AttentionPlan, PrefixAttention
 
-from ..kv_cache import PagedKVCache
+from attention_backends.paged_kv_cache import PagedKVCache
 from .configs import ArchSpec, CONFIG_CLASSES
 from .weights import load_checkpoint
 

@@ -1,8 +1,20 @@
-"""vLLM model classes for LLaDA, Dream and SDAR checkpoints (vLLM layers, paged KV cache, ``load_weights``).
+"""vLLM model classes for LLaDA, Dream and SDAR checkpoints and PRESTO's Llama target (vLLM layers, paged KV
+cache, ``load_weights``).
 
-One implementation, three registered architectures (``LLaDAModelLM``, ``DreamModel``, ``SDARForCausalLM``),
-as vLLM does for its Llama-family models. The numerics match :mod:`model_executor.models.reference`;
-the differences between the formats come from :class:`~model_executor.models.configs.ArchSpec`.
+One implementation, four registered architectures (``LLaDAModelLM``, ``DreamModel``, ``SDARForCausalLM``,
+and ``PSDLlamaForCausalLM``), as vLLM does for its Llama-family models. The numerics match
+:mod:`model_executor.models.reference`; the differences between the formats come from
+:class:`~model_executor.models.configs.ArchSpec`.
+
+Every attention layer runs the project's backend (:mod:`attention_backends.vllm_backend`), handed to vLLM's
+``Attention`` per layer (``attn_backend=``), so the same classes serve dLLM canvases, SDAR's block-causal
+blocks and PRESTO's token trees on any platform. A forward may carry more rows than vLLM scheduled: the
+step's extra draft canvases, which :func:`~attention_backends.vllm_backend.step_inputs` appends.
+
+Why PRESTO's target is a class of the project rather than vLLM's ``LlamaForCausalLM``: tree verification
+needs ancestor masks and node positions in the attention metadata, and vLLM's Llama takes its backend
+from the platform (on CPU always its own kernel, which has no masks). The PRESTO config selects this class
+for a Llama checkpoint (``architectures``), so serving Llama without PRESTO is untouched.
 
 ``compute_logits`` returns each position's raw output, like an AR model in vLLM: for Dream that row is
 the prediction for the *next* position (shifted logits), for LLaDA and SDAR the prediction for the same
@@ -26,7 +38,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import maybe_prefix
 
-from attention_backends.vllm_attention import DLLMAttention
+from attention_backends.vllm_backend import PSDAttention, step_inputs
 
 from .configs import ArchSpec
 from .weights import CheckpointError, canonical_shapes, checkpoint_names
@@ -47,10 +59,9 @@ class DLLMDecoderLayer(nn.Module):
             self.k_norm = RMSNorm(d, eps=spec.rms_norm_eps)
         self.rotary_emb = get_rope(d, max_position=spec.max_position, is_neox_style=True,
                                    rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
-        self.attn = DLLMAttention(spec.num_heads, d, d**-0.5, num_kv_heads=spec.num_kv_heads,
-                                  pattern="block_causal" if spec.attention == "block_causal" else "bidirectional",
-                                  block_size=spec.block_size or 0, cache_config=vllm_config.cache_config,
-                                  prefix=f"{prefix}.attn")
+        self.attn = PSDAttention(spec.num_heads, d, d**-0.5, num_kv_heads=spec.num_kv_heads,
+                                 pattern=spec.attention, block_size=spec.block_size or 0,
+                                 cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
         self.mlp_norm = RMSNorm(h, eps=spec.rms_norm_eps)
         self.gate_up = MergedColumnParallelLinear(h, [spec.intermediate_size] * 2, bias=False,
                                                   prefix=f"{prefix}.gate_up")
@@ -75,7 +86,7 @@ class DLLMForVLLM(nn.Module):
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
-        self.spec = spec = ArchSpec.from_hf_config(vllm_config.model_config.hf_config)
+        self.spec = spec = self.arch_spec(vllm_config.model_config.hf_config)
         self.config = vllm_config.model_config.hf_config
         self.embed = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, prefix=maybe_prefix(prefix, "embed"))
         self.layers = nn.ModuleList(DLLMDecoderLayer(spec, vllm_config, prefix=maybe_prefix(prefix, f"layers.{i}"))
@@ -87,12 +98,17 @@ class DLLMForVLLM(nn.Module):
             self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(spec.vocab_size)
 
+    @staticmethod
+    def arch_spec(hf_config) -> ArchSpec:
+        return ArchSpec.from_hf_config(hf_config)
+
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed(input_ids)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
+        """Hidden states of vLLM's rows, then of the step's extra rows (module docstring)."""
+        x, positions = step_inputs(self.layers[0].attn.layer_name, input_ids, positions, self.embed, inputs_embeds)
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)
@@ -149,3 +165,12 @@ class DreamModel(DLLMForVLLM):
 
 class SDARForCausalLM(DLLMForVLLM):
     """SDAR format (``model_type "sdar"``)."""
+
+
+class PSDLlamaForCausalLM(DLLMForVLLM):
+    """A Llama-format AR checkpoint as PRESTO's target (causal attention through the project's backend, which
+    also verifies token trees). Selected by ``speculative_config={"method": "psd", "mode": "presto"}``."""
+
+    @staticmethod
+    def arch_spec(hf_config) -> ArchSpec:
+        return ArchSpec.from_ar_config(hf_config.to_dict())

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .tasks import TASKS, load_heldout, training_stream
-from .tokenizer import EOS, render_prompt, train_tokenizer
+from ..tokenizer import EOS, render_prompt, train_tokenizer
 
 SIZES = {  # name: (hidden, layers, heads, mlp)
     "tiny": (128, 2, 2, 256),  # tests only

@@ -1,7 +1,7 @@
 """``VLLMEngine``: the ``psd generate/eval --engine vllm`` path, with the reference engine's interface.
 
 It builds one ``vllm.LLM`` per (model, decoding config) with ``speculative_config={"method": "psd", ...}``
-and returns :class:`~model_executor.engine.GenerationResult` objects (tokens up to and including EOS,
+and returns :class:`~model_executor.outputs.GenerationResult` objects (tokens up to and including EOS,
 NFE from the runner's counters), so :func:`psd_plugin.evaluate.evaluate` and the benchmarks drive both
 engines the same way.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 import time
 
-from model_executor.engine import GenerationResult
+from model_executor.outputs import GenerationResult
 
-from .speculative import PSDSpeculativeConfig
+from .config import PSDSpeculativeConfig
 
 
 class VLLMEngine:

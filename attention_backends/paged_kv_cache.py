@@ -1,4 +1,4 @@
-"""The reference engine's paged KV cache: per layer ``[num_pages, page_size, num_kv_heads, head_dim]`` K and V.
+"""A paged KV cache for the reference engines: per layer ``[num_pages, page_size, num_kv_heads, head_dim]`` K and V.
 
 The layout is FlashInfer's ``NHD`` paged layout, so the same cache feeds either attention backend. A batch
 of requests is decoded together, so pages are handed out once per batch (``allocate``: each request gets

@@ -5,8 +5,9 @@ engine crash).
 ``max_tokens``), a request to a dLLM served with the ``psd`` method is checked for
 
 - sampling options the decoders do not implement (named, with what to do instead);
-- room: a step's canvases, private KV pages included, must fit ``max_model_len`` and the step's token
-  budget (``max_num_batched_tokens``), else the request could never be scheduled.
+- room: the prompt and the answer region must fit ``max_model_len`` (draft canvases take no context: they
+  are extra rows of a step, :mod:`attention_backends.vllm_backend`), and a step's canvases must fit the
+  step's token budget (``max_num_batched_tokens``), else the request could never be scheduled.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from vllm.exceptions import VLLMValidationError
 
 from model_executor.decoding import GREEDY_ONLY
 
-from .speculative import PSDSpeculativeConfig, from_vllm_config
+from . import compat
+from .config import PSDSpeculativeConfig, from_vllm_config
 
 _UNSUPPORTED = (  # (field, default, why)
     ("logprobs", None, "logprobs are not produced by dLLM decoding"),
@@ -30,8 +32,8 @@ _UNSUPPORTED = (  # (field, default, why)
 )
 
 
-def step_span(cfg: PSDSpeculativeConfig, prompt_len: int, max_tokens: int, page: int) -> tuple[int, int]:
-    """Upper bounds of (KV positions touched, tokens forwarded) by one step of such a request."""
+def step_tokens(cfg: PSDSpeculativeConfig, prompt_len: int, max_tokens: int) -> int:
+    """Upper bound of the rows one step of such a request forwards (every canvas of its window)."""
     K = cfg.max_canvases()
     M, P = max_tokens, prompt_len
     if cfg.cache == "none":
@@ -40,11 +42,7 @@ def step_span(cfg: PSDSpeculativeConfig, prompt_len: int, max_tokens: int, page:
         S, fresh = M + 1, P + M
     else:  # block: uncached finished tokens + the current block
         S, fresh = 2 * cfg.block_size + P % cfg.block_size, 0
-    # private pages of the extra canvases (attention_backends.segments.PrivatePages): at most one page of
-    # rounding for canvas 0 plus two per extra canvas, wherever the window starts
-    extra = (2 * K - 1) * page if K > 1 else 0
-    span = max(P + M, P + M + (K - 1) * S + extra)
-    return span, max(fresh, K * S)
+    return max(fresh, K * S)
 
 
 def _check_supported(params, what: str) -> None:
@@ -79,15 +77,13 @@ def check(vllm_config, params, prompt_len: int) -> None:
             raise VLLMValidationError("top_p/top_k/min_p: dLLM sampling draws from the full distribution "
                                       "(Gumbel-max, LLaDA generate.py); leave them at their defaults",
                                       parameter="top_p")
-    page = vllm_config.cache_config.block_size
-    span, tokens = step_span(cfg, prompt_len, params.max_tokens, page)
     limit = vllm_config.model_config.max_model_len
-    if span > limit:
+    if prompt_len + params.max_tokens > limit:
         raise VLLMValidationError(
-            f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) needs up to {span} KV positions per "
-            f"step with decoding {cfg.decoding!r} ({cfg.max_canvases()} canvases); max_model_len is {limit}: lower "
-            "max_tokens (or depth/branches/steps/budget), or raise max_model_len", parameter="max_tokens",
-            value=params.max_tokens)
+            f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) is {prompt_len + params.max_tokens}; "
+            f"max_model_len is {limit}: a dLLM decodes its whole answer region in context. Lower max_tokens, or "
+            "raise max_model_len", parameter="max_tokens", value=params.max_tokens)
+    tokens = step_tokens(cfg, prompt_len, params.max_tokens)
     budget = vllm_config.scheduler_config.max_num_batched_tokens - vllm_config.scheduler_config.max_num_seqs
     if tokens > budget:
         raise VLLMValidationError(
@@ -96,28 +92,21 @@ def check(vllm_config, params, prompt_len: int) -> None:
             "max_num_batched_tokens", parameter="max_tokens", value=params.max_tokens)
 
 
-_installed = False
-
-
 def install() -> None:
     """Wrap ``InputProcessor.process_inputs`` (idempotent; called from ``psd_plugin.register``)."""
-    global _installed
-    if _installed:
-        return
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.engine.input_processor import InputProcessor
 
-    original = InputProcessor.process_inputs
+    def make(original):
+        def process_inputs(self, *args, **kwargs):
+            request = original(self, *args, **kwargs)
+            extra = self.vllm_config.additional_config or {}
+            if isinstance(request.sampling_params, SamplingParams):
+                if "psd" in extra:
+                    check(self.vllm_config, request.sampling_params, len(request.prompt_token_ids or ()))
+                elif "presto" in extra:
+                    check_presto(request.sampling_params)
+            return request
 
-    def process_inputs(self, *args, **kwargs):
-        request = original(self, *args, **kwargs)
-        extra = self.vllm_config.additional_config or {}
-        if isinstance(request.sampling_params, SamplingParams):
-            if "psd" in extra:
-                check(self.vllm_config, request.sampling_params, len(request.prompt_token_ids or ()))
-            elif "presto" in extra:
-                check_presto(request.sampling_params)
-        return request
+        return process_inputs
 
-    InputProcessor.process_inputs = process_inputs
-    _installed = True
+    compat.wrap("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs", make)

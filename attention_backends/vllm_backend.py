@@ -1,0 +1,292 @@
+"""psd-plugin's attention backend inside vLLM: the :class:`~.prefix_attention.AttentionPlan` as vLLM metadata.
+
+One mechanism serves every decoding path of the project in vLLM: dLLM canvases (bidirectional or SDAR
+block-causal segments that share a request's paged prefix), PRESTO token trees (``custom`` ancestor masks)
+and plain prefills. The model classes of the project hand this backend to their ``Attention`` layers
+(:class:`PSDAttention`: ``Attention(..., attn_backend=psd_attention_backend(pattern, block_size))``, vLLM's
+public per-layer route, which works on every platform), so vLLM allocates the KV cache in the backend's layout and builds the
+backend's metadata once per forward:
+
+- **KV cache**: vLLM's logical per-layer page ``[blocks, kv_heads, page, K|V]`` in the ``LBNHC`` physical
+  order, i.e. FlashInfer's ``NHD`` pages with K and V side by side; the backend reads ``[blocks, page,
+  kv_heads, head_dim]`` views of K and V without copying.
+- **Metadata** (:class:`PSDMetadataBuilder`): a plan per forward. By default one segment per scheduled
+  request over its cached prefix ``seq_len - query_len``, under the layer's pattern (what a prefill needs).
+  A model runner of the project describes anything else in a :class:`StepLayout` (segments, masks,
+  positions, rows the model appends) that it binds to its builders with :func:`bind_step_layout`; the
+  builder turns it into the plan and the planned backend (``TorchPrefixAttention`` on CPU,
+  ``FlashInferPrefixAttention`` on CUDA with fp16/bf16), which every layer then runs.
+- **Extra rows**: draft canvases beyond a request's first are not vLLM tokens. They are rows the model
+  appends to the scheduled ones (:func:`step_extras`) at the positions of the canvas they draft; their K/V is
+  never written to the cache (they see the shared prefix and themselves only), so they take no KV pages and
+  do not count against ``max_model_len``. Rows vLLM scheduled write their K/V through vLLM's slot mapping,
+  inside ``forward`` (``forward_includes_kv_cache_update``), before attending; a row reads only the prefix
+  ``[0, prefix_len)`` from the cache, so what a draft row writes past it is never read before it is
+  rewritten.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Callable, ClassVar
+
+import torch
+
+from vllm.model_executor.layers.attention import Attention
+from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder, AttentionType,
+                                       CommonAttentionMetadata)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
+
+from .prefix_attention import AttentionPlan, MaskKind, make_backend
+
+PATTERNS = ("bidirectional", "causal", "block_causal")
+
+
+@dataclass
+class StepLayout:
+    """What one forward looks like beyond vLLM's batch, from a model runner of the project.
+
+    Rows are numbered in *model order*: the ``T`` rows vLLM scheduled, then the ``E`` rows the model appends
+    (``extra_ids``). ``order`` lists them request by request (every row of request 0, then of request 1 ...),
+    which is the plan's row order; ``qo_indptr`` and ``seg_indptr`` index that order.
+    """
+
+    qo_indptr: torch.Tensor  # [R + 1]
+    order: torch.Tensor  # [T + E] model rows in plan order
+    seg_indptr: torch.Tensor | None = None  # [S + 1]; None: one segment per request
+    kind: MaskKind | None = None  # None: the layer's pattern
+    custom_masks: list[torch.Tensor] | None = None  # kind "custom": one bool [n_s, n_s] per segment
+    positions: torch.Tensor | None = None  # [T + E] in model order; None: vLLM's positions + extra_positions
+    extra_ids: torch.Tensor | None = None  # [E] token ids the model appends
+    extra_positions: torch.Tensor | None = None  # [E]
+
+
+@dataclass
+class PSDAttentionMetadata:
+    plan: AttentionPlan
+    attn: object  # the planned PrefixAttention backend
+    slot_mapping: torch.Tensor  # [T] cache slots of vLLM's rows (-1: not written)
+    page_size: int
+    order: torch.Tensor | None = None  # plan order -> model rows (None: identity)
+    positions: torch.Tensor | None = None  # model-order positions to use instead of vLLM's
+    extra_ids: torch.Tensor | None = None
+    extra_positions: torch.Tensor | None = None
+
+
+class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
+    """Builds the step's plan (module docstring). ``pattern`` / ``block_size`` come from the backend class."""
+
+    pattern: ClassVar[str] = "bidirectional"
+    block_size: ClassVar[int] = 0
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        mc = vllm_config.model_config
+        self.num_heads = mc.get_num_attention_heads(vllm_config.parallel_config)
+        self.num_kv_heads = kv_cache_spec.num_kv_heads
+        self.head_dim = kv_cache_spec.head_size
+        self.page_size = kv_cache_spec.block_size
+        self.dtype = mc.dtype
+        self.layout_source: Callable[[], StepLayout | None] | None = None
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> PSDAttentionMetadata:
+        cam = common_attn_metadata
+        R = cam.num_reqs
+        qsl = cam.query_start_loc_cpu[: R + 1].long()
+        T = int(qsl[-1])
+        seq_lens = cam.seq_lens[:R].long().cpu()
+        prefix = seq_lens - (qsl[1:] - qsl[:-1])
+        layout = self.layout_source() if self.layout_source is not None else None
+        kind = (layout.kind if layout is not None else None) or self.pattern
+        if layout is None:
+            qo, order, seg, masks, positions = qsl, None, None, None, None
+            if kind == "block_causal":
+                req = torch.repeat_interleave(torch.arange(R), qsl[1:] - qsl[:-1])
+                positions = prefix[req] + torch.arange(T) - qsl[req]
+        else:
+            qo, order, seg, masks = layout.qo_indptr, layout.order, layout.seg_indptr, layout.custom_masks
+            positions = layout.positions
+            if positions is None and kind == "block_causal":
+                req = torch.repeat_interleave(torch.arange(R), qsl[1:] - qsl[:-1])
+                base = prefix[req] + torch.arange(T) - qsl[req]
+                extra = layout.extra_positions if layout.extra_positions is not None else base.new_zeros(0)
+                positions = torch.cat([base, extra.long().cpu()])
+        plan_positions = None
+        if positions is not None and kind == "block_causal":
+            plan_positions = positions[order] if order is not None else positions
+        plan = AttentionPlan(qo, prefix, cam.block_table_tensor[:R].long(), self.page_size, kind=kind,
+                             seg_indptr=seg, positions=plan_positions, block_size=self.block_size,
+                             custom_masks=masks)
+        attn = make_backend("auto", self.device, self.dtype)
+        attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, device=self.device)
+        dev = self.device
+        return PSDAttentionMetadata(
+            plan, attn, cam.slot_mapping[:T], self.page_size,
+            order=order.to(dev) if order is not None else None,
+            positions=(layout.positions.to(dev) if layout is not None and layout.positions is not None else None),
+            extra_ids=layout.extra_ids.to(dev) if layout is not None and layout.extra_ids is not None else None,
+            extra_positions=(layout.extra_positions.to(dev)
+                             if layout is not None and layout.extra_positions is not None else None))
+
+
+class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
+    def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
+                 kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                 kv_sharing_target_layer_name=None, **unsupported):
+        for name, value in (("alibi_slopes", alibi_slopes), ("sliding_window", sliding_window),
+                            ("logits_soft_cap", logits_soft_cap), ("kv_sharing_target_layer_name",
+                                                                   kv_sharing_target_layer_name)):
+            if value:
+                raise ValueError(f"psd attention backend: {name} is not supported (got {value!r})")
+        if unsupported:
+            raise ValueError(f"psd attention backend: unsupported options {sorted(unsupported)}")
+        if attn_type != AttentionType.DECODER:
+            raise ValueError(f"psd attention backend: attn_type {attn_type!r}; allowed: decoder")
+        if kv_cache_dtype not in ("auto", "float16", "bfloat16", "float32"):
+            raise ValueError(f"psd attention backend: kv_cache_dtype {kv_cache_dtype!r}; allowed: auto (the "
+                             "model's dtype)")
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise ValueError("psd attention backend: fused output quantization is not supported")
+        md: PSDAttentionMetadata | None = attn_metadata
+        if md is None:  # profiling / warm-up run without metadata
+            return output.zero_()
+        kc, vc = kv_views(kv_cache, self.head_size)
+        n = md.slot_mapping.numel()
+        slots = md.slot_mapping.long()
+        ok = slots >= 0
+        if bool(ok.any()):
+            s = slots[ok]
+            page, off = s // md.page_size, s % md.page_size
+            kc[page, off] = key[:n][ok].to(kc.dtype)
+            vc[page, off] = value[:n][ok].to(vc.dtype)
+        T = md.plan.num_tokens
+        if md.order is not None:
+            o = md.attn.run(query[md.order], key[md.order], value[md.order], kc, vc)
+            output[md.order] = o.to(output.dtype)
+        else:
+            output[:T] = md.attn.run(query[:T], key[:T], value[:T], kc, vc).to(output.dtype)
+        return output
+
+
+def kv_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[blocks, page, kv_heads, head_dim]`` views of vLLM's logical ``[blocks, kv_heads, page, K|V]``
+    per-layer cache (no copy)."""
+    nhd = kv_cache.transpose(1, 2)
+    return nhd[..., :head_size], nhd[..., head_size:]
+
+
+class PSDAttentionBackend(AttentionBackend):
+    """The project's backend (module docstring); :func:`psd_attention_backend` makes one per pattern."""
+
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", "float32"]
+    pattern: ClassVar[str] = "bidirectional"
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return PSDAttentionImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return PSDMetadataBuilder
+
+    @classmethod
+    def supports_non_causal(cls) -> bool:
+        return True
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBNHC,)  # FlashInfer's NHD pages
+
+
+@functools.lru_cache
+def psd_attention_backend(pattern: str, block_size: int = 0) -> type[PSDAttentionBackend]:
+    """The backend class for a layer's pattern: ``bidirectional`` (LLaDA, Dream), ``block_causal`` with the
+    model's ``block_size`` (SDAR) or ``causal`` (PRESTO's AR target)."""
+    if pattern not in PATTERNS:
+        raise ValueError(f"attention pattern {pattern!r}; allowed: {', '.join(PATTERNS)}")
+    if pattern == "block_causal" and block_size <= 0:
+        raise ValueError("block_causal attention needs block_size > 0")
+    builder = type(f"PSDMetadataBuilder_{pattern}{block_size or ''}", (PSDMetadataBuilder,),
+                   {"pattern": pattern, "block_size": block_size})
+    return type(f"PSDAttentionBackend_{pattern}{block_size or ''}", (PSDAttentionBackend,),
+                {"pattern": pattern, "get_builder_cls": staticmethod(lambda: builder),
+                 "__module__": __name__})
+
+
+class PSDAttention(Attention):
+    """vLLM's ``Attention`` layer on the project's backend for ``pattern``. A non-causal pattern marks the
+    layer's KV-cache spec ``non_causal``, so the engine turns off chunked prefill and prefix caching, which
+    assume a token's K/V depends only on the tokens before it."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, *, pattern: str, block_size: int = 0,
+                 **kwargs):
+        super().__init__(num_heads, head_size, scale, attn_backend=psd_attention_backend(pattern, block_size),
+                         **kwargs)
+        self.pattern = pattern
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = super().get_kv_cache_spec(vllm_config)
+        if self.pattern != "causal" and isinstance(spec, FullAttentionSpec):
+            spec = replace(spec, non_causal=True)
+        return spec
+
+
+def bind_step_layout(builders, source: Callable[[], StepLayout | None]) -> int:
+    """Let every psd metadata builder in ``builders`` read the runner's current :class:`StepLayout` from
+    ``source``; returns how many were bound."""
+    n = 0
+    for b in builders:
+        if isinstance(b, PSDMetadataBuilder):
+            b.layout_source = source
+            n += 1
+    return n
+
+
+def step_metadata(layer_name: str) -> PSDAttentionMetadata | None:
+    """This forward's metadata of ``layer_name`` (None outside a forward, or in a run without metadata)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    md = get_forward_context().attn_metadata
+    if isinstance(md, list):
+        md = md[0] if md else None
+    if isinstance(md, dict):
+        md = md.get(layer_name)
+    return md if isinstance(md, PSDAttentionMetadata) else None
+
+
+def step_inputs(layer_name: str, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                embed: Callable[[torch.Tensor], torch.Tensor], inputs_embeds: torch.Tensor | None = None):
+    """The model's inputs for this forward: vLLM's rows plus the step's extra rows (module docstring), and the
+    positions to rotate them with. Returns ``(hidden [T + E, h], positions [T + E])``."""
+    x = inputs_embeds if inputs_embeds is not None else embed(input_ids)
+    md = step_metadata(layer_name)
+    if md is None:
+        return x, positions
+    if md.extra_ids is not None and md.extra_ids.numel():
+        x = torch.cat([x, embed(md.extra_ids)])
+        if md.positions is None:
+            positions = torch.cat([positions, md.extra_positions.to(positions.dtype)])
+    if md.positions is not None:
+        positions = md.positions.to(positions.dtype)
+    return x, positions

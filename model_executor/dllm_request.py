@@ -1,0 +1,156 @@
+"""One dLLM request decoding block by block: the state machine both engines drive.
+
+A request decodes the answer region ``[P, P + max_tokens)`` in blocks (:mod:`.block_schedule`). Each step
+the engine asks :meth:`DLLMRequest.next_step` what to forward (the window ``[w0, w1)``, one row of tokens
+per canvas of the block's decoder, and how much K/V becomes exact), runs one forward for all its requests,
+and hands each request its block rows' logits with :meth:`DLLMRequest.apply`. That commits positions
+through the decoder; when a block is complete its tokens are committed to the request, and the request
+either starts the next block or finishes (the block holding the first EOS, or the last block).
+
+Counting follows the PSD paper's appendix B.1: ``nfe`` is the number of decoding forwards, ``emitted`` the
+committed tokens up to and including the first EOS, so ``tpf = emitted / nfe``.
+
+The reference engine (:mod:`model_executor.engine`) and the vLLM runner (:mod:`psd_plugin.vllm.dllm_runner`)
+both hold one of these per request; what differs between them is only how a step's rows reach the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .block_schedule import cached_after_step, plan_blocks, window
+from .decoding import BlockDecoder, merge_stats
+
+
+@dataclass
+class DLLMStep:
+    """What one step of a request forwards: positions ``[w0, w1)`` once per canvas (``tokens [K, w1 - w0]``);
+    the block ``[b0, b1)`` is predicted by rows ``first_row + j``; after it the K/V of ``[0, keep)`` is exact."""
+
+    w0: int
+    w1: int
+    b0: int
+    b1: int
+    tokens: torch.Tensor  # [K, S]
+    keep: int
+    shift: int
+
+    @property
+    def num_canvases(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seg_len(self) -> int:
+        return self.w1 - self.w0
+
+    @property
+    def first_row(self) -> int:
+        """Row (inside a canvas's window) of the block's first prediction."""
+        return self.b0 - self.shift - self.w0
+
+    @property
+    def block_len(self) -> int:
+        return self.b1 - self.b0
+
+
+@dataclass
+class DLLMRequest:
+    """The decoding state of one request (module docstring)."""
+
+    prompt: list[int]
+    max_tokens: int
+    block_size: int
+    make_decoder: Callable[[torch.Tensor], BlockDecoder]
+    mask_id: int
+    eos_id: int
+    aligned: bool = False  # blocks cut at multiples of block_size (SDAR's attention blocks)
+    ignore_eos: bool = False
+    device: torch.device | str = "cpu"
+    tokens: torch.Tensor = field(init=False)  # [prompt | answer region], mask id where undecoded
+    blocks: list[tuple[int, int]] = field(init=False)
+    blk: int = 0
+    dec: BlockDecoder | None = None
+    fresh: bool = True  # first step of the current block
+    cached: int = 0  # leading positions whose K/V in the cache is exact
+    nfe: int = 0
+    emitted: int = 0
+    stats: dict = field(default_factory=dict)
+    done: bool = False
+    finish_reason: str = "length"
+
+    def __post_init__(self):
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0 (got {self.max_tokens})")
+        if not self.prompt:
+            raise ValueError("empty prompt: at least one token is needed")
+        P = len(self.prompt)
+        self.tokens = torch.tensor(list(self.prompt) + [self.mask_id] * self.max_tokens, dtype=torch.long,
+                                   device=self.device)
+        self.blocks = plan_blocks(P, self.max_tokens, self.block_size, self.aligned)
+        self._start_block()
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def total(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return self.blocks[self.blk]
+
+    def _start_block(self) -> None:
+        b0, b1 = self.block
+        self.dec = self.make_decoder(self.tokens[b0:b1])
+        self.fresh = True
+
+    def next_step(self, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
+        """The rows of this request's next forward (module docstring)."""
+        b0, b1 = self.block
+        canvases = self.dec.canvases()
+        if self.fresh and cache == "prefix" and len(canvases) != 1:
+            raise RuntimeError("a decoder must forward only its state on the first step of a block")
+        w0, w1 = window(cache, (b0, b1), self.total, fresh=self.fresh, cached=self.cached, shift=shift)
+        if w0 > self.cached:
+            raise RuntimeError(f"window starts at {w0} but only {self.cached} positions are cached")
+        keep = cached_after_step(cache, (b0, b1), w0, fresh=self.fresh, cached=self.cached, shift=shift,
+                                 model_block=model_block)
+        rows = self.tokens[w0:w1].repeat(len(canvases), 1)
+        rows[:, b0 - w0: b1 - w0] = torch.stack(canvases).to(rows.device)
+        return DLLMStep(w0, w1, b0, b1, rows, keep, shift)
+
+    def apply(self, step: DLLMStep, logits: list[torch.Tensor]) -> list[int]:
+        """Update the decoder with one ``[block_len, V]`` logits tensor per canvas; returns the block's tokens
+        if this step completed it (else ``[]``)."""
+        self.dec.update(logits)
+        self.nfe += 1
+        self.cached = step.keep
+        self.fresh = False
+        if not self.dec.done:
+            return []
+        b0, b1 = self.block
+        block = self.dec.state.to(self.tokens.device)
+        self.tokens[b0:b1] = block
+        self.stats = merge_stats([self.stats, self.dec.stats()])  # method counters summed over blocks
+        out = block.tolist()
+        eos = self.eos_id in out
+        self.emitted += out.index(self.eos_id) + 1 if eos else len(out)
+        if self.blk + 1 < len(self.blocks) and (self.ignore_eos or not eos):
+            self.blk += 1
+            self._start_block()
+        else:
+            self.done, self.dec = True, None
+            self.finish_reason = "stop" if eos and not self.ignore_eos else "length"
+        return out
+
+    def answer(self) -> list[int]:
+        """The answer so far: up to and including the first EOS, without undecoded positions."""
+        gen = self.tokens[self.prompt_len:].tolist()
+        if self.eos_id in gen and not self.ignore_eos:
+            return gen[: gen.index(self.eos_id) + 1]
+        return [t for t in gen if t != self.mask_id]

@@ -1,0 +1,3 @@
+from .trainer import main
+
+main()

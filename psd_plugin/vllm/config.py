@@ -1,0 +1,246 @@
+"""``speculative_config={"method": "psd", ...}``: the schemas of both modes, their validation, and how vLLM is
+told about them.
+
+vLLM's ``SpeculativeConfig.method`` is a closed ``Literal`` and the config forbids unknown keys, so the
+plugin translates in the front end, before vLLM validates anything (:func:`translate`, wrapped around
+``EngineArgs.create_speculative_config`` by :func:`psd_plugin.vllm.install`). For either mode it
+
+1. decodes the user's dict into its msgspec schema (errors name the field and the allowed values) and checks
+   it against the model;
+2. hands vLLM a ``custom_class`` speculative config whose proposer is :class:`RunnerProposer` (the mode's
+   runner produces the drafts);
+3. stores the resolved config in ``additional_config["psd"]`` or ``["presto"]`` (it travels to the engine
+   core and the workers with ``VllmConfig``) and selects the mode's scheduler and worker classes.
+
+Modes:
+
+- **dLLM** (LLaDA, Dream, SDAR): :class:`PSDSpeculativeConfig`. A dLLM without a speculative config gets the
+  default (``decoding = "confidence"``, as SGLang's default dLLM algorithm); a dLLM with another speculative
+  method is refused with a message that says what to do.
+- **PRESTO** (``"mode": "presto"`` on a Llama-format AR target): :class:`PrestoSpeculativeConfig`. The target
+  is served by the project's ``PSDLlamaForCausalLM`` (its attention verifies token trees), selected here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import msgspec
+
+from model_executor.decoding import METHODS
+
+from ..knobs import ConfigError, DecodeKnobs, TreeKnobs, parse_config, spiffy_graph
+
+SCHEDULER_CLS = {"psd": "psd_plugin.vllm.scheduler.DLLMScheduler", "presto": "psd_plugin.vllm.scheduler.PrestoScheduler"}
+WORKER_CLS = {"psd": "psd_plugin.vllm.worker.DLLMWorker", "presto": "psd_plugin.vllm.worker.PrestoWorker"}
+PROPOSER_CLS = "psd_plugin.vllm.config.RunnerProposer"
+PRESTO_TARGET_ARCH = "PSDLlamaForCausalLM"
+
+Decoding = Literal["static", "confidence", "localleap", "lopa", "freedave", "spiffy", "psd"]
+assert set(Decoding.__args__) == set(METHODS)
+
+
+class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
+    """The dLLM decoding path in vLLM (README: "Speculative config").
+
+    - ``method``: ``"psd"`` (the key vLLM routes on).
+    - ``decoding``: the algorithm, one of static | confidence | localleap | lopa | freedave | spiffy | psd.
+    - ``block_size``: tokens per semi-autoregressive block (default 8; SDAR: the model's attention block).
+    - every knob of :class:`~psd_plugin.knobs.DecodeKnobs` (``threshold``, ``policy``, ``depth``,
+      ``branches``, ``steps``, ``graph``, ``budget``, ``cache`` ...).
+
+    Temperature and seed come from each request's ``SamplingParams``.
+    """
+
+    method: Literal["psd"] = "psd"
+    decoding: Decoding = "psd"
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
+
+    def max_canvases(self) -> int:
+        """The most canvases one step of a request forwards (root + drafts)."""
+        return {"psd": self.depth + 1, "lopa": self.branches + 1, "freedave": self.steps,
+                "spiffy": self.budget + 1}.get(self.decoding, 1)
+
+
+class PrestoSpeculativeConfig(TreeKnobs, forbid_unknown_fields=True, kw_only=True):
+    """The ``speculative_config`` of PRESTO mode: :class:`~psd_plugin.knobs.TreeKnobs` plus ``method`` ("psd"),
+    ``mode`` ("presto") and ``model`` (the drafter checkpoint; default: the embedded drafter-tiny)."""
+
+    method: Literal["psd"] = "psd"
+    mode: Literal["presto"] = "presto"
+    model: str | None = None
+
+
+def _keys(raw: dict) -> dict:
+    return {k.replace("-", "_"): v for k, v in raw.items()}  # ``-`` in keys allowed, as vLLM's CLI does
+
+
+def parse(raw: dict) -> PSDSpeculativeConfig:
+    """Decode a user dict into the dLLM mode's typed config."""
+    return parse_config(msgspec.json.encode(_keys(raw)), PSDSpeculativeConfig, where="speculative_config")
+
+
+def parse_presto(raw: dict) -> PrestoSpeculativeConfig:
+    raw = _keys(raw)
+    if "drafter" in raw:
+        raise ConfigError("speculative_config.drafter: PRESTO mode names its drafter with 'model'")
+    return parse_config(msgspec.json.encode(raw), PrestoSpeculativeConfig, where="speculative_config")
+
+
+def resolve(config: PSDSpeculativeConfig, hf_config, model_dir: str) -> PSDSpeculativeConfig:
+    """Fill the model-dependent defaults (block size, cache mode) and check the config fits the model."""
+    from model_executor.models.configs import ArchSpec
+
+    spec = ArchSpec.from_hf_config(hf_config)
+    where = "speculative_config"
+    if spec.attention == "block_causal":
+        if config.block_size not in (None, spec.block_size):
+            raise ConfigError(f"{where}.block_size {config.block_size}: an SDAR model decodes in its attention "
+                              f"block; allowed: {spec.block_size}")
+        if config.cache not in (None, "none", "block"):
+            raise ConfigError(f"{where}.cache {config.cache!r} for a block-causal (SDAR) model; allowed: none, block")
+        cfg = msgspec.structs.replace(config, block_size=spec.block_size, cache=config.cache or "block")
+    else:
+        if config.cache == "block":
+            raise ConfigError(f"{where}.cache 'block' is exact only for block-causal models (SDAR); "
+                              f"{spec.family} allows: none, prefix")
+        cfg = msgspec.structs.replace(config, block_size=config.block_size or 8, cache=config.cache or "prefix")
+    if cfg.decoding == "spiffy":
+        spiffy_graph_for(cfg, model_dir, where=f"{where}.graph")
+    return cfg
+
+
+def spiffy_graph_for(cfg: PSDSpeculativeConfig, model_dir: str, where: str = "speculative_config.graph"):
+    """The Spiffy draft graph of a resolved config (checked against model, policy and block size)."""
+    return spiffy_graph(cfg, model_dir, cfg.block_size, where=where)
+
+
+def stored_config(vllm_config, key: str, cls, selected_by: str):
+    """The resolved config :func:`translate` stored in ``additional_config[key]`` (the engine core and the
+    workers read it from there), as ``cls``."""
+    raw = (vllm_config.additional_config or {}).get(key)
+    if raw is None:
+        raise RuntimeError(f"psd-plugin's scheduler/worker need additional_config[{key!r}]; they are selected by "
+                           f"speculative_config={selected_by}, not by hand")
+    return msgspec.convert(raw, cls)
+
+
+def from_vllm_config(vllm_config) -> PSDSpeculativeConfig:
+    return stored_config(vllm_config, "psd", PSDSpeculativeConfig, "{'method': 'psd', ...}")
+
+
+def presto_from_vllm_config(vllm_config) -> PrestoSpeculativeConfig:
+    return stored_config(vllm_config, "presto", PrestoSpeculativeConfig, "{'method': 'psd', 'mode': 'presto', ...}")
+
+
+def is_dllm_config(hf_config) -> bool:
+    from model_executor.models.configs import CONFIG_CLASSES
+
+    return getattr(hf_config, "model_type", None) in CONFIG_CLASSES
+
+
+def _require_cpu(what: str) -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise ConfigError(f"psd-plugin's {what} has run on vLLM's V1 CPU runner only; its GPU runner is built "
+                          "(attention through FlashInfer) but has not run on a GPU yet, so GPU platforms are refused "
+                          "until it has. Decode with the reference engines on GPUs (`psd generate --engine "
+                          "reference`, `--method presto`)")
+
+
+def _select(engine_args, target_parallel_config, mode: str, cfg, num_spec_tokens: int) -> None:
+    """Store the resolved config and select the mode's proposer, scheduler and worker."""
+    engine_args.additional_config = {**dict(engine_args.additional_config or {}), mode: msgspec.to_builtins(cfg)}
+    engine_args.speculative_config = {"method": "custom_class", "model": PROPOSER_CLS,
+                                      "num_speculative_tokens": num_spec_tokens}
+    for name, want, have in (("scheduler_cls", SCHEDULER_CLS[mode], engine_args.scheduler_cls),
+                             ("worker_cls", WORKER_CLS[mode], target_parallel_config.worker_cls)):
+        if have not in (None, "auto", want):
+            raise ConfigError(f"{name} {have!r}: psd-plugin's {'dLLM' if mode == 'psd' else 'PRESTO'} path needs "
+                              f"its own; leave {name} unset")
+    engine_args.scheduler_cls = SCHEDULER_CLS[mode]
+    target_parallel_config.worker_cls = WORKER_CLS[mode]
+    engine_args.worker_cls = WORKER_CLS[mode]
+
+
+def translate(engine_args, target_model_config, target_parallel_config) -> None:
+    """Rewrite ``engine_args`` in place for the dLLM or PRESTO path (module docstring)."""
+    raw = engine_args.speculative_config
+    hf = target_model_config.hf_config
+    is_psd = isinstance(raw, dict) and raw.get("method") == "psd"
+    if not is_dllm_config(hf):
+        if is_psd and raw.get("mode") == "presto":
+            return translate_presto(engine_args, target_model_config, target_parallel_config, raw)
+        if is_psd:
+            if "mode" in raw:
+                raise ConfigError(f"speculative_config.mode {raw['mode']!r}; allowed: presto (tree drafting for an "
+                                  "autoregressive target)")
+            raise ConfigError(f"speculative_config method 'psd' decodes diffusion LLMs (LLaDA, Dream, SDAR); "
+                              f"{target_model_config.model} is model_type {getattr(hf, 'model_type', '?')!r}. For an "
+                              "autoregressive target use {\"method\": \"psd\", \"mode\": \"presto\"} (tree "
+                              "drafting with a diffusion drafter), another speculative method, or none")
+        return
+    if raw is not None and not is_psd:
+        method = raw.get("method") if isinstance(raw, dict) else raw
+        raise ConfigError(f"{target_model_config.model} is a diffusion LLM: vLLM's autoregressive decoding and "
+                          f"speculative method {method!r} cannot decode it. Use speculative_config "
+                          "{\"method\": \"psd\", ...} (or none, for the default confidence decoding)")
+    if is_psd and raw.get("mode") == "presto":
+        raise ConfigError(f"speculative_config.mode 'presto': PRESTO verifies trees with an autoregressive "
+                          f"(Llama-format) target and drafts with a diffusion model; {target_model_config.model} is "
+                          "a diffusion LLM itself. Serve the AR model with mode 'presto' and this model (SDAR format) "
+                          "as its 'model', or serve this model with {\"method\": \"psd\"}")
+    cfg = resolve(parse(raw if is_psd else {"decoding": "confidence"}), hf, target_model_config.model)
+    _require_cpu("dLLM decoding path")
+    _select(engine_args, target_parallel_config, "psd", cfg, cfg.block_size)
+
+
+def translate_presto(engine_args, target_model_config, target_parallel_config, raw: dict) -> None:
+    """Rewrite ``engine_args`` for PRESTO mode (the AR-target branch of :func:`translate`)."""
+    from model_executor.decoding.ngram import NGramModel
+    from model_executor.models.configs import ArchSpec
+    from model_executor.models.reference import read_config
+
+    from .. import DEFAULT_DRAFTER, default_ngram
+
+    cfg = parse_presto(raw)
+    hf = target_model_config.hf_config
+    if getattr(hf, "model_type", None) != "llama":
+        raise ConfigError(f"speculative_config mode 'presto' verifies with a Llama-format AR target; "
+                          f"{target_model_config.model} is model_type {getattr(hf, 'model_type', '?')!r}")
+    drafter = Path(cfg.model) if cfg.model else DEFAULT_DRAFTER
+    if not (drafter / "config.json").exists():
+        raise ConfigError(f"speculative_config.model {drafter}: not a model directory (no config.json)")
+    spec = ArchSpec.from_hf_config(read_config(drafter))
+    if spec.family != "sdar":
+        raise ConfigError(f"speculative_config.model {drafter}: the PRESTO drafter must be a block-diffusion "
+                          f"(SDAR-format) model, got {spec.family}")
+    if spec.vocab_size != hf.vocab_size:
+        raise ConfigError(f"speculative_config.model {drafter}: vocabulary {spec.vocab_size} != the target's "
+                          f"{hf.vocab_size}; the drafter must use the target's tokenizer")
+    ngram = Path(cfg.ngram) if cfg.ngram else default_ngram(drafter)
+    if ngram is not None:
+        try:
+            NGramModel.load(ngram)  # a missing or corrupt file fails here, before the engine starts
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"speculative_config.ngram: {e}") from None
+    _require_cpu("PRESTO path")
+    resolved = msgspec.structs.replace(cfg, model=str(drafter), ngram=str(ngram) if ngram else None)
+    hf.architectures = [PRESTO_TARGET_ARCH]  # the project's Llama class: its attention verifies trees
+    _select(engine_args, target_parallel_config, "presto", resolved, cfg.tree_budget)
+
+
+class RunnerProposer:
+    """The ``custom_class`` proposer vLLM instantiates: a placeholder, because both modes' drafts are produced
+    by the plugin's model runners (``propose_draft_token_ids``)."""
+
+    def __init__(self, vllm_config):
+        self.vllm_config = vllm_config
+
+    def load_model(self, target_model) -> None:  # the CPU runner always calls it
+        pass
+
+    def propose(self, *args, **kwargs):
+        raise RuntimeError("psd-plugin drafts come from its model runners; the proposer is never called")

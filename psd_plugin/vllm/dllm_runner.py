@@ -1,0 +1,259 @@
+"""The dLLM decoding path in vLLM: one scheduled step = one forward = one decoder step of every running request.
+
+Each request is a :class:`model_executor.dllm_request.DLLMRequest` (the state machine the reference engine
+drives too); this runner only decides how a step's rows reach vLLM (:mod:`.runner` gives the hooks):
+
+- The request's first canvas travels as vLLM tokens: ``num_computed_tokens`` is rolled back to the window's
+  start ``w0`` (``recompute_from``), the committed tokens ``[w0, b0)`` are re-forwarded, and the block's
+  current state plus the masks after it ``[b0, w1)`` are its draft tokens. So what vLLM schedules never goes
+  past ``prompt + max_tokens`` (it fits ``max_model_len`` and the request's own KV pages).
+- Further canvases (PSD, LoPA, FreeDave, Spiffy drafts) are extra rows of the same step, at the same
+  positions ``[w0, w1)``: the model appends them (:func:`attention_backends.vllm_backend.step_inputs`), the
+  attention backend gives each canvas its own segment over the shared paged prefix, and their K/V is never
+  written, so they take no KV pages.
+- Every draft is reported rejected until a block is complete; then the block's tokens are reported as
+  sampled tokens (so streaming emits a block when it commits, and vLLM's stop checks truncate at EOS /
+  ``max_tokens`` / stop strings).
+
+Choices: the first forward of a request is vLLM's prompt prefill (no canvas yet; counted in ``model_calls``,
+not in NFE, as the PSD paper counts decoding forwards). For block-causal models (SDAR) its K/V of the
+prompt's finished attention blocks is exact and reused. After a preemption vLLM re-prefills the prompt and
+committed tokens and the block's decoder continues where it was; with the prefix cache the block's first
+forward is run once more first (:meth:`DLLMRunnerMixin._rebuild_step`), so the outputs stay those of an
+uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm.logger import init_logger
+from vllm.v1.outputs import SamplerOutput
+
+from attention_backends.vllm_backend import StepLayout
+from model_executor.decoding import make_decoder, merge_stats
+from model_executor.dllm_request import DLLMRequest, DLLMStep
+from model_executor.models.configs import ArchSpec
+
+from . import compat
+from .config import from_vllm_config, spiffy_graph_for
+from .runner import PSDRunnerMixin
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class _Served:
+    """A request in this runner: its decoding state, the step it forwards next, and serving counters."""
+
+    req: DLLMRequest
+    step: DLLMStep | None = None
+    drafts: list[int] = field(default_factory=list)  # vLLM draft tokens of ``step``: canvas 0 from b0
+    rebuild: bool = False  # ``step`` only restores the prefix K/V (after a preemption)
+    pending: DLLMStep | None = None  # the step to resume with once the rebuild step has run
+    model_calls: int = 0
+    recorded: bool = False
+    t0: float = field(default_factory=time.perf_counter)
+
+
+class DLLMRunnerMixin(PSDRunnerMixin):
+    """Decodes dLLM requests with :mod:`model_executor.decoding` (module docstring)."""
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self.psd = from_vllm_config(vllm_config)
+        self.spec = ArchSpec.from_hf_config(vllm_config.model_config.hf_config)
+        self.shift = int(self.spec.shift_logits)
+        self.graph = spiffy_graph_for(self.psd, vllm_config.model_config.model) if self.psd.decoding == "spiffy" \
+            else None
+        self.served: dict[str, _Served] = {}
+        self._logit_rows: dict[int, list[int]] = {}  # batch row -> first logits row of each canvas
+        self._held_prompt_logprobs: dict = {}
+        self.totals = {"requests": 0, "tokens": 0, "nfe": 0, "model_calls": 0}
+        self.finished: dict[str, dict] = {}  # recent per-request figures, for psd_stats()
+        self._last_log, self._logged = time.monotonic(), dict(self.totals)
+
+    # ------------------------------------------------------------------ per-request decoding state
+    def _served(self, req_id: str) -> _Served:
+        s = self.served.get(req_id)
+        if s is None:
+            sp = compat.sampling_params(self, req_id)
+            prompt, _ = compat.request_tokens(self, req_id)
+            gen = None
+            if sp.temperature > 0:
+                gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else
+                                                    int(torch.randint(0, 2**62, (1,))))
+            p, mask = self.psd, self.spec.mask_token_id
+            knobs = dict(threshold=p.threshold, relaxed_threshold=p.relaxed_threshold, radius=p.radius,
+                         policy=p.policy, depth=p.depth, branches=p.branches, steps=p.steps, graph=self.graph,
+                         budget=p.budget)
+
+            def make(blk, gen=gen, temperature=sp.temperature):
+                return make_decoder(p.decoding, blk, mask, temperature=temperature, generator=gen, **knobs)
+
+            req = DLLMRequest(prompt, sp.max_tokens, p.block_size, make, mask, self.spec.eos_token_id,
+                              aligned=self.spec.attention == "block_causal", ignore_eos=sp.ignore_eos)
+            s = self.served[req_id] = _Served(req)
+        return s
+
+    def _propose(self, s: _Served) -> None:
+        st = s.req.next_step(self.psd.cache, self.shift, self.spec.block_size or 1)
+        s.step, s.rebuild = st, False
+        s.drafts = st.tokens[0, st.b0 - st.w0:].tolist()
+
+    def _rebuild_step(self, s: _Served) -> None:
+        """The block's first forward again (all of it masked): its prefix K/V is what the later steps of the
+        block were computed against (prefix cache), so forwarding it restores exactness after a preemption.
+        Its logits are not used and it is not counted in NFE."""
+        r = s.req
+        b0, b1 = r.block
+        tokens = r.tokens.clone()
+        tokens[b0:] = self.spec.mask_token_id
+        s.rebuild = True
+        s.step = DLLMStep(0, r.total, b0, b1, tokens[None], b0 - self.shift, self.shift)
+        s.drafts = tokens[b0:].tolist()
+
+    def _on_request_state_removed(self, req_id, req_state) -> None:
+        s = self.served.pop(req_id, None)
+        self._held_prompt_logprobs.pop(req_id, None)
+        if s is not None and not s.recorded:  # aborted, or stopped by a stop string
+            self._record(req_id, s)
+        super()._on_request_state_removed(req_id, req_state)
+
+    def _record(self, req_id: str, s: _Served) -> None:
+        s.recorded = True
+        r, t = s.req, self.totals
+        t["requests"] += 1
+        t["tokens"] += r.emitted
+        t["nfe"] += r.nfe
+        t["model_calls"] += s.model_calls
+        self.totals = merge_stats([t, {f"stat_{k}": v for k, v in r.stats.items() if not isinstance(v, list)}])
+        self.finished[req_id] = {"nfe": r.nfe, "model_calls": s.model_calls, "emitted": r.emitted,
+                                 "seconds": time.perf_counter() - s.t0, **r.stats}
+        while len(self.finished) > 10_000:
+            self.finished.pop(next(iter(self.finished)))
+        logger.debug("psd: request %s: %d tokens, NFE %d, TPF %.2f, %s", req_id, r.emitted, r.nfe,
+                     r.emitted / max(1, r.nfe), r.stats)
+        now = time.monotonic()
+        if now - self._last_log >= 10.0:
+            n, tok, nfe = (t[k] - self._logged[k] for k in ("requests", "tokens", "nfe"))
+            logger.info("psd %s: %d requests finished, %d tokens in %d decoding forwards (TPF %.2f) since the "
+                        "last report; totals: %d requests, TPF %.2f", self.psd.decoding, n, tok, nfe,
+                        tok / max(1, nfe), t["requests"], t["tokens"] / max(1, t["nfe"]))
+            self._last_log, self._logged = now, dict(t)
+
+    # ------------------------------------------------------------------------------ the step
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        logits_indices, spec_meta, max_sampled = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        req_ids, qsl, computed = compat.batch_rows(self)
+        for rid in compat.resumed_req_ids(scheduler_output):  # back from a preemption
+            s = self.served.get(rid)
+            if s is not None and not s.req.done and self.psd.cache == "prefix" and not s.req.fresh \
+                    and not s.rebuild and s.pending is None and s.step is not None:
+                s.pending, s.step = s.step, None  # vLLM re-prefilled without the masks: rebuild the prefix first
+        T = int(qsl[-1])
+        order, qo, seg, extra_ids, extra_pos, rows = [], [0], [0], [], [], []
+        E = 0
+        self._logit_rows = {}
+        for i, rid in enumerate(req_ids):
+            q0, q1 = int(qsl[i]), int(qsl[i + 1])
+            s = self._served(rid)
+            s.model_calls += 1
+            st = s.step
+            order.append(torch.arange(q0, q1))
+            if st is None or int(computed[i]) != st.w0 or compat.scheduled_drafts(scheduler_output, rid) != s.drafts \
+                    or q1 - q0 != st.seg_len:
+                seg.append(seg[-1] + q1 - q0)  # prefill, or a step cut short: one segment, no decoding
+                qo.append(qo[-1] + q1 - q0)
+                continue
+            S, K = st.seg_len, st.num_canvases
+            starts = [q0]
+            for k in range(1, K):
+                starts.append(T + E)
+                extra_ids.append(st.tokens[k])
+                extra_pos.append(torch.arange(st.w0, st.w1))
+                order.append(torch.arange(T + E, T + E + S))
+                E += S
+            base = seg[-1]
+            seg.extend(base + S * (k + 1) for k in range(K))
+            qo.append(qo[-1] + K * S)
+            self._logit_rows[i] = []
+            for a in starts:
+                self._logit_rows[i].append(len(rows))
+                rows.extend(range(a + st.first_row, a + st.first_row + st.block_len))
+        self.step_layout = StepLayout(
+            torch.tensor(qo), torch.cat(order), torch.tensor(seg),
+            extra_ids=torch.cat(extra_ids) if extra_ids else None,
+            extra_positions=torch.cat(extra_pos) if extra_pos else None)
+        idx = torch.tensor(rows or [0], dtype=logits_indices.dtype, device=logits_indices.device)
+        return idx, spec_meta, max_sampled
+
+    def _sample(self, logits, spec_decode_metadata):
+        """Decoder updates from this step's logits; a completed block is this step's sampled tokens."""
+        self.step_layout = None
+        req_ids, _, _ = compat.batch_rows(self)
+        outs: list[list[int]] = []
+        for i, rid in enumerate(req_ids):
+            s = self._served(rid)
+            emit: list[int] = []
+            if i in self._logit_rows and s.rebuild:  # the prefix K/V is as the block's first step left it
+                s.req.cached = s.step.keep
+                s.step, s.pending, s.rebuild = s.pending, None, False
+                s.drafts = s.step.tokens[0, s.step.b0 - s.step.w0:].tolist()
+            elif i in self._logit_rows:
+                st, L = s.step, s.step.block_len
+                emit = s.req.apply(st, [logits[j: j + L] for j in self._logit_rows[i]])
+                s.step = None
+                if s.req.done:
+                    self._record(rid, s)
+            elif s.step is None and self.spec.attention == "block_causal" and s.req.nfe == 0:
+                # vLLM's prefill wrote exact K/V for the prompt's finished attention blocks
+                s.req.cached = s.req.prompt_len // self.spec.block_size * self.spec.block_size
+            outs.append(emit)
+        width = max(2, max((len(o) for o in outs), default=0))
+        sampled = torch.full((len(outs), width), -1, dtype=torch.int32)
+        for i, o in enumerate(outs):
+            if o:
+                sampled[i, : len(o)] = torch.tensor(o, dtype=torch.int32)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        """Each running request's next canvas (module docstring)."""
+        req_ids, _, _ = compat.batch_rows(self)
+        drafts, rfs, extras = [], [], []
+        for rid in req_ids:
+            s = self._served(rid)
+            if not s.req.done and s.step is None:
+                if s.pending is not None:
+                    self._rebuild_step(s)
+                else:
+                    self._propose(s)
+            live = not s.req.done and s.step is not None
+            drafts.append(list(s.drafts) if live else [])
+            rfs.append(s.step.w0 if live else 0)
+            extras.append((s.step.num_canvases - 1) * s.step.seg_len if live else 0)
+        self.set_next_drafts(req_ids, drafts, rfs, extras)
+        return drafts
+
+    def sample_tokens(self, grammar_output):
+        out = super().sample_tokens(grammar_output)
+        # prompt logprobs (computed in the prefill forward) travel with the request's first emitted block:
+        # the scheduler sends nothing for a step that emits no token
+        plp = getattr(out, "prompt_logprobs_dict", None)
+        if plp is None:
+            return out
+        for rid, i in out.req_id_to_index.items():
+            emitted = bool(out.sampled_token_ids[i]) if i < len(out.sampled_token_ids) else False
+            if rid in plp and not emitted:
+                self._held_prompt_logprobs[rid] = plp.pop(rid)
+            elif emitted and rid in self._held_prompt_logprobs:
+                plp[rid] = self._held_prompt_logprobs.pop(rid)
+        return out
+
+    def psd_stats(self) -> dict:
+        t = dict(self.totals)
+        t["tpf"] = t["tokens"] / max(1, t["nfe"])
+        return {"totals": t, "requests": dict(self.finished)}

@@ -1,0 +1,176 @@
+"""PRESTO in vLLM: a block-diffusion drafter's token trees verified by an AR target in one forward per step.
+
+The round is :mod:`model_executor.presto_round`'s (shared with the reference engine); this runner decides
+how its rows reach vLLM, through the same hooks as the dLLM runner (:mod:`.runner`):
+
+1. ``_prepare_inputs``: a step of a request schedules its *pending* tokens (the last step's accepted path and
+   bonus token; after the prefill, the sampled token) followed by its tree's nodes as vLLM draft tokens, in
+   the tree's order (by depth, so any prefix vLLM may cut for budget is still a tree). The step's layout gives
+   the nodes their positions ``n - 1 + depth`` and each tree request its ancestor mask (``custom``; other
+   requests causal); the attention backend computes every row once, under that mask.
+2. ``_sample``: the tree walk (:func:`model_executor.presto_round.accept`: greedy, or lossless
+   multi-candidate rejection sampling with the request's generator) on the logits of the root (the last
+   pending token) and of every node, the rows vLLM's spec-decode metadata selects.
+3. ``propose_draft_token_ids``: one batched forward of the drafter
+   (:class:`model_executor.presto_round.TreeDrafter`, plain PyTorch, its own paged cache) and a tree per
+   request.
+4. ``recompute_from = n`` (the length before the tree): :class:`~.scheduler.PrestoScheduler` rolls
+   ``num_computed_tokens`` back to it, so the accepted tokens are re-forwarded next step as pending tokens
+   and their K/V is written exactly; what the nodes wrote past ``n`` is never read.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.outputs import SamplerOutput
+
+from attention_backends.torch_ref import TorchPrefixAttention
+from attention_backends.vllm_backend import StepLayout
+from model_executor.decoding.ngram import NGramModel
+from model_executor.decoding.tree import TokenTree
+from model_executor.models.reference import ReferenceDLLM
+from model_executor.presto_round import DraftState, TreeDrafter, accept, draft_options, verify_layout
+
+from . import compat
+from .config import presto_from_vllm_config
+from .runner import PSDRunnerMixin
+
+logger = init_logger(__name__)
+
+
+class PrestoRunnerMixin(PSDRunnerMixin):
+    """Drafts token trees and verifies them (module docstring)."""
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self.presto = presto_from_vllm_config(vllm_config)
+        self.states: dict[str, DraftState] = {}
+        self.trees: dict[str, TokenTree] = {}  # the tree each request verifies next
+        self._verifying: dict[str, TokenTree] = {}
+        self.accepted: dict[str, int] = {}
+        # forwards: target forwards requests took part in (prefills included); steps: tree verifications
+        self.totals = {"forwards": 0, "steps": 0, "tree_nodes": 0}
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        cfg = self.presto
+        drafter = ReferenceDLLM.from_pretrained(cfg.model, dtype=self.model_config.dtype)
+        ngram = NGramModel.load(cfg.ngram) if cfg.ngram else None
+        self.drafting = TreeDrafter(drafter, ngram, TorchPrefixAttention())
+        self.opts = draft_options(drafter, search=cfg.search, tree_budget=cfg.tree_budget, width=cfg.width,
+                                  top_b=cfg.top_b, lam=cfg.lam,
+                                  adaptive=(cfg.adaptive_beta, cfg.adaptive_c) if cfg.adaptive_beta else None,
+                                  draft_len=cfg.draft_len, candidates=cfg.candidates)
+        # one drafter sequence per running request; torch.empty pages stay untouched until written
+        self.max_len = self.model_config.max_model_len + self.opts["k"] + drafter.spec.block_size
+        self.drafting.allocate([self.max_len] * self.scheduler_config.max_num_seqs)
+        self.free_slots = list(range(self.scheduler_config.max_num_seqs))
+        logger.info("PRESTO: drafter %s (%s search, budget %d)", cfg.model, cfg.search, cfg.tree_budget)
+
+    # ------------------------------------------------------------------------------------ verify
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        req_ids, qsl, computed = compat.batch_rows(self)
+        positions, masks = [], []
+        self._verifying = {}
+        self.totals["forwards"] += len(req_ids)
+        for i, rid in enumerate(req_ids):
+            q0, q1, c = int(qsl[i]), int(qsl[i + 1]), int(computed[i])
+            drafts = compat.scheduled_drafts(scheduler_output, rid)
+            tree = self.trees.get(rid)
+            D = len(drafts)
+            if D and tree is not None and drafts == tree.tokens[:D]:
+                tree = tree.prefix(D)  # vLLM may have cut the list for budget: a depth-ordered prefix is a tree
+                m = q1 - q0 - D
+                pos, mask = verify_layout(tree, m, c + m)
+                self._verifying[rid] = tree
+            else:  # a prefill chunk, or a step without a tree: causal
+                pos = torch.arange(c, c + q1 - q0)
+                mask = torch.ones(q1 - q0, q1 - q0, dtype=torch.bool).tril()
+            positions.append(pos)
+            masks.append(mask)
+        qo = torch.as_tensor(qsl, dtype=torch.long)
+        self.step_layout = StepLayout(qo, torch.arange(int(qsl[-1])), kind="custom", custom_masks=masks,
+                                      positions=torch.cat(positions))
+        return out
+
+    def _sample(self, logits, spec_decode_metadata):
+        self.step_layout = None
+        if spec_decode_metadata is None:
+            return super()._sample(logits, spec_decode_metadata)
+        req_ids, _, _ = compat.batch_rows(self)
+        cu = spec_decode_metadata.cu_num_sampled_tokens.tolist()
+        outs, start = [], 0
+        for i, rid in enumerate(req_ids):
+            lg, start = logits[start: cu[i]], cu[i]
+            tree = self._verifying.get(rid) or TokenTree()
+            out = accept(tree, lg, compat.request_temperature(self, i), compat.request_generator(self, i))
+            self.accepted[rid] = len(out) - 1
+            if len(tree):
+                self.totals["steps"] += 1
+                self.totals["tree_nodes"] += len(tree)
+            outs.append(out)
+        width = max(2, max(map(len, outs), default=1))
+        ids = torch.full((len(outs), width), -1, dtype=torch.int32)
+        for i, out in enumerate(outs):
+            ids[i, : len(out)] = torch.tensor(out, dtype=torch.int32)
+        return SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None)
+
+    # ------------------------------------------------------------------------------------- draft
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        req_ids, _, _ = compat.batch_rows(self)
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        rfs: list[int] = []
+        live: list[tuple[int, str, DraftState]] = []
+        max_pos = self.drafting.drafter.spec.max_position
+        limit = min(self.model_config.max_model_len, max_pos)
+        for i, rid in enumerate(req_ids):
+            prompt, output = compat.request_tokens(self, rid)
+            seq = prompt + output
+            L = len(seq)
+            rfs.append(L - self.accepted.pop(rid, 0) - 1)
+            if not sampled_token_ids[i]:  # a chunked prefill still running: nothing sampled, nothing to draft
+                continue
+            st = self.states.get(rid)
+            if st is not None and st.seq != seq[: len(st.seq)]:
+                self._release(rid)
+                st = None
+            if st is None:
+                if not self.free_slots:
+                    continue
+                st = DraftState([], self.free_slots.pop(), None)
+                st.rho = self.drafting.new_rho([])
+                self.states[rid] = st
+            self.drafting.accepted(st, seq[len(st.seq):])
+            if limit - L - 1 <= 0 or L + self.opts["k"] + self.drafting.drafter.spec.block_size > min(self.max_len,
+                                                                                                     max_pos):
+                continue
+            live.append((i, rid, st))
+        if live:
+            self.drafting.draft([st for _, _, st in live], self.opts)
+            for i, rid, st in live:
+                tree = st.tree.prefix(limit - len(st.seq) - 1)
+                self.trees[rid] = tree
+                drafts[i] = list(tree.tokens)
+        self.set_next_drafts(req_ids, drafts, rfs)
+        return drafts
+
+    def _release(self, rid: str) -> None:
+        st = self.states.pop(rid, None)
+        if st is not None:
+            self.free_slots.append(st.slot)
+        self.trees.pop(rid, None)
+
+    def _on_request_state_removed(self, req_id, req_state) -> None:
+        super()._on_request_state_removed(req_id, req_state)
+        self._release(req_id)
+        self.accepted.pop(req_id, None)
+
+    def presto_stats(self) -> dict:
+        """Totals since start: target forwards per request summed (``forwards``), tree verifications
+        (``steps``) and their nodes, and ``tree_nodes / steps``."""
+        t = dict(self.totals)
+        t["nodes_per_tree"] = t["tree_nodes"] / max(1, t["steps"])
+        t["drafting_requests"] = len(self.states)  # requests holding a drafter slot now
+        return t

