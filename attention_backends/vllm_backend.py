@@ -34,6 +34,7 @@ from typing import Callable, ClassVar
 import torch
 
 from vllm.model_executor.layers.attention import Attention
+from vllm.config import get_layers_from_vllm_config
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadataBuilder, AttentionType,
                                        CommonAttentionMetadata)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
@@ -49,15 +50,16 @@ class StepLayout:
 
     Rows are numbered in *model order*: the ``T`` rows vLLM scheduled, then the ``E`` rows the model appends
     (``extra_ids``). ``order`` lists them request by request (every row of request 0, then of request 1 ...),
-    which is the plan's row order; ``qo_indptr`` and ``seg_indptr`` index that order.
+    which is the plan's row order (None: model order already is); ``qo_indptr`` and ``seg_indptr`` index
+    that order.
     """
 
     qo_indptr: torch.Tensor  # [R + 1]
-    order: torch.Tensor  # [T + E] model rows in plan order
+    order: torch.Tensor | None = None  # [T + E] model rows in plan order
     seg_indptr: torch.Tensor | None = None  # [S + 1]; None: one segment per request
     kind: MaskKind | None = None  # None: the layer's pattern
     custom_masks: list[torch.Tensor] | None = None  # kind "custom": one bool [n_s, n_s] per segment
-    positions: torch.Tensor | None = None  # [T + E] in model order; None: vLLM's positions + extra_positions
+    positions: torch.Tensor | None = None  # [T] of vLLM's rows, when they differ from vLLM's own (tree nodes)
     extra_ids: torch.Tensor | None = None  # [E] token ids the model appends
     extra_positions: torch.Tensor | None = None  # [E]
 
@@ -66,12 +68,14 @@ class StepLayout:
 class PSDAttentionMetadata:
     plan: AttentionPlan
     attn: object  # the planned PrefixAttention backend
-    slot_mapping: torch.Tensor  # [T] cache slots of vLLM's rows (-1: not written)
     page_size: int
+    write_rows: torch.Tensor  # rows of vLLM's whose K/V is written, at pages / offsets
+    write_page: torch.Tensor
+    write_off: torch.Tensor
+    num_tokens: int  # T: the rows vLLM scheduled
     order: torch.Tensor | None = None  # plan order -> model rows (None: identity)
-    positions: torch.Tensor | None = None  # model-order positions to use instead of vLLM's
+    positions: torch.Tensor | None = None  # [T + E] model-order positions to use instead of vLLM's
     extra_ids: torch.Tensor | None = None
-    extra_positions: torch.Tensor | None = None
 
 
 class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
@@ -88,6 +92,12 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
         self.head_dim = kv_cache_spec.head_size
         self.page_size = kv_cache_spec.block_size
         self.dtype = mc.dtype
+        layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
+        scales = {layer.impl.scale for layer in layers.values()}
+        if len(scales) > 1:
+            raise ValueError(f"psd attention backend: layers {layer_names} use different scales {sorted(scales)}")
+        self.scale = scales.pop() if scales else None
+        self.attn = make_backend("auto", device, self.dtype)  # one per builder: planned anew every forward
         self.layout_source: Callable[[], StepLayout | None] | None = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -96,39 +106,38 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
         R = cam.num_reqs
         qsl = cam.query_start_loc_cpu[: R + 1].long()
         T = int(qsl[-1])
-        seq_lens = cam.seq_lens[:R].long().cpu()
-        prefix = seq_lens - (qsl[1:] - qsl[:-1])
+        lens = qsl[1:] - qsl[:-1]
+        prefix = cam.seq_lens[:R].long().cpu() - lens
         layout = self.layout_source() if self.layout_source is not None else None
-        kind = (layout.kind if layout is not None else None) or self.pattern
         if layout is None:
-            qo, order, seg, masks, positions = qsl, None, None, None, None
-            if kind == "block_causal":
-                req = torch.repeat_interleave(torch.arange(R), qsl[1:] - qsl[:-1])
-                positions = prefix[req] + torch.arange(T) - qsl[req]
-        else:
-            qo, order, seg, masks = layout.qo_indptr, layout.order, layout.seg_indptr, layout.custom_masks
-            positions = layout.positions
-            if positions is None and kind == "block_causal":
-                req = torch.repeat_interleave(torch.arange(R), qsl[1:] - qsl[:-1])
-                base = prefix[req] + torch.arange(T) - qsl[req]
-                extra = layout.extra_positions if layout.extra_positions is not None else base.new_zeros(0)
-                positions = torch.cat([base, extra.long().cpu()])
-        plan_positions = None
-        if positions is not None and kind == "block_causal":
-            plan_positions = positions[order] if order is not None else positions
-        plan = AttentionPlan(qo, prefix, cam.block_table_tensor[:R].long(), self.page_size, kind=kind,
-                             seg_indptr=seg, positions=plan_positions, block_size=self.block_size,
-                             custom_masks=masks)
-        attn = make_backend("auto", self.device, self.dtype)
-        attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, device=self.device)
+            layout = StepLayout(qsl)
+        E = layout.extra_ids.numel() if layout.extra_ids is not None else 0
+        if layout.qo_indptr.numel() != R + 1 or int(layout.qo_indptr[-1]) != T + E:
+            raise RuntimeError(f"psd attention backend: the runner's step layout ({layout.qo_indptr.numel() - 1} "
+                               f"requests, {int(layout.qo_indptr[-1])} rows) does not match the batch ({R} requests, "
+                               f"{T} + {E} rows)")
+        kind = layout.kind or self.pattern
+        positions = layout.positions
+        if positions is None and (E or kind == "block_causal"):  # vLLM's positions of its rows, then the extras
+            req = torch.repeat_interleave(torch.arange(R), lens)
+            positions = prefix[req] + torch.arange(T) - qsl[req]
+        if positions is not None and E:
+            positions = torch.cat([positions, layout.extra_positions.long().cpu()])
+        plan = AttentionPlan(layout.qo_indptr, prefix, cam.block_table_tensor[:R].long(), self.page_size, kind=kind,
+                             seg_indptr=layout.seg_indptr, block_size=self.block_size,
+                             positions=(positions if layout.order is None else positions[layout.order])
+                             if kind == "block_causal" else None,
+                             custom_masks=layout.custom_masks)
+        self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
+                       device=self.device)
+        slots = cam.slot_mapping[:T].long()
+        rows = (slots >= 0).nonzero().flatten()
         dev = self.device
         return PSDAttentionMetadata(
-            plan, attn, cam.slot_mapping[:T], self.page_size,
-            order=order.to(dev) if order is not None else None,
-            positions=(layout.positions.to(dev) if layout is not None and layout.positions is not None else None),
-            extra_ids=layout.extra_ids.to(dev) if layout is not None and layout.extra_ids is not None else None,
-            extra_positions=(layout.extra_positions.to(dev)
-                             if layout is not None and layout.extra_positions is not None else None))
+            plan, self.attn, self.page_size, rows, slots[rows] // self.page_size, slots[rows] % self.page_size, T,
+            order=layout.order.to(dev) if layout.order is not None else None,
+            positions=positions.to(dev) if positions is not None and (E or layout.positions is not None) else None,
+            extra_ids=layout.extra_ids.to(dev) if E else None)
 
 
 class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
@@ -144,7 +153,7 @@ class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
             raise ValueError(f"psd attention backend: unsupported options {sorted(unsupported)}")
         if attn_type != AttentionType.DECODER:
             raise ValueError(f"psd attention backend: attn_type {attn_type!r}; allowed: decoder")
-        if kv_cache_dtype not in ("auto", "float16", "bfloat16", "float32"):
+        if kv_cache_dtype != "auto":
             raise ValueError(f"psd attention backend: kv_cache_dtype {kv_cache_dtype!r}; allowed: auto (the "
                              "model's dtype)")
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
@@ -160,19 +169,14 @@ class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
         if md is None:  # profiling / warm-up run without metadata
             return output.zero_()
         kc, vc = kv_views(kv_cache, self.head_size)
-        n = md.slot_mapping.numel()
-        slots = md.slot_mapping.long()
-        ok = slots >= 0
-        if bool(ok.any()):
-            s = slots[ok]
-            page, off = s // md.page_size, s % md.page_size
-            kc[page, off] = key[:n][ok].to(kc.dtype)
-            vc[page, off] = value[:n][ok].to(vc.dtype)
-        T = md.plan.num_tokens
+        if md.write_rows.numel():
+            kc[md.write_page, md.write_off] = key[md.write_rows].to(kc.dtype)
+            vc[md.write_page, md.write_off] = value[md.write_rows].to(vc.dtype)
         if md.order is not None:
             o = md.attn.run(query[md.order], key[md.order], value[md.order], kc, vc)
             output[md.order] = o.to(output.dtype)
         else:
+            T = md.plan.num_tokens
             output[:T] = md.attn.run(query[:T], key[:T], value[:T], kc, vc).to(output.dtype)
         return output
 
@@ -189,7 +193,7 @@ class PSDAttentionBackend(AttentionBackend):
 
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list] = ["auto", "float16", "bfloat16", "float32"]
+    supported_kv_cache_dtypes: ClassVar[list] = ["auto"]
     pattern: ClassVar[str] = "bidirectional"
 
     @staticmethod
@@ -283,10 +287,11 @@ def step_inputs(layer_name: str, input_ids: torch.Tensor | None, positions: torc
     md = step_metadata(layer_name)
     if md is None:
         return x, positions
-    if md.extra_ids is not None and md.extra_ids.numel():
+    if md.extra_ids is not None:
+        if x.shape[0] != md.num_tokens:
+            raise RuntimeError(f"psd attention backend: {x.shape[0]} input rows for {md.num_tokens} scheduled "
+                               "tokens; extra draft rows need an unpadded batch (eager mode, no data parallelism)")
         x = torch.cat([x, embed(md.extra_ids)])
-        if md.positions is None:
-            positions = torch.cat([positions, md.extra_positions.to(positions.dtype)])
     if md.positions is not None:
         positions = md.positions.to(positions.dtype)
     return x, positions

@@ -124,6 +124,16 @@ class DLLMRequest:
         rows[:, b0 - w0: b1 - w0] = torch.stack(canvases).to(rows.device)
         return DLLMStep(w0, w1, b0, b1, rows, keep, shift)
 
+    def first_step(self, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
+        """The current block's first step again (the block all masks, as it was then). Forwarding it restores
+        the K/V the block's later steps were computed against (after a preemption, under the prefix cache);
+        its logits are not for the decoder."""
+        b0, b1 = self.block
+        w0, w1 = window(cache, (b0, b1), self.total, fresh=True, cached=self.cached, shift=shift)
+        keep = cached_after_step(cache, (b0, b1), w0, fresh=True, cached=self.cached, shift=shift,
+                                 model_block=model_block)
+        return DLLMStep(w0, w1, b0, b1, self.tokens[w0:w1][None].clone(), keep, shift)
+
     def apply(self, step: DLLMStep, logits: list[torch.Tensor]) -> list[int]:
         """Update the decoder with one ``[block_len, V]`` logits tensor per canvas; returns the block's tokens
         if this step completed it (else ``[]``)."""

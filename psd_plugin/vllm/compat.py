@@ -48,10 +48,11 @@ SCHEDULER_HOOKS = {
 }
 
 # Attributes read or set on a live runner / scheduler / input batch.
-RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups", "model_config", "scheduler_config")
-INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "temperature_cpu", "generators")
+RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups", "model_config", "scheduler_config",
+                     "device")
+INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators")
 WORKER_ATTRIBUTES = ("model_runner",)
-SCHEDULER_ATTRIBUTES = ("running", "requests", "max_num_scheduled_tokens", "max_num_running_reqs",
+SCHEDULER_ATTRIBUTES = ("running", "requests", "max_num_scheduled_tokens", "max_num_running_reqs", "max_num_active_reqs",
                         "num_sampled_tokens_per_step", "num_spec_tokens", "log_stats")
 
 # Front-end functions wrapped at registration (module, class, method).
@@ -80,6 +81,14 @@ def request_tokens(runner, req_id: str) -> tuple[list[int], list[int]]:
 
 def sampling_params(runner, req_id: str):
     return runner.requests[req_id].sampling_params
+
+
+def prefill_unfinished(runner, row: int) -> bool:
+    """Whether batch row ``row`` is a prompt chunk that does not reach the end of the request's tokens (vLLM
+    discards what is sampled for it)."""
+    ib = runner.input_batch
+    q = runner.query_start_loc.np
+    return int(ib.num_computed_tokens_cpu[row]) + int(q[row + 1] - q[row]) < int(ib.num_tokens_no_spec[row])
 
 
 def request_generator(runner, row: int):
@@ -111,14 +120,17 @@ def resumed_req_ids(scheduler_output) -> set[str]:
 @contextlib.contextmanager
 def scheduling_only(scheduler, running: list, token_budget: int):
     """Let vLLM's ``Scheduler.schedule`` see only ``running`` of its running requests and ``token_budget``
-    tokens; everything is restored afterwards (the others keep their place, first in line)."""
-    all_running, budget = scheduler.running, scheduler.max_num_scheduled_tokens
-    held = [r for r in all_running if r not in running]
-    scheduler.running, scheduler.max_num_scheduled_tokens = list(running), token_budget
+    tokens; everything is restored afterwards (the others keep their place, first in line). The held
+    requests keep their admission slots: waiting requests are admitted only into free ones."""
+    held = [r for r in scheduler.running if r not in running]
+    saved = scheduler.max_num_scheduled_tokens, scheduler.max_num_active_reqs
+    scheduler.running = list(running)
+    scheduler.max_num_scheduled_tokens = token_budget
+    scheduler.max_num_active_reqs = saved[1] - len(held)
     try:
         yield
     finally:
-        scheduler.max_num_scheduled_tokens = budget
+        scheduler.max_num_scheduled_tokens, scheduler.max_num_active_reqs = saved
         scheduler.running = held + scheduler.running
 
 

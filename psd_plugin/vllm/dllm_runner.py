@@ -44,6 +44,8 @@ from .runner import PSDRunnerMixin
 
 logger = init_logger(__name__)
 
+NO_REWIND = 1 << 62  # recompute_from of a request with nothing more to forward
+
 
 @dataclass
 class _Served:
@@ -84,8 +86,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             prompt, _ = compat.request_tokens(self, req_id)
             gen = None
             if sp.temperature > 0:
-                gen = torch.Generator().manual_seed(sp.seed if sp.seed is not None else
-                                                    int(torch.randint(0, 2**62, (1,))))
+                gen = torch.Generator(device=self.device).manual_seed(
+                    sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,))))
             p, mask = self.psd, self.spec.mask_token_id
             knobs = dict(threshold=p.threshold, relaxed_threshold=p.relaxed_threshold, radius=p.radius,
                          policy=p.policy, depth=p.depth, branches=p.branches, steps=p.steps, graph=self.graph,
@@ -94,8 +96,12 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             def make(blk, gen=gen, temperature=sp.temperature):
                 return make_decoder(p.decoding, blk, mask, temperature=temperature, generator=gen, **knobs)
 
-            req = DLLMRequest(prompt, sp.max_tokens, p.block_size, make, mask, self.spec.eos_token_id,
-                              aligned=self.spec.attention == "block_causal", ignore_eos=sp.ignore_eos)
+            # decode past the model's EOS exactly when vLLM will not stop there (ignore_eos, or a tokenizer /
+            # generation config whose EOS differs): the request then ends where vLLM ends it
+            eos = self.spec.eos_token_id
+            ignore_eos = sp.ignore_eos or eos not in sp.all_stop_token_ids
+            req = DLLMRequest(prompt, sp.max_tokens, p.block_size, make, mask, eos,
+                              aligned=self.spec.attention == "block_causal", ignore_eos=ignore_eos)
             s = self.served[req_id] = _Served(req)
         return s
 
@@ -105,16 +111,11 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         s.drafts = st.tokens[0, st.b0 - st.w0:].tolist()
 
     def _rebuild_step(self, s: _Served) -> None:
-        """The block's first forward again (all of it masked): its prefix K/V is what the later steps of the
-        block were computed against (prefix cache), so forwarding it restores exactness after a preemption.
-        Its logits are not used and it is not counted in NFE."""
-        r = s.req
-        b0, b1 = r.block
-        tokens = r.tokens.clone()
-        tokens[b0:] = self.spec.mask_token_id
-        s.rebuild = True
-        s.step = DLLMStep(0, r.total, b0, b1, tokens[None], b0 - self.shift, self.shift)
-        s.drafts = tokens[b0:].tolist()
+        """After a preemption under the prefix cache: the block's first forward once more (not counted in NFE),
+        so the later steps see the prefix K/V they were decoded against (:meth:`DLLMRequest.first_step`)."""
+        st = s.req.first_step(self.psd.cache, self.shift, self.spec.block_size or 1)
+        s.step, s.rebuild = st, True
+        s.drafts = st.tokens[0, st.b0 - st.w0:].tolist()
 
     def _on_request_state_removed(self, req_id, req_state) -> None:
         s = self.served.pop(req_id, None)
@@ -233,7 +234,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                     self._propose(s)
             live = not s.req.done and s.step is not None
             drafts.append(list(s.drafts) if live else [])
-            rfs.append(s.step.w0 if live else 0)
+            rfs.append(s.step.w0 if live else NO_REWIND)
             extras.append((s.step.num_canvases - 1) * s.step.seg_len if live else 0)
         self.set_next_drafts(req_ids, drafts, rfs, extras)
         return drafts

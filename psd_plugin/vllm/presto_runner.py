@@ -91,8 +91,7 @@ class PrestoRunnerMixin(PSDRunnerMixin):
             positions.append(pos)
             masks.append(mask)
         qo = torch.as_tensor(qsl, dtype=torch.long)
-        self.step_layout = StepLayout(qo, torch.arange(int(qsl[-1])), kind="custom", custom_masks=masks,
-                                      positions=torch.cat(positions))
+        self.step_layout = StepLayout(qo, kind="custom", custom_masks=masks, positions=torch.cat(positions))
         return out
 
     def _sample(self, logits, spec_decode_metadata):
@@ -104,6 +103,9 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         outs, start = [], 0
         for i, rid in enumerate(req_ids):
             lg, start = logits[start: cu[i]], cu[i]
+            if compat.prefill_unfinished(self, i):  # vLLM discards it: draw nothing from the request's generator
+                outs.append([])
+                continue
             tree = self._verifying.get(rid) or TokenTree()
             out = accept(tree, lg, compat.request_temperature(self, i), compat.request_generator(self, i))
             self.accepted[rid] = len(out) - 1

@@ -35,6 +35,9 @@ class _PSDCPUWorker(CPUWorker):
     def init_device(self):
         with compat.cpu_worker_builds(self.runner_cls):
             super().init_device()
+        if not isinstance(self.model_runner, self.runner_cls):  # e.g. Model Runner V2, which the swap misses
+            raise RuntimeError(f"psd-plugin needs vLLM's V1 model runner; the worker built "
+                               f"{type(self.model_runner).__name__} (unset VLLM_USE_V2_MODEL_RUNNER)")
 
 
 class DLLMWorker(_PSDCPUWorker):
