@@ -24,19 +24,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
            mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, L, H, D]`` over ``k, v [B, S, Hkv, D]`` with ``mask [B, L, S]`` (True = attend) or None.
 
-    Returns the output ``[B, L, H, D]`` and log-sum-exp ``[B, L, H]`` (natural log), in the accumulation
-    dtype. Grouped-query attention: head ``h`` reads KV head ``h // (H // Hkv)``.
+    Returns the output ``[B, L, H, D]`` and log-sum-exp ``[B, L, H]`` (natural log; -inf for a row that sees no
+    key, whose output is 0), in the accumulation dtype. Grouped-query attention: head ``h`` reads KV head
+    ``h // (H // Hkv)``; the heads of a group share one batched matmul.
     """
     B, L, H, D = q.shape
     Hkv = k.shape[2]
+    G = H // Hkv
     acc = torch.promote_types(q.dtype, torch.float32)
-    s = torch.einsum("blkgd,bskd->bkgls", q.view(B, L, Hkv, H // Hkv, D).to(acc), k.to(acc)) * scale
+    qg = q.to(acc).view(B, L, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * L, D)
+    s = (qg @ k.to(acc).permute(0, 2, 3, 1)).view(B, Hkv, G, L, -1) * scale  # [B, Hkv, G, L, S]
     if mask is not None:
         s = s.masked_fill(~mask[:, None, None], float("-inf"))
-    lse = torch.logsumexp(s, -1)  # [B, Hkv, G, L]
-    p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # a row with no visible key contributes nothing
-    o = torch.einsum("bkgls,bskd->blkgd", p, v.to(acc)).reshape(B, L, H, D)
-    return o, lse.permute(0, 3, 1, 2).reshape(B, L, H)
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row with no visible key contributes nothing
+    e = torch.exp(s - m)
+    z = e.sum(-1, keepdim=True)
+    o = (e.view(B, Hkv, G * L, -1) @ v.to(acc).permute(0, 2, 1, 3)).view(B, Hkv, G, L, D) / z.clamp_min(1e-30)
+    lse = (m + torch.log(z)).squeeze(-1)
+    return o.permute(0, 3, 1, 2, 4).reshape(B, L, H, D), lse.permute(0, 3, 1, 2).reshape(B, L, H)
 
 
 def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,33 @@ def _params(fn) -> tuple[str, ...]:
 
 @pytest.mark.parametrize("name", sorted(compat.RUNNER_HOOKS))
 def test_runner_hook_signatures(name):
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner  # the GPU runner's API, as the CPU runner has it
 
-    assert hasattr(GPUModelRunner, name), f"vLLM's GPUModelRunner has no {name}"
-    assert _params(getattr(GPUModelRunner, name)) == compat.RUNNER_HOOKS[name]
+    assert hasattr(CPUModelRunner, name), f"vLLM's CPUModelRunner has no {name}"
+    assert _params(getattr(CPUModelRunner, name)) == compat.RUNNER_HOOKS[name]
+
+
+@pytest.mark.parametrize("name", sorted(compat.LAYER_HOOKS))
+def test_layer_hook_signatures(name):
+    from vllm.model_executor.layers.attention import Attention
+
+    assert _params(getattr(Attention, name)) == compat.LAYER_HOOKS[name]
+
+
+@pytest.mark.parametrize("where", sorted(compat.DATA_FIELDS))
+def test_data_structure_fields_exist(where):
+    module, cls_name = where.split(":")
+    cls = getattr(importlib.import_module(module), cls_name)
+    known = _assigned_attrs(cls) | set(getattr(cls, "__dataclass_fields__", {})) \
+        | set(getattr(cls, "__struct_fields__", ())) \
+        | {n for k in cls.__mro__ for n in getattr(k, "__annotations__", {})}
+    missing = [f for f in compat.DATA_FIELDS[where] if f not in known and not hasattr(cls, f)]
+    assert not missing, f"{where} no longer has {missing}"
+
+
+@pytest.mark.parametrize("module, name", compat.FUNCTIONS)
+def test_functions_exist(module, name):
+    assert callable(getattr(importlib.import_module(module), name))
 
 
 @pytest.mark.parametrize("name", sorted(compat.SCHEDULER_HOOKS))

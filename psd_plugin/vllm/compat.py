@@ -36,7 +36,7 @@ RUNNER_HOOKS = {
     "take_draft_token_ids": ("self",),
     "sample_tokens": ("self", "grammar_output"),
     "initialize_kv_cache": ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"),
-    "load_model": ("self", "load_dummy_weights", "model"),
+    "load_model": ("self", "load_dummy_weights"),
 }
 
 # Methods of vLLM's V1 ``Scheduler`` that psd-plugin's schedulers override.
@@ -54,6 +54,50 @@ INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_s
 WORKER_ATTRIBUTES = ("model_runner",)
 SCHEDULER_ATTRIBUTES = ("running", "requests", "max_num_scheduled_tokens", "max_num_running_reqs", "max_num_active_reqs",
                         "num_sampled_tokens_per_step", "num_spec_tokens", "log_stats")
+
+# Methods of vLLM's ``Attention`` layer the project's layer overrides (``attention_backends.vllm_backend``).
+LAYER_HOOKS = {
+    "get_kv_cache_spec": ("self", "vllm_config"),
+}
+
+# Fields, properties and methods of vLLM's data structures the plugin reads, writes or builds, per class
+# ("module:Class"). Many are ordinary dataclass fields, but none is documented as an extension API, so an
+# upgrade may rename them: the contract test checks each one exists.
+DATA_FIELDS = {
+    "vllm.v1.outputs:DraftTokenIds": ("req_ids", "draft_token_ids"),  # subclassed: PSDDraftTokenIds
+    "vllm.v1.outputs:SamplerOutput": ("sampled_token_ids", "logprobs_tensors"),  # built by both ``_sample``s
+    "vllm.v1.outputs:ModelRunnerOutput": ("sampled_token_ids", "req_id_to_index", "prompt_logprobs_dict"),
+    "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("cu_num_sampled_tokens",),
+    "vllm.v1.spec_decode.metrics:SpecDecodingStats": ("new", "observe_draft"),
+    "vllm.v1.request:Request": ("request_id", "spec_token_ids", "num_computed_tokens", "num_tokens_with_spec",
+                                "is_finished"),
+    "vllm.v1.core.sched.output:SchedulerOutput": ("scheduled_spec_decode_tokens", "scheduled_cached_reqs"),
+    "vllm.v1.core.sched.output:CachedRequestData": ("resumed_req_ids",),
+    "vllm.v1.worker.gpu_input_batch:CachedRequestState": ("prompt_token_ids", "output_token_ids",
+                                                          "sampling_params"),
+    "vllm.v1.worker.utils:AttentionGroup": ("metadata_builders",),
+    "vllm.v1.utils:CpuGpuBuffer": ("np",),
+    "vllm.v1.engine:EngineCoreRequest": ("sampling_params", "prompt_token_ids"),
+    "vllm.v1.engine.input_processor:InputProcessor": ("vllm_config",),
+    "vllm.sampling_params:SamplingParams": ("all_stop_token_ids",),
+    "vllm.v1.attention.backend:CommonAttentionMetadata": ("num_reqs", "query_start_loc_cpu", "seq_lens",
+                                                          "block_table_tensor", "slot_mapping"),
+    "vllm.v1.attention.backend:AttentionBackend": ("forward_includes_kv_cache_update",),
+    "vllm.v1.attention.backend:AttentionMetadataBuilder": ("device",),
+    "vllm.v1.kv_cache_interface:FullAttentionSpec": ("non_causal", "num_kv_heads", "head_size", "block_size"),
+    "vllm.model_executor.layers.attention:Attention": ("impl", "layer_name"),
+    "vllm.forward_context:ForwardContext": ("attn_metadata",),
+    "vllm.config:ModelConfig": ("get_num_attention_heads", "hf_config"),
+    "vllm.entrypoints.llm:LLM": ("llm_engine",),
+    "vllm.v1.engine.llm_engine:LLMEngine": ("engine_core",),
+}
+
+# Module-level functions the plugin calls that vLLM does not document as plugin API.
+FUNCTIONS = (
+    ("vllm.forward_context", "get_forward_context"),
+    ("vllm.forward_context", "is_forward_context_available"),
+    ("vllm.config", "get_layers_from_vllm_config"),
+)
 
 # Front-end functions wrapped at registration (module, class, method).
 FRONT_END_PATCHES = (
@@ -152,6 +196,17 @@ def cpu_worker_builds(runner_cls) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------------------------ front end
+def serve_with_architecture(model_config, arch: str) -> None:
+    """Have vLLM's model loader build ``arch`` for this model (it reads ``hf_config.architectures``); the
+    config travels to the workers with ``VllmConfig``."""
+    model_config.hf_config.architectures = [arch]
+
+
+def shutdown(llm) -> None:
+    """Stop an offline ``vllm.LLM``'s engine core (its processes) now, not at garbage collection."""
+    llm.llm_engine.engine_core.shutdown()
+
+
 def wrap(module: str, cls: str, method: str, make):
     """Replace ``module.cls.method`` with ``make(original)`` (once)."""
     import importlib

@@ -31,6 +31,7 @@ import msgspec
 from model_executor.decoding import METHODS
 
 from ..knobs import ConfigError, DecodeKnobs, TreeKnobs, parse_config, spiffy_graph
+from . import compat
 
 SCHEDULER_CLS = {"psd": "psd_plugin.vllm.scheduler.DLLMScheduler", "presto": "psd_plugin.vllm.scheduler.PrestoScheduler"}
 WORKER_CLS = {"psd": "psd_plugin.vllm.worker.DLLMWorker", "presto": "psd_plugin.vllm.worker.PrestoWorker"}
@@ -228,7 +229,7 @@ def translate_presto(engine_args, target_model_config, target_parallel_config, r
             raise ConfigError(f"speculative_config.ngram: {e}") from None
     _require_cpu("PRESTO path")
     resolved = msgspec.structs.replace(cfg, model=str(drafter), ngram=str(ngram) if ngram else None)
-    hf.architectures = [PRESTO_TARGET_ARCH]  # the project's Llama class: its attention verifies trees
+    compat.serve_with_architecture(target_model_config, PRESTO_TARGET_ARCH)  # its attention verifies trees
     _select(engine_args, target_parallel_config, "presto", resolved, cfg.tree_budget)
 
 

@@ -13,6 +13,7 @@ import time
 
 from model_executor.outputs import GenerationResult
 
+from . import compat
 from .config import PSDSpeculativeConfig
 
 
@@ -42,7 +43,7 @@ class VLLMEngine:
 
     def close(self) -> None:
         if self._llm is not None:
-            self._llm.llm_engine.engine_core.shutdown()
+            compat.shutdown(self._llm)
             self._llm = None
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 32, block_size: int = 8,
