@@ -25,24 +25,37 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     """``q [B, L, H, D]`` over ``k, v [B, S, Hkv, D]`` with ``mask [B, L, S]`` (True = attend) or None.
 
     Returns the output ``[B, L, H, D]`` and log-sum-exp ``[B, L, H]`` (natural log; -inf for a row that sees no
-    key, whose output is 0), in the accumulation dtype. Grouped-query attention: head ``h`` reads KV head
-    ``h // (H // Hkv)``; the heads of a group share one batched matmul.
+    key, whose output is 0), in the accumulation dtype (float32, or float64 for float64 inputs). Grouped-query
+    attention: head ``h`` reads KV head ``h // (H // Hkv)``; the ``G`` query heads of a KV head are batched as
+    ``G * L`` query rows. On CPU this is PyTorch's fused flash-attention kernel (which returns the log-sum-exp),
+    elsewhere plain matmuls with a max-shifted softmax.
     """
     B, L, H, D = q.shape
-    Hkv = k.shape[2]
+    S, Hkv = k.shape[1], k.shape[2]
     G = H // Hkv
     acc = torch.promote_types(q.dtype, torch.float32)
     qg = q.to(acc).view(B, L, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * L, D)
-    s = (qg @ k.to(acc).permute(0, 2, 3, 1)).view(B, Hkv, G, L, -1) * scale  # [B, Hkv, G, L, S]
-    if mask is not None:
+    kt, vt = k.to(acc).transpose(1, 2), v.to(acc).transpose(1, 2)  # [B, Hkv, S, D]
+    if mask is None:
+        mask = torch.ones(B, L, S, dtype=torch.bool, device=q.device)
+    seen = mask.any(-1)  # [B, L]
+    if q.device.type == "cpu":
+        bias = torch.zeros(B, 1, G, L, S, dtype=acc).masked_fill(~mask[:, None, None], float("-inf"))
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qg, kt, vt, 0.0, False, attn_mask=bias.view(B, 1, G * L, S), scale=scale)
+    else:
+        s = (qg @ kt.transpose(2, 3)).view(B, Hkv, G, L, S) * scale
         s = s.masked_fill(~mask[:, None, None], float("-inf"))
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row with no visible key contributes nothing
-    e = torch.exp(s - m)
-    z = e.sum(-1, keepdim=True)
-    o = (e.view(B, Hkv, G * L, -1) @ v.to(acc).permute(0, 2, 1, 3)).view(B, Hkv, G, L, D) / z.clamp_min(1e-30)
-    lse = (m + torch.log(z)).squeeze(-1)
-    return o.permute(0, 3, 1, 2, 4).reshape(B, L, H, D), lse.permute(0, 3, 1, 2).reshape(B, L, H)
+        m = s.amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        e = torch.exp(s - m)
+        z = e.sum(-1, keepdim=True)
+        o = (e.view(B, Hkv, G * L, S) @ vt) / z.view(B, Hkv, G * L, 1).clamp_min(1e-30)
+        lse = (m + torch.log(z)).view(B, Hkv, G * L)
+    o = o.view(B, Hkv, G, L, D).permute(0, 3, 1, 2, 4).reshape(B, L, H, D)
+    lse = lse.to(acc).view(B, Hkv, G, L).permute(0, 3, 1, 2).reshape(B, L, H)
+    lse = lse.masked_fill(~seen[..., None], float("-inf"))
+    return o.masked_fill(~seen[..., None, None], 0.0), lse
 
 
 def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
@@ -112,10 +125,12 @@ class TorchPrefixAttention:
         if self.req.numel():
             lse = torch.empty(self.T, H, dtype=acc, device=q.device)
             lse[self.s_idx[self.s_ok]] = lse_new[self.s_ok]
-            kp = k_cache[self.p_page, self.p_off]  # [R', P, Hkv, D]: the prefix, gathered once per request
-            # slots past a prefix's end are padding (slot 0): zero their values, so unwritten (uninitialised)
-            # cache memory there cannot leak NaN through a zero attention weight
-            vp = v_cache[self.p_page, self.p_off].masked_fill(~self.p_mask[:, 0, :, None, None], 0)
+            # [R', P, Hkv, D]: the prefix, gathered once per request. Slots past a prefix's end are padding
+            # (slot 0): zero them, so unwritten (uninitialised) cache memory there cannot leak NaN into a score or
+            # through a zero attention weight
+            pad = ~self.p_mask[:, 0, :, None, None]
+            kp = k_cache[self.p_page, self.p_off].masked_fill(pad, 0)
+            vp = v_cache[self.p_page, self.p_off].masked_fill(pad, 0)
             o_p, lse_p = attend(q[self.pq_idx], kp, vp, self.scale, self.p_mask)
             rows = self.pq_idx[self.pq_ok]
             out[rows] = merge_state(o_p[self.pq_ok], lse_p[self.pq_ok], out[rows], lse[rows])

@@ -90,6 +90,7 @@ DATA_FIELDS = {
     "vllm.config:ModelConfig": ("get_num_attention_heads", "hf_config"),
     "vllm.entrypoints.llm:LLM": ("llm_engine",),
     "vllm.v1.engine.llm_engine:LLMEngine": ("engine_core",),
+    "vllm.v1.engine.core_client:EngineCoreClient": ("shutdown",),
 }
 
 # Module-level functions the plugin calls that vLLM does not document as plugin API.
@@ -97,7 +98,12 @@ FUNCTIONS = (
     ("vllm.forward_context", "get_forward_context"),
     ("vllm.forward_context", "is_forward_context_available"),
     ("vllm.config", "get_layers_from_vllm_config"),
+    ("vllm.exceptions", "VLLMValidationError"),  # raised with parameter= / value= for a 400
 )
+
+# vLLM's ``LazyLoader("model_executor", ...)`` registers its quantization package under our top-level package's
+# name; ``psd_plugin.claim_model_executor`` removes that alias at import (it must run before anything here).
+SHADOWED_PACKAGE = "model_executor"
 
 # Front-end functions wrapped at registration (module, class, method).
 FRONT_END_PATCHES = (
