@@ -80,7 +80,10 @@ class TorchPrefixAttention:
     name = "torch"
 
     def plan(self, plan: AttentionPlan, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-             scale: float | None = None, device: torch.device | str | None = None) -> None:
+             scale: float | None = None, device: torch.device | str | None = None,
+             rows: torch.Tensor | None = None) -> None:
+        """``rows``: where the plan's rows are in the tensors ``run`` gets (plan row ``i`` is input row
+        ``rows[i]``, a permutation), so a caller whose rows are not request by request needs no gather."""
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         dev = torch.device(device) if device is not None else plan.block_table.device
@@ -91,16 +94,18 @@ class TorchPrefixAttention:
         has = plan.prefix_lens > 0
         self.req = has.nonzero().flatten()
         q_idx, q_ok = _padded_index(plan.qo_indptr)
-        self.pq_idx = q_idx[self.req].to(dev)
+        remap = (lambda idx: idx) if rows is None else (lambda idx: rows.long().cpu()[idx])
+        self.pq_idx = remap(q_idx[self.req]).to(dev)
         self.pq_ok = q_ok[self.req].to(dev)
+        self.pq_rows = self.pq_idx[self.pq_ok]
         slots = plan.prefix_slots()[self.req]
-        # (page, offset) pairs rather than flat slots: the caches may be strided views (vLLM's per-layer K|V pages)
-        self.p_page, self.p_off = (slots // plan.page_size).to(dev), (slots % plan.page_size).to(dev)
+        self.p_slots = slots.to(dev)
         P = slots.shape[1]
         self.p_mask = (torch.arange(P) < plan.prefix_lens[self.req, None]).to(dev)[:, None, :]  # [R', 1, P]
         # new-token part: segment rows padded [S, Ls] and their [S, Ls, Ls] visibility
         s_idx, s_ok = _padded_index(plan.seg_indptr)
-        self.s_idx, self.s_ok = s_idx.to(dev), s_ok.to(dev)
+        self.s_idx, self.s_ok = remap(s_idx).to(dev), s_ok.to(dev)
+        self.s_rows = self.s_idx[self.s_ok]
         Ls = s_idx.shape[1]
         m = s_ok[:, None, :].expand(-1, Ls, -1).clone()  # keys: the segment's own rows
         if plan.kind == "causal":
@@ -121,17 +126,18 @@ class TorchPrefixAttention:
         o_new, lse_new = attend(q[self.s_idx], k[self.s_idx], v[self.s_idx], self.scale, self.s_mask)
         acc = o_new.dtype
         out = torch.empty(self.T, H, D, dtype=acc, device=q.device)
-        out[self.s_idx[self.s_ok]] = o_new[self.s_ok]
+        out[self.s_rows] = o_new[self.s_ok]
         if self.req.numel():
             lse = torch.empty(self.T, H, dtype=acc, device=q.device)
-            lse[self.s_idx[self.s_ok]] = lse_new[self.s_ok]
+            lse[self.s_rows] = lse_new[self.s_ok]
             # [R', P, Hkv, D]: the prefix, gathered once per request. Slots past a prefix's end are padding
             # (slot 0): zero them, so unwritten (uninitialised) cache memory there cannot leak NaN into a score or
             # through a zero attention weight
             pad = ~self.p_mask[:, 0, :, None, None]
-            kp = k_cache[self.p_page, self.p_off].masked_fill(pad, 0)
-            vp = v_cache[self.p_page, self.p_off].masked_fill(pad, 0)
+            # flat slots: a view for the reference engine's caches and for vLLM's NHD K|V pages alike
+            kp = k_cache.flatten(0, 1)[self.p_slots].masked_fill(pad, 0)
+            vp = v_cache.flatten(0, 1)[self.p_slots].masked_fill(pad, 0)
             o_p, lse_p = attend(q[self.pq_idx], kp, vp, self.scale, self.p_mask)
-            rows = self.pq_idx[self.pq_ok]
+            rows = self.pq_rows
             out[rows] = merge_state(o_p[self.pq_ok], lse_p[self.pq_ok], out[rows], lse[rows])
         return out.to(q.dtype)

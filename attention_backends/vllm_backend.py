@@ -40,6 +40,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
 
 from .prefix_attention import AttentionPlan, MaskKind, make_backend
+from .torch_ref import TorchPrefixAttention
 
 PATTERNS = ("bidirectional", "causal", "block_causal")
 
@@ -69,9 +70,8 @@ class PSDAttentionMetadata:
     plan: AttentionPlan
     attn: object  # the planned PrefixAttention backend
     page_size: int
-    write_rows: torch.Tensor  # rows of vLLM's whose K/V is written, at pages / offsets
-    write_page: torch.Tensor
-    write_off: torch.Tensor
+    write_rows: torch.Tensor  # rows of vLLM's whose K/V is written, at cache slots ``write_slots``
+    write_slots: torch.Tensor
     num_tokens: int  # T: the rows vLLM scheduled
     order: torch.Tensor | None = None  # plan order -> model rows (None: identity)
     positions: torch.Tensor | None = None  # [T + E] model-order positions to use instead of vLLM's
@@ -128,14 +128,15 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
                              positions=(positions if layout.order is None else positions[layout.order])
                              if kind == "block_causal" else None,
                              custom_masks=layout.custom_masks)
+        remap = layout.order is not None and isinstance(self.attn, TorchPrefixAttention)
         self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
-                       device=self.device)
+                       device=self.device, **({"rows": layout.order} if remap else {}))
         slots = cam.slot_mapping[:T].long()
         rows = (slots >= 0).nonzero().flatten()
         dev = self.device
         return PSDAttentionMetadata(
-            plan, self.attn, self.page_size, rows, slots[rows] // self.page_size, slots[rows] % self.page_size, T,
-            order=layout.order.to(dev) if layout.order is not None else None,
+            plan, self.attn, self.page_size, rows, slots[rows], T,
+            order=layout.order.to(dev) if layout.order is not None and not remap else None,
             positions=positions.to(dev) if positions is not None and (E or layout.positions is not None) else None,
             extra_ids=layout.extra_ids.to(dev) if E else None)
 
@@ -170,12 +171,12 @@ class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
             return output.zero_()
         kc, vc = kv_views(kv_cache, self.head_size)
         if md.write_rows.numel():
-            kc[md.write_page, md.write_off] = key[md.write_rows].to(kc.dtype)
-            vc[md.write_page, md.write_off] = value[md.write_rows].to(vc.dtype)
+            kc.flatten(0, 1)[md.write_slots] = key[md.write_rows].to(kc.dtype)  # flat views of NHD pages
+            vc.flatten(0, 1)[md.write_slots] = value[md.write_rows].to(vc.dtype)
         if md.order is not None:
             o = md.attn.run(query[md.order], key[md.order], value[md.order], kc, vc)
             output[md.order] = o.to(output.dtype)
-        else:
+        else:  # the plan's rows are the model's (or the backend reads them through its row map)
             T = md.plan.num_tokens
             output[:T] = md.attn.run(query[:T], key[:T], value[:T], kc, vc).to(output.dtype)
         return output
