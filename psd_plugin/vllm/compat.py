@@ -208,6 +208,12 @@ def serve_with_architecture(model_config, arch: str) -> None:
     model_config.hf_config.architectures = [arch]
 
 
+def platform_is_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def shutdown(llm) -> None:
     """Stop an offline ``vllm.LLM``'s engine core (its processes) now, not at garbage collection."""
     llm.llm_engine.engine_core.shutdown()

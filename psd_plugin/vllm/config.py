@@ -142,9 +142,7 @@ def is_dllm_config(hf_config) -> bool:
 
 
 def _require_cpu(what: str) -> None:
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
+    if not compat.platform_is_cpu():
         raise ConfigError(f"psd-plugin's {what} has run on vLLM's V1 CPU runner only; its GPU runner is built "
                           "(attention through FlashInfer) but has not run on a GPU yet, so GPU platforms are refused "
                           "until it has. Decode with the reference engines on GPUs (`psd generate --engine "
