@@ -69,7 +69,6 @@ class StepLayout:
 class PSDAttentionMetadata:
     plan: AttentionPlan
     attn: object  # the planned PrefixAttention backend
-    page_size: int
     write_rows: torch.Tensor  # rows of vLLM's whose K/V is written, at cache slots ``write_slots``
     write_slots: torch.Tensor
     num_tokens: int  # T: the rows vLLM scheduled
@@ -135,7 +134,7 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
         rows = (slots >= 0).nonzero().flatten()
         dev = self.device
         return PSDAttentionMetadata(
-            plan, self.attn, self.page_size, rows, slots[rows], T,
+            plan, self.attn, rows, slots[rows], T,
             order=layout.order.to(dev) if layout.order is not None and not remap else None,
             positions=positions.to(dev) if positions is not None and (E or layout.positions is not None) else None,
             extra_ids=layout.extra_ids.to(dev) if E else None)
