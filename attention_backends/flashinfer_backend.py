@@ -38,7 +38,8 @@ class FlashInferPrefixAttention:
             torch.empty(workspace_bytes, dtype=torch.uint8, device=self.device), kv_layout="NHD")
 
     def plan(self, plan: AttentionPlan, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-             scale: float | None = None, device=None) -> None:
+             scale: float | None = None, device=None, cached: torch.Tensor | None = None) -> None:
+        """``cached`` (which rows' K/V the caller wrote to the cache) is not needed: new rows come from ``k, v``."""
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"attention backend 'flashinfer' runs float16/bfloat16, got {dtype}; allowed: torch")
         if num_heads % num_kv_heads:

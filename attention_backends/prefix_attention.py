@@ -22,8 +22,9 @@ A backend object is long-lived (it owns workspaces); per forward it is ``plan``-
 head geometry, then ``run`` once per layer with that layer's new ``q, k, v`` and paged cache. Backends:
 :class:`attention_backends.torch_ref.TorchPrefixAttention` (runs anywhere; what CI tests) and
 :class:`attention_backends.flashinfer_backend.FlashInferPrefixAttention` (CUDA, fp16/bf16). Both compute
-the prefix part and the new-token part separately and merge them by log-sum-exp, so the prefix is read
-once per request however many canvases it has.
+the prefix once per request (or per segment, where that pads less on CPU) however many canvases it has:
+FlashInfer as a paged prefix part and a ragged new-token part merged by log-sum-exp, the PyTorch backend as
+one masked attention per batch entry over its ``[prefix | new rows]`` keys.
 """
 
 from __future__ import annotations
@@ -124,7 +125,10 @@ class PrefixAttention(Protocol):
     name: str
 
     def plan(self, plan: AttentionPlan, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-             scale: float | None = None) -> None: ...
+             scale: float | None = None, device: torch.device | str | None = None,
+             cached: torch.Tensor | None = None) -> None:
+        """``cached``: ``[T]`` flat cache slots where the caller writes each new row's K/V before ``run`` (-1:
+        not written); a backend may read those rows' keys from the cache."""
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor) -> torch.Tensor: ...

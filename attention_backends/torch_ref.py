@@ -1,16 +1,17 @@
 """The PyTorch prefix attention backend: runs on any device and dtype, and is what CI tests.
 
-Per layer it computes two attentions and merges them by their log-sum-exp (FlashInfer's ``merge_state``):
-
-1. *prefix*: the new rows of each request over its cached prefix, gathered from the pages once per request
-   (one gather per layer for the whole batch: ``[R, max_prefix]`` slots), however many canvases it has;
-2. *new tokens*: each segment's rows over the segment's own rows, under the plan's mask kind, padded to
-   ``[S, max_seg_len]``; a DAG of canvases costs ``sum n_s^2`` scores, not ``(sum n_s)^2``.
+One attention per request and layer: the request's new rows (every canvas or tree node of it, ``[R, Lq]``
+padded) over its keys ``[prefix | new rows]`` (``[R, Lk]`` padded), under one visibility mask that ``plan``
+builds once per forward: the whole prefix for every row, and among the new rows the plan's segments under
+its mask kind. The prefix is read once per request however many canvases it has. Per layer ``run`` is a
+handful of tensor ops: the prefix slots gathered from the pages, one index that lays out every request's
+keys, the query gather, one fused attention call, one output gather. On CPU the attention is PyTorch's
+fused flash-attention kernel (grouped-query heads native, the mask as an additive bias); elsewhere plain
+matmuls with a softmax.
 
 Scores accumulate in float32 (float64 for float64 inputs: the exactness path). A row with no visible key
-(a padded row) contributes nothing rather than NaN, and cache slots beyond each prefix are never read into the
-result, so caches may be allocated uninitialised. All index tensors and masks are built in ``plan`` so
-``run`` is a handful of batched tensor ops per layer.
+gets 0. Padded key positions point at a real row's key (never at an unwritten cache slot), so caches may be
+allocated uninitialised: nothing outside the prefixes is read.
 """
 
 from __future__ import annotations
@@ -20,124 +21,146 @@ import torch
 from .prefix_attention import AttentionPlan, check_run_inputs
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [B, L, H, D]`` over ``k, v [B, S, Hkv, D]`` with ``mask [B, L, S]`` (True = attend) or None.
-
-    Returns the output ``[B, L, H, D]`` and log-sum-exp ``[B, L, H]`` (natural log; -inf for a row that sees no
-    key, whose output is 0), in the accumulation dtype (float32, or float64 for float64 inputs). Grouped-query
-    attention: head ``h`` reads KV head ``h // (H // Hkv)``; the ``G`` query heads of a KV head are batched as
-    ``G * L`` query rows. On CPU this is PyTorch's fused flash-attention kernel (which returns the log-sum-exp),
-    elsewhere plain matmuls with a max-shifted softmax.
-    """
-    B, L, H, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    G = H // Hkv
-    acc = torch.promote_types(q.dtype, torch.float32)
-    qg = q.to(acc).view(B, L, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * L, D)
-    kt, vt = k.to(acc).transpose(1, 2), v.to(acc).transpose(1, 2)  # [B, Hkv, S, D]
-    if mask is None:
-        mask = torch.ones(B, L, S, dtype=torch.bool, device=q.device)
-    seen = mask.any(-1)  # [B, L]
-    if q.device.type == "cpu":
-        bias = torch.zeros(B, 1, G, L, S, dtype=acc).masked_fill(~mask[:, None, None], float("-inf"))
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qg, kt, vt, 0.0, False, attn_mask=bias.view(B, 1, G * L, S), scale=scale)
-    else:
-        s = (qg @ kt.transpose(2, 3)).view(B, Hkv, G, L, S) * scale
-        s = s.masked_fill(~mask[:, None, None], float("-inf"))
-        m = s.amax(-1, keepdim=True)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        e = torch.exp(s - m)
-        z = e.sum(-1, keepdim=True)
-        o = (e.view(B, Hkv, G * L, S) @ vt) / z.view(B, Hkv, G * L, 1).clamp_min(1e-30)
-        lse = (m + torch.log(z)).view(B, Hkv, G * L)
-    o = o.view(B, Hkv, G, L, D).permute(0, 3, 1, 2, 4).reshape(B, L, H, D)
-    lse = lse.to(acc).view(B, Hkv, G, L).permute(0, 3, 1, 2).reshape(B, L, H)
-    lse = lse.masked_fill(~seen[..., None], float("-inf"))
-    return o.masked_fill(~seen[..., None, None], 0.0), lse
-
-
-def merge_state(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
-    """Attention over the union of two disjoint key sets from the parts' outputs ``[..., H, D]`` and
-    log-sum-exps ``[..., H]``."""
-    lse = torch.logaddexp(lse1, lse2)
-    w1 = torch.exp(lse1 - lse).nan_to_num(0.0)[..., None]
-    w2 = torch.exp(lse2 - lse).nan_to_num(0.0)[..., None]
-    return o1 * w1 + o2 * w2
-
-
-def _padded_index(indptr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[G, max_len]`` row ids of each group's rows (0 where padded) and the validity mask."""
-    lens = indptr[1:] - indptr[:-1]
-    n = int(lens.max()) if lens.numel() else 0
-    j = torch.arange(n)
-    valid = j < lens[:, None]
-    return torch.where(valid, indptr[:-1, None] + j, torch.zeros_like(j)), valid
-
-
 class TorchPrefixAttention:
     name = "torch"
 
     def plan(self, plan: AttentionPlan, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
              scale: float | None = None, device: torch.device | str | None = None,
-             rows: torch.Tensor | None = None) -> None:
+             rows: torch.Tensor | None = None, cached: torch.Tensor | None = None, entries: str = "auto") -> None:
         """``rows``: where the plan's rows are in the tensors ``run`` gets (plan row ``i`` is input row
-        ``rows[i]``, a permutation), so a caller whose rows are not request by request needs no gather."""
+        ``rows[i]``, a permutation), so a caller whose rows are not request by request needs no gather.
+        ``cached``: ``[T]`` flat cache slots where the caller has written each input row's K/V before ``run``
+        (-1: not written); when every row is there, ``run`` reads all keys from the cache in one gather.
+        ``entries``: one batch entry per ``request`` or per ``segment``; ``auto`` picks the one that pads less."""
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
         dev = torch.device(device) if device is not None else plan.block_table.device
         self.geom = (num_heads, num_kv_heads, head_dim)
+        self.fused = dev.type == "cpu"  # PyTorch's fused CPU kernel; matmuls elsewhere
         self.scale = head_dim ** -0.5 if scale is None else scale
-        self.T = plan.num_tokens
-        # prefix part: request rows padded [R, Lq]; prefix slots [R, P]
-        has = plan.prefix_lens > 0
-        self.req = has.nonzero().flatten()
-        q_idx, q_ok = _padded_index(plan.qo_indptr)
-        remap = (lambda idx: idx) if rows is None else (lambda idx: rows.long().cpu()[idx])
-        self.pq_idx = remap(q_idx[self.req]).to(dev)
-        self.pq_ok = q_ok[self.req].to(dev)
-        self.pq_rows = self.pq_idx[self.pq_ok]
-        slots = plan.prefix_slots()[self.req]
-        self.p_slots = slots.to(dev)
-        P = slots.shape[1]
-        self.p_mask = (torch.arange(P) < plan.prefix_lens[self.req, None]).to(dev)[:, None, :]  # [R', 1, P]
-        # new-token part: segment rows padded [S, Ls] and their [S, Ls, Ls] visibility
-        s_idx, s_ok = _padded_index(plan.seg_indptr)
-        self.s_idx, self.s_ok = remap(s_idx).to(dev), s_ok.to(dev)
-        self.s_rows = self.s_idx[self.s_ok]
-        Ls = s_idx.shape[1]
-        m = s_ok[:, None, :].expand(-1, Ls, -1).clone()  # keys: the segment's own rows
+        self.acc = torch.promote_types(dtype, torch.float32)
+        T = self.T = plan.num_tokens
+        P = plan.prefix_lens
+        model_row = torch.arange(T) if rows is None else rows.long().cpu()  # plan row -> input row
+        # a batch entry per request (keys: its prefix and all its rows) or per segment (its prefix and the
+        # segment's rows), whichever pads less; both read the prefix once per entry
+        req_lens, seg_lens = plan.qo_indptr.diff(), plan.seg_lens
+        seg_req = torch.repeat_interleave(torch.arange(req_lens.numel()), req_lens)[plan.seg_indptr[:-1]] \
+            if T else torch.zeros(seg_lens.numel(), dtype=torch.long)
+        req_cost = _padded_cost(req_lens, P, num_heads, num_kv_heads)
+        seg_cost = _padded_cost(seg_lens, P[seg_req], num_heads, num_kv_heads)
+        if entries not in ("auto", "request", "segment"):
+            raise ValueError(f"entries {entries!r}; allowed: auto, request, segment")
+        if entries == "segment" or (entries == "auto" and seg_cost < req_cost):
+            ptr, ent_req = plan.seg_indptr, seg_req
+        else:
+            ptr, ent_req = plan.qo_indptr, torch.arange(req_lens.numel())
+        n = ptr.diff()
+        Pe = P[ent_req]
+        R = n.numel()
+        Lq = int(n.max()) if R else 0
+        Lk = int((Pe + n).max()) if R else 0
+        last = max(T - 1, 0)
+        # queries [R, Lq]: entry r's plan rows ptr[r] + i
+        i = torch.arange(Lq)
+        q_ok = i < n[:, None]
+        q_plan = torch.where(q_ok, ptr[:-1, None] + i, torch.zeros_like(i))
+        self.q_idx = torch.where(q_ok, model_row[q_plan.clamp(max=last)] if T else q_plan, 0).to(dev)
+        # keys [R, Lk] index the run's source rows: the T new rows, then every prefix slot request by request
+        slots = plan.prefix_slots()
+        p_slots = slots[torch.arange(slots.shape[1]) < P[:, None]]
+        self.p_slots = p_slots.to(dev)
+        j = torch.arange(Lk)
+        in_prefix = j < Pe[:, None]
+        local = j - Pe[:, None]  # key j of entry r is its new row `local` when 0 <= local < n_r
+        is_new = (local >= 0) & (local < n[:, None])
+        new_row = model_row[(ptr[:-1, None] + local.clamp(min=0)).clamp(max=last)] if T else local
+        k_idx = torch.where(in_prefix, T + (torch.cumsum(P, 0) - P)[ent_req, None] + j, 0)
+        k_idx = torch.where(is_new, new_row, k_idx)  # padding: source row 0, a real key
+        self.k_slots = None
+        if cached is not None and T and bool((cached >= 0).all()):  # source rows as cache slots
+            self.k_slots = torch.cat([cached.long().cpu(), p_slots])[k_idx].to(dev)
+        self.k_idx = k_idx.to(dev)
+        # visibility [R, Lq, Lk]: the prefix, and the new rows of the row's own segment under the mask kind
+        seg_of = torch.repeat_interleave(torch.arange(seg_lens.numel()), seg_lens)  # plan row -> segment
+        seg = seg_of[q_plan] if T else q_plan
+        new = (seg[:, :, None] == seg[:, None, :]) & q_ok[:, :, None] & q_ok[:, None, :]  # [R, Lq, Lq]
         if plan.kind == "causal":
-            m &= torch.ones(Ls, Ls, dtype=torch.bool).tril()
+            new &= torch.ones(Lq, Lq, dtype=torch.bool).tril()
         elif plan.kind == "block_causal":
-            blk = plan.positions.cpu()[s_idx] // plan.block_size
-            m &= blk[:, None, :] <= blk[:, :, None]
+            blk = plan.positions.long().cpu()[q_plan] // plan.block_size
+            new &= blk[:, None, :] <= blk[:, :, None]
         elif plan.kind == "custom":
+            m = torch.zeros(R, Lq, Lq, dtype=torch.bool)
+            ent_of = torch.repeat_interleave(torch.arange(R), n)
             for s, cm in enumerate(plan.custom_masks):
-                m[s, : cm.shape[0], : cm.shape[0]] &= cm.cpu()
-        self.s_mask = m.to(dev)
+                a = int(plan.seg_indptr[s])
+                if cm.shape[0]:
+                    r = int(ent_of[a])
+                    o = a - int(ptr[r])
+                    m[r, o: o + cm.shape[0], o: o + cm.shape[0]] = cm.cpu()
+            new &= m
+        vis = new.gather(2, local.clamp(0, max(Lq - 1, 0))[:, None, :].expand(R, Lq, Lk)) & is_new[:, None, :]
+        vis |= in_prefix[:, None, :] & q_ok[:, :, None]
+        self.bias = torch.zeros(R, 1, Lq, Lk, dtype=self.acc).masked_fill_(~vis[:, None], float("-inf")).to(dev)
+        self.seen = vis.any(-1)[:, None, :, None].to(dev)  # [R, 1, Lq, 1]: rows with a visible key
+        # output: input row t is entry o_ent[t]'s query o_pos[t]
+        ent_of_row = torch.repeat_interleave(torch.arange(R), n)
+        o_ent, o_pos = torch.empty(T, dtype=torch.long), torch.empty(T, dtype=torch.long)
+        o_ent[model_row] = ent_of_row
+        o_pos[model_row] = torch.arange(T) - ptr[ent_of_row]
+        self.o_ent, self.o_pos = o_ent.to(dev), o_pos.to(dev)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor) -> torch.Tensor:
         """``q [T, H, D]``, ``k, v [T, Hkv, D]`` (the new rows); caches ``[pages, page, Hkv, D]`` -> ``[T, H, D]``."""
         H, Hkv, D = self.geom
         check_run_inputs(self.T, self.geom, q, k, v, k_cache, v_cache)
-        o_new, lse_new = attend(q[self.s_idx], k[self.s_idx], v[self.s_idx], self.scale, self.s_mask)
-        acc = o_new.dtype
-        out = torch.empty(self.T, H, D, dtype=acc, device=q.device)
-        out[self.s_rows] = o_new[self.s_ok]
-        if self.req.numel():
-            lse = torch.empty(self.T, H, dtype=acc, device=q.device)
-            lse[self.s_rows] = lse_new[self.s_ok]
-            # [R', P, Hkv, D]: the prefix, gathered once per request. Slots past a prefix's end are padding
-            # (slot 0): zero them, so unwritten (uninitialised) cache memory there cannot leak NaN into a score or
-            # through a zero attention weight
-            pad = ~self.p_mask[:, 0, :, None, None]
-            # flat slots: a view for the reference engine's caches and for vLLM's NHD K|V pages alike
-            kp = k_cache.flatten(0, 1)[self.p_slots].masked_fill(pad, 0)
-            vp = v_cache.flatten(0, 1)[self.p_slots].masked_fill(pad, 0)
-            o_p, lse_p = attend(q[self.pq_idx], kp, vp, self.scale, self.p_mask)
-            rows = self.pq_rows
-            out[rows] = merge_state(o_p[self.pq_ok], lse_p[self.pq_ok], out[rows], lse[rows])
-        return out.to(q.dtype)
+        if self.T == 0:
+            return q.new_empty(0, H, D)
+        acc = self.acc
+        # [R, Lk, Hkv, D]: each entry's keys, its prefix read once (flat slots: views of the reference engine's
+        # caches and of vLLM's NHD K|V pages alike)
+        if self.k_slots is not None:  # every key is in the cache
+            joint = _joint_pages(k_cache, v_cache)
+            if joint is not None:  # K and V side by side: one gather
+                kvs = joint[self.k_slots].to(acc)
+                ks, vs = kvs[..., :D], kvs[..., D:]
+            else:
+                ks = k_cache.flatten(0, 1)[self.k_slots].to(acc)
+                vs = v_cache.flatten(0, 1)[self.k_slots].to(acc)
+        else:
+            ks = torch.cat([k.to(acc), k_cache.flatten(0, 1)[self.p_slots].to(acc)])[self.k_idx]
+            vs = torch.cat([v.to(acc), v_cache.flatten(0, 1)[self.p_slots].to(acc)])[self.k_idx]
+        qs = q.to(acc)[self.q_idx]  # [R, Lq, H, D]
+        qh, kh, vh = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
+        if self.fused:
+            o, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                qh, kh, vh, 0.0, False, attn_mask=self.bias, scale=self.scale)
+        else:
+            G = H // Hkv
+            s = qh @ kh.repeat_interleave(G, 1).transpose(2, 3) * self.scale + self.bias
+            o = torch.softmax(s, -1).masked_fill(~self.seen, 0.0) @ vh.repeat_interleave(G, 1)
+        return o.transpose(1, 2)[self.o_ent, self.o_pos].to(q.dtype)  # [T, H, D] in input row order
+
+
+def _joint_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """``[slots, Hkv, 2 * D]`` view of K and V when they are the two halves of one page tensor (vLLM's pages
+    in this backend's layout), else None."""
+    D = k_cache.shape[-1]
+    if (k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.stride(-2) != 2 * D
+            or v_cache.data_ptr() != k_cache.data_ptr() + D * k_cache.element_size()
+            or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1)):
+        return None
+    return k_cache.as_strided((k_cache.shape[0] * k_cache.shape[1], k_cache.shape[2], 2 * D),
+                              (k_cache.stride(1), 2 * D, 1))
+
+
+def _padded_cost(lens: torch.Tensor, prefix: torch.Tensor, num_heads: int, num_kv_heads: int) -> int:
+    """Work of one padded batch of entries with ``lens`` rows over ``prefix + lens`` keys: the scores
+    (``entries * Lq * Lk`` per query head) plus the keys and values gathered (``entries * Lk`` per KV head,
+    weighted as a few score columns)."""
+    if not lens.numel():
+        return 0
+    Lq, Lk = int(lens.max()), int((prefix + lens).max())
+    return lens.numel() * Lk * (Lq * num_heads + 8 * num_kv_heads)

@@ -69,7 +69,7 @@ class StepLayout:
 class PSDAttentionMetadata:
     plan: AttentionPlan
     attn: object  # the planned PrefixAttention backend
-    write_rows: torch.Tensor  # rows of vLLM's whose K/V is written, at cache slots ``write_slots``
+    write_rows: torch.Tensor | None  # rows of vLLM's whose K/V is written at ``write_slots`` (None: all ``T``)
     write_slots: torch.Tensor
     num_tokens: int  # T: the rows vLLM scheduled
     order: torch.Tensor | None = None  # plan order -> model rows (None: identity)
@@ -127,14 +127,21 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
                              positions=(positions if layout.order is None else positions[layout.order])
                              if kind == "block_causal" else None,
                              custom_masks=layout.custom_masks)
-        remap = layout.order is not None and isinstance(self.attn, TorchPrefixAttention)
-        self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
-                       device=self.device, **({"rows": layout.order} if remap else {}))
         slots = cam.slot_mapping[:T].long()
-        rows = (slots >= 0).nonzero().flatten()
+        torch_backend = isinstance(self.attn, TorchPrefixAttention)
+        remap = layout.order is not None and torch_backend
+        extra = {}
+        if torch_backend:  # rows vLLM scheduled have their K/V written before attending; extra rows do not
+            extra["cached"] = torch.cat([slots.cpu(), torch.full((E,), -1, dtype=torch.long)])
+            if remap:
+                extra["rows"] = layout.order
+        self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
+                       device=self.device, **extra)
+        ok = slots >= 0
+        rows = None if bool(ok.all()) else ok.nonzero().flatten()
         dev = self.device
         return PSDAttentionMetadata(
-            plan, self.attn, rows, slots[rows], T,
+            plan, self.attn, rows, slots if rows is None else slots[rows], T,
             order=layout.order.to(dev) if layout.order is not None and not remap else None,
             positions=positions.to(dev) if positions is not None and (E or layout.positions is not None) else None,
             extra_ids=layout.extra_ids.to(dev) if E else None)
@@ -169,9 +176,12 @@ class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
         if md is None:  # profiling / warm-up run without metadata
             return output.zero_()
         kc, vc = kv_views(kv_cache, self.head_size)
-        if md.write_rows.numel():
-            kc.flatten(0, 1)[md.write_slots] = key[md.write_rows].to(kc.dtype)  # flat views of NHD pages
-            vc.flatten(0, 1)[md.write_slots] = value[md.write_rows].to(vc.dtype)
+        if md.write_slots.numel():  # flat views of the NHD pages
+            T = md.num_tokens
+            k_new = key[:T] if md.write_rows is None else key[md.write_rows]
+            v_new = value[:T] if md.write_rows is None else value[md.write_rows]
+            kc.flatten(0, 1).index_copy_(0, md.write_slots, k_new.to(kc.dtype))
+            vc.flatten(0, 1).index_copy_(0, md.write_slots, v_new.to(vc.dtype))
         if md.order is not None:
             o = md.attn.run(query[md.order], key[md.order], value[md.order], kc, vc)
             output[md.order] = o.to(output.dtype)

@@ -35,7 +35,7 @@ from attention_backends.paged_kv_cache import PagedKVCache
 from attention_backends.prefix_attention import AttentionPlan, make_backend
 
 from .block_schedule import CACHE_MODES
-from .decoding import METHODS, BlockDecoder, make_decoder
+from .decoding import METHODS, BlockDecoder, make_decoder, predict_rows
 from .dllm_request import DLLMRequest, DLLMStep
 from .models.reference import ReferenceDLLM
 from .outputs import GenerationResult
@@ -136,11 +136,12 @@ class ReferenceEngine:
         shift = int(self.spec.shift_logits)
         steps = [r.next_step(cache, shift, self.spec.block_size or 1) for _, r in live]
         logits = self._forward([(seq, st) for (seq, _), st in zip(live, steps)])
-        logits = logits.split([st.block_len for st in steps for _ in range(st.num_canvases)])
+        preds = predict_rows(logits, max(r.dec.topk for _, r in live))  # once for every canvas of every request
         i = 0
         for (_, r), st in zip(live, steps):
-            r.apply(st, list(logits[i: i + st.num_canvases]))
-            i += st.num_canvases
+            L = st.block_len
+            r.apply(st, [preds[i + k * L: i + (k + 1) * L] for k in range(st.num_canvases)])
+            i += st.num_canvases * L
 
     def _forward(self, items: list[tuple[int, DLLMStep]]) -> torch.Tensor:
         """One model call over every request's window, once per block canvas: the canvases of a request

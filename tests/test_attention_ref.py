@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attention_backends.prefix_attention import AttentionPlan, make_backend, pack_mask, unpack_mask
-from attention_backends.torch_ref import TorchPrefixAttention, attend, merge_state
+from attention_backends.torch_ref import TorchPrefixAttention
 
 KINDS = ["bidirectional", "causal", "block_causal", "custom"]
 
@@ -93,12 +93,39 @@ def test_torch_backend_matches_dense_oracle(kind, geom):
     for seed in range(4):
         for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
             plan, q, k, v, kc, vc = _case(seed, kind, H, Hkv, D, page, dtype)
+            want = _oracle(plan, q, k, v, kc, vc, 0.3)
             be = TorchPrefixAttention()
             be.plan(plan, H, Hkv, D, dtype, scale=0.3)
-            out = be.run(q, k, v, kc, vc)
-            assert out.dtype == dtype and out.shape == q.shape
-            want = _oracle(plan, q, k, v, kc, vc, 0.3)
-            assert torch.allclose(out.double(), want, atol=tol), (kind, geom, seed, dtype)
+            for fused in (True, False):  # PyTorch's CPU kernel, and the matmul path other devices take
+                be.fused = fused
+                out = be.run(q, k, v, kc, vc)
+                assert out.dtype == dtype and out.shape == q.shape
+                assert torch.allclose(out.double(), want, atol=tol), (kind, geom, seed, dtype, fused)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_keys_read_from_the_cache_and_either_batching_equal_the_oracle(kind):
+    """When the caller has written the new rows' K/V to the cache (``cached``; vLLM's layout keeps K and V side
+    by side in one page tensor), all keys come from the cache; requests or segments as batch entries give the
+    same result."""
+    for seed in range(4):
+        plan, q, k, v, kc, vc = _case(seed, kind)
+        want = _oracle(plan, q, k, v, kc, vc, 0.3)
+        T, page = q.shape[0], plan.page_size
+        n_pages = kc.shape[0]
+        kv = torch.full((n_pages + (T + page - 1) // page, page, 2, 32), float("nan"), dtype=q.dtype)
+        kv[:n_pages, :, :, :16], kv[:n_pages, :, :, 16:] = kc, vc
+        joint_k, joint_v = kv[..., :16], kv[..., 16:]
+        slots = n_pages * page + torch.randperm(T)  # new rows at free slots past the prefixes' pages
+        joint_k.flatten(0, 1)[slots], joint_v.flatten(0, 1)[slots] = k, v
+        for entries in ("request", "segment"):
+            be = TorchPrefixAttention()
+            be.plan(plan, 4, 2, 16, q.dtype, scale=0.3, cached=slots, entries=entries)
+            assert be.k_slots is not None
+            got = be.run(q, k.clone().fill_(float("nan")), v.clone().fill_(float("nan")), joint_k, joint_v)
+            assert torch.allclose(got, want, atol=1e-12), (kind, seed, entries)
+            be.plan(plan, 4, 2, 16, q.dtype, scale=0.3, entries=entries)  # new rows from k, v
+            assert torch.allclose(be.run(q, k, v, kc, vc), want, atol=1e-12), (kind, seed, entries)
 
 
 def test_a_canvas_ignores_the_other_canvases():
@@ -180,17 +207,6 @@ def test_pack_mask_round_trip_and_bit_order():
     # little-endian bits within a byte, as numpy.packbits(bitorder="little") and FlashInfer's segment_packbits
     flat = masks[3].flatten().numpy()
     assert packed[int(indptr[3]): int(indptr[4])].tolist() == np.packbits(flat, bitorder="little").tolist()
-
-
-def test_merge_state_equals_joint_softmax():
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(1, 5, 2, 8, generator=g, dtype=torch.float64)
-    k = torch.randn(1, 11, 2, 8, generator=g, dtype=torch.float64)
-    v = torch.randn(1, 11, 2, 8, generator=g, dtype=torch.float64)
-    o1, l1 = attend(q, k[:, :4], v[:, :4], 0.5, None)
-    o2, l2 = attend(q, k[:, 4:], v[:, 4:], 0.5, None)
-    o, _ = attend(q, k, v, 0.5, None)
-    assert torch.allclose(merge_state(o1, l1, o2, l2), o, atol=1e-12)
 
 
 @pytest.mark.gpu

@@ -166,3 +166,27 @@ def test_graph_file_errors(tmp_path, shipped_graph):
     save_graph(g, bad)
     with pytest.raises(ValueError, match="format_version 99"):
         load_graph(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batched_predictions_equal_the_softmax_per_canvas(dtype):
+    """The engines' one batched pass (argmax, its probability, top-k) equals a softmax per canvas, and each
+    canvas's slice gives the prediction its bare logits would."""
+    from model_executor.decoding.base import predict, predict_rows
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(24, 1000, generator=g) * 4).to(dtype)
+    rows = predict_rows(logits, topk=5)
+    probs = torch.softmax(logits.double(), -1)
+    assert torch.equal(rows.tokens, logits.argmax(-1))
+    assert rows.conf.dtype == dtype
+    assert torch.allclose(rows.conf.double(), probs.max(-1).values, rtol=1e-5 if dtype == torch.float32 else 1e-12)
+    assert torch.equal(rows.top_ids, probs.topk(5, -1).indices)
+    assert torch.allclose(rows.top_probs.double(), probs.topk(5, -1).values, rtol=1e-5)
+    state = torch.full((8,), 7)
+    state[[1, 4]] = 3  # decoded positions
+    for a in (0, 8, 16):
+        got, want = predict(rows[a: a + 8], state, 7, topk=3), predict(logits[a: a + 8], state, 7, topk=3)
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.conf, want.conf)
+        assert torch.equal(got.top_ids, rows.top_ids[a: a + 8, :3])
+        assert got.conf[1] == float("-inf") and got.conf[4] == float("-inf") and bool((got.conf[[0, 2]] > 0).all())

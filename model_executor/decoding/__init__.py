@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, commit, merge_stats
+from .base import BlockDecoder, RowPredictions, commit, merge_stats, predict_rows
 from .freedave import FreeDaveDecoder
 from .lopa import LoPADecoder
 from .policies import SPATIAL_POLICIES, PolicyDecoder, make_policy
@@ -51,5 +51,5 @@ def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: f
     return PSDDecoder(block, mask_id, make_policy(policy, **knobs), dag or DraftDAG.nested(depth))
 
 
-__all__ = ["METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "base_step", "load_graph", "make_decoder",
-           "merge_stats"]
+__all__ = ["METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "RowPredictions", "base_step", "load_graph",
+           "make_decoder", "merge_stats", "predict_rows"]

@@ -23,26 +23,92 @@ import torch
 
 @dataclass
 class Prediction:
-    """The model's view of one block state: greedy tokens and their probabilities (float64)."""
+    """The model's view of one block state: top-1 tokens and their probabilities."""
 
     tokens: torch.Tensor  # [L] argmax (or sampled) token per position
     conf: torch.Tensor  # [L] probability of that token; -inf at positions already decoded
-    probs: torch.Tensor | None = None  # [L, V] full distribution, kept when a decoder needs ranks beyond top-1
+    probs: torch.Tensor | None = None  # [L, V] full distribution (calibration only)
+    top_ids: torch.Tensor | None = None  # [L, k] the k most likely tokens (Spiffy's ranks), when asked for
+    top_probs: torch.Tensor | None = None  # [L, k] their probabilities
 
 
-def predict(logits: torch.Tensor, state: torch.Tensor, mask_id: int, keep_probs: bool = False,
-            temperature: float = 0.0, generator: torch.Generator | None = None) -> Prediction:
-    """Greedy (or Gumbel-max sampled, LLaDA ``generate.py``) tokens and confidences over masked positions."""
-    logits = logits.double()
-    if temperature > 0:
-        u = torch.rand(logits.shape, generator=generator, device=logits.device, dtype=torch.float64).clamp_min(1e-300)
-        tokens = (logits / temperature - torch.log(-torch.log(u))).argmax(-1)
+@dataclass
+class RowPredictions:
+    """Top-1 (and top-k) of every logits row of one forward, computed once, batched, in the logits' dtype.
+
+    An engine computes it over all rows of all requests (:func:`predict_rows`) and hands each decoder the
+    slice of each of its canvases (``rows[a:b]``); :func:`predict` then only masks decoded positions. The
+    logits stay attached (a view) for decoders that sample.
+    """
+
+    logits: torch.Tensor  # [N, V]
+    tokens: torch.Tensor  # [N] argmax
+    conf: torch.Tensor  # [N] softmax probability of the argmax
+    top_ids: torch.Tensor | None = None  # [N, k]
+    top_probs: torch.Tensor | None = None  # [N, k]
+
+    def __getitem__(self, rows: slice) -> "RowPredictions":
+        top = (self.top_ids[rows], self.top_probs[rows]) if self.top_ids is not None else (None, None)
+        return RowPredictions(self.logits[rows], self.tokens[rows], self.conf[rows], *top)
+
+    @property
+    def topk(self) -> int:
+        return 0 if self.top_ids is None else self.top_ids.shape[-1]
+
+
+def predict_rows(logits: torch.Tensor, topk: int = 0) -> RowPredictions:
+    """Argmax, its probability and (``topk > 0``) the top-k tokens with their probabilities, of every row of
+    ``logits [N, V]``, in the logits' dtype, without materialising a softmax: per row the max (first index
+    on ties, as ``argmax``) and ``sum(exp(x - max))``. On CPU the rows go in chunks of about 16 MB, so the
+    second pass over a chunk reads it from cache (at a 126k vocabulary a whole batch is gigabytes)."""
+    N, V = logits.shape
+    tokens = torch.empty(N, dtype=torch.long, device=logits.device)
+    conf = torch.empty(N, dtype=logits.dtype, device=logits.device)
+    k = min(topk, V)
+    top_ids = torch.empty(N, k, dtype=torch.long, device=logits.device) if k > 0 else None
+    top_probs = torch.empty(N, k, dtype=logits.dtype, device=logits.device) if k > 0 else None
+    chunk = max(1, (16 << 20) // max(1, V * logits.element_size())) if logits.device.type == "cpu" else max(N, 1)
+    for a in range(0, N, chunk):
+        x = logits[a: a + chunk]
+        best, idx = x.max(-1)
+        z = torch.exp(x - best[:, None]).sum(-1)  # >= 1: the max contributes exp(0)
+        tokens[a: a + chunk], conf[a: a + chunk] = idx, 1.0 / z
+        if k > 0:
+            top = x.topk(k, dim=-1)
+            top_ids[a: a + chunk] = top.indices
+            top_probs[a: a + chunk] = torch.exp(top.values - best[:, None]) / z[:, None]
+    return RowPredictions(logits, tokens, conf, top_ids, top_probs)
+
+
+def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: int, keep_probs: bool = False,
+            temperature: float = 0.0, generator: torch.Generator | None = None, topk: int = 0) -> Prediction:
+    """Greedy (or Gumbel-max sampled, LLaDA ``generate.py``) tokens and confidences over masked positions of
+    one canvas, from its logits ``[L, V]`` or its slice of the step's :class:`RowPredictions`.
+
+    Greedy predictions come from the batched rows (computed here when given bare logits), in the logits'
+    dtype, so a float64 model gives float64 confidences (the exactness path). Sampling and ``keep_probs``
+    (full distributions, for calibration) work on the logits in float64."""
+    rows = out if isinstance(out, RowPredictions) else None
+    logits = rows.logits if rows is not None else out
+    if temperature > 0 or keep_probs:
+        lg = logits.double()
+        if temperature > 0:
+            u = torch.rand(lg.shape, generator=generator, device=lg.device, dtype=torch.float64).clamp_min(1e-300)
+            tokens = (lg / temperature - torch.log(-torch.log(u))).argmax(-1)
+        else:
+            tokens = lg.argmax(-1)
+        probs = torch.softmax(lg, -1)
+        conf = probs.gather(-1, tokens[:, None])[:, 0]
+        top = probs.topk(topk, dim=-1) if topk > 0 else None
+        pred = Prediction(tokens, conf, probs if keep_probs else None,
+                          top.indices if top is not None else None, top.values if top is not None else None)
     else:
-        tokens = logits.argmax(-1)
-    probs = torch.softmax(logits, -1)
-    conf = probs.gather(-1, tokens[:, None])[:, 0]
-    conf = torch.where(state == mask_id, conf, torch.full_like(conf, float("-inf")))
-    return Prediction(tokens, conf, probs if keep_probs else None)
+        if rows is None or rows.topk < topk:
+            rows = predict_rows(logits, topk)
+        pred = Prediction(rows.tokens, rows.conf, None, rows.top_ids[:, :topk] if topk > 0 else None,
+                          rows.top_probs[:, :topk] if topk > 0 else None)
+    pred.conf = torch.where(state.to(pred.conf.device) == mask_id, pred.conf, torch.full_like(pred.conf, float("-inf")))
+    return pred
 
 
 def commit(state: torch.Tensor, pred: Prediction, positions: torch.Tensor) -> torch.Tensor:
@@ -51,7 +117,13 @@ def commit(state: torch.Tensor, pred: Prediction, positions: torch.Tensor) -> to
 
 
 class BlockDecoder:
-    """Base class: state handling shared by every method. Subclasses implement ``canvases``/``update``."""
+    """Base class: state handling shared by every method. Subclasses implement ``canvases``/``update``.
+
+    ``update`` takes one item per canvas: its logits ``[L, V]`` or its slice of the step's
+    :class:`RowPredictions` (what the engines pass). ``topk`` is how many top tokens per position the decoder
+    reads (the engines compute that many in the batched step)."""
+
+    topk = 0
 
     def __init__(self, block: torch.Tensor, mask_id: int):
         self.state = block.clone()

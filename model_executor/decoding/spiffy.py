@@ -100,6 +100,8 @@ def ranks(pred: Prediction, max_j: int) -> tuple[torch.Tensor, torch.Tensor, tor
     """Eqs. 8-9: masked positions by confidence (descending, stable) and their top-``max_j`` tokens/probs."""
     masked = torch.isfinite(pred.conf)
     order = torch.sort(pred.conf, descending=True, stable=True).indices[: int(masked.sum())]
+    if pred.top_ids is not None and pred.top_ids.shape[-1] >= max_j:
+        return order, pred.top_ids[order, :max_j], pred.top_probs[order, :max_j]
     top = pred.probs[order].topk(max_j, dim=-1)
     return order, top.indices, top.values
 
@@ -132,6 +134,7 @@ class SpiffyDecoder(BlockDecoder):
         self.max_commit = max_commit  # most positions one base step commits (static: 1; None: unbounded)
         self.kids = graph.children()
         self.max_j = max(j for n in graph.nodes for _, j in n.formula)
+        self.topk = self.max_j
         self.q: tuple[torch.Tensor, Prediction] | None = None  # (Y_q, q): the last commit's state and prediction
         self.drafts: list[torch.Tensor] = []
         self.accepted = self.iterations = 0
@@ -182,8 +185,8 @@ class SpiffyDecoder(BlockDecoder):
 
     def update(self, logits):
         it = iter(logits)
-        pred = predict(next(it), self.state, self.mask_id, keep_probs=True)
-        preds = [predict(next(it), d, self.mask_id, keep_probs=True) for d in self.drafts]
+        pred = predict(next(it), self.state, self.mask_id, topk=self.max_j)
+        preds = [predict(next(it), d, self.mask_id, topk=self.max_j) for d in self.drafts]
         pending = set(range(len(self.drafts)))
         while True:  # Alg. 1: commit from the state's exact prediction, then reuse an equal draft's
             new = self.next_state(self.state, pred)

@@ -188,7 +188,11 @@ class ReferenceDLLM(nn.Module):
         ``logits_rows`` when given. ``write = (slots, rows)`` stores those rows' K/V in ``cache``."""
         s = self.spec
         x = self.embed(input_ids)
-        attn.plan(plan, s.num_heads, s.num_kv_heads, s.head_dim, x.dtype, device=x.device)
+        kw = {}
+        if write is not None:  # rows whose K/V is in the cache when the layers attend
+            kw["cached"] = torch.full((input_ids.numel(),), -1, dtype=torch.long)
+            kw["cached"][write[1].cpu()] = write[0].long().cpu()
+        attn.plan(plan, s.num_heads, s.num_kv_heads, s.head_dim, x.dtype, device=x.device, **kw)
         cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer.forward_paged(i, x, cos, sin, attn, cache, write)

@@ -34,7 +34,7 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from attention_backends.vllm_backend import StepLayout
-from model_executor.decoding import make_decoder, merge_stats
+from model_executor.decoding import make_decoder, merge_stats, predict_rows
 from model_executor.dllm_request import DLLMRequest, DLLMStep
 from model_executor.models.configs import ArchSpec
 
@@ -196,6 +196,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         """Decoder updates from this step's logits; a completed block is this step's sampled tokens."""
         self.step_layout = None
         req_ids, _, _ = compat.batch_rows(self)
+        topk = max((self._served(req_ids[i]).req.dec.topk for i in self._logit_rows
+                    if self._served(req_ids[i]).req.dec is not None), default=0)
+        preds = predict_rows(logits, topk)  # once for every canvas of every request
         outs: list[list[int]] = []
         for i, rid in enumerate(req_ids):
             s = self._served(rid)
@@ -206,7 +209,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 s.drafts = s.step.tokens[0, s.step.b0 - s.step.w0:].tolist()
             elif i in self._logit_rows:
                 st, L = s.step, s.step.block_len
-                emit = s.req.apply(st, [logits[j: j + L] for j in self._logit_rows[i]])
+                emit = s.req.apply(st, [preds[j: j + L] for j in self._logit_rows[i]])
                 s.step = None
                 if s.req.done:
                     self._record(rid, s)
