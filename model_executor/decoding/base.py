@@ -68,10 +68,12 @@ def predict_rows(logits: torch.Tensor, topk: int = 0) -> RowPredictions:
     top_ids = torch.empty(N, k, dtype=torch.long, device=logits.device) if k > 0 else None
     top_probs = torch.empty(N, k, dtype=logits.dtype, device=logits.device) if k > 0 else None
     chunk = max(1, (16 << 20) // max(1, V * logits.element_size())) if logits.device.type == "cpu" else max(N, 1)
+    work = torch.empty(min(chunk, N), V, dtype=logits.dtype, device=logits.device)  # reused: no fresh pages
     for a in range(0, N, chunk):
         x = logits[a: a + chunk]
         best, idx = x.max(-1)
-        z = torch.exp(x - best[:, None]).sum(-1)  # >= 1: the max contributes exp(0)
+        w = torch.sub(x, best[:, None], out=work[: x.shape[0]]).exp_()
+        z = w.sum(-1)  # >= 1: the max contributes exp(0)
         tokens[a: a + chunk], conf[a: a + chunk] = idx, 1.0 / z
         if k > 0:
             top = x.topk(k, dim=-1)
