@@ -51,11 +51,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_DLLM)
     ap.add_argument("--limit", type=int, default=50, help="held-out items per task")
+    ap.add_argument("--dtypes", default="float64,float32", help="comma-separated: float64, float32")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     rows = [r for t in TASKS for r in load_heldout(t)[: args.limit]]
     report = {}
-    for dtype in ("float64", "float32"):
+    dtypes = args.dtypes.split(",")
+    if not dtypes or any(d not in ("float64", "float32") for d in dtypes):
+        ap.error(f"--dtypes {args.dtypes!r}; allowed: float64, float32 (comma-separated)")
+    for dtype in dtypes:
         engine, tok = load(args.model, dtype)
         prompts = [encode(tok, r["prompt"]) for r in rows]
         runs = {"freedave d=4 vs static": ("static", dict(method="freedave", steps=4))}
@@ -79,7 +83,10 @@ def main():
                 print(f"    mismatch: {m['prompt']!r}: smallest conf gap {m['conf_gap']:.2e}, "
                       f"logit gap {m['logit_gap']:.2e}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "exactness.json").write_text(json.dumps(report, indent=1))
+    path = args.out / "exactness.json"  # rows of dtypes not run this time are kept
+    merged = json.loads(path.read_text()) if path.exists() else {}
+    merged.update(report)
+    path.write_text(json.dumps(merged, indent=1))
 
 
 if __name__ == "__main__":
