@@ -77,6 +77,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.totals = {"requests": 0, "tokens": 0, "nfe": 0, "model_calls": 0}
         self.finished: dict[str, dict] = {}  # recent per-request figures, for psd_stats()
         self._last_log, self._logged = time.monotonic(), dict(self.totals)
+        # wall time from the end of input preparation to the logits reaching the decoders: the model forward
+        # with its attention metadata (synchronous on CPU; on a GPU this would count launches only)
+        self.step_time = {"steps": 0, "forward_seconds": 0.0}
+        self._forward_t0: float | None = None
 
     # ------------------------------------------------------------------ per-request decoding state
     def _served(self, req_id: str) -> _Served:
@@ -190,10 +194,15 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             extra_ids=torch.cat(extra_ids) if extra_ids else None,
             extra_positions=torch.cat(extra_pos) if extra_pos else None)
         idx = torch.tensor(rows or [0], dtype=logits_indices.dtype, device=logits_indices.device)
+        self._forward_t0 = time.perf_counter()
         return idx, spec_meta, max_sampled
 
     def _sample(self, logits, spec_decode_metadata):
         """Decoder updates from this step's logits; a completed block is this step's sampled tokens."""
+        if self._forward_t0 is not None:
+            self.step_time["steps"] += 1
+            self.step_time["forward_seconds"] += time.perf_counter() - self._forward_t0
+            self._forward_t0 = None
         self.step_layout = None
         req_ids, _, _ = compat.batch_rows(self)
         topk = max((self._served(req_ids[i]).req.dec.topk for i in self._logit_rows
@@ -260,4 +269,4 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def psd_stats(self) -> dict:
         t = dict(self.totals)
         t["tpf"] = t["tokens"] / max(1, t["nfe"])
-        return {"totals": t, "requests": dict(self.finished)}
+        return {"totals": t, "requests": dict(self.finished), "step_time": dict(self.step_time)}

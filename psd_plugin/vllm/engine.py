@@ -46,6 +46,10 @@ class VLLMEngine:
             compat.shutdown(self._llm)
             self._llm = None
 
+    def step_time(self) -> dict:
+        """The runner's step counter and model-forward seconds so far (``{}`` before the first request)."""
+        return self._llm.collective_rpc("psd_stats")[0]["step_time"] if self._llm is not None else {}
+
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 32, block_size: int = 8,
                  method: str = "psd", cache: str | None = None, seed: int = 0, temperature: float = 0.0,
                  batch_size: int = 64, graph=None, **knobs) -> list[GenerationResult]:

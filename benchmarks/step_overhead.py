@@ -1,0 +1,95 @@
+"""Where a decoding step's time goes: the model forward against everything else, per method, both engines.
+
+    OMP_NUM_THREADS=2 VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv/bin/python benchmarks/step_overhead.py \
+        [--limit 5] [--concurrency 1,16] [--methods static,confidence,psd]
+
+The same held-out prompts (``--limit`` per task), greedy, block 8, max_tokens 32, float32, decoded in waves of
+``--concurrency`` requests (a wave finishes before the next starts). Per method, engine and concurrency:
+steps, wall time per step, model-forward time per step and the non-model share ``1 - forward / wall``.
+
+- vLLM path (in-process engine): *forward* is the runner's wall time from the end of input preparation to
+  the logits reaching the decoders (the model with its attention metadata); *wall* is the time of the
+  ``generate`` calls, so scheduling, input preparation, decoding, bookkeeping and vLLM's front end are the
+  rest.
+- reference engine: *forward* is ``_forward`` (plan, model, logits); *wall* the ``generate`` calls.
+
+Wall-clock on this CPU (synchronous); a GPU would need the forward timed with a device synchronisation.
+Writes ``step_overhead.md`` / ``.json`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+def main() -> None:
+    from model_executor.decoding import load_graph
+    from psd_plugin import DEFAULT_DLLM, default_graph
+    from psd_plugin.evaluate import encode, load
+    from psd_plugin.train.tasks import TASKS, load_heldout
+    from psd_plugin.vllm.engine import VLLMEngine
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=DEFAULT_DLLM)
+    ap.add_argument("--limit", type=int, default=5, help="held-out items per task")
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--methods", default="static,confidence,localleap,lopa,freedave,spiffy,psd")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = ap.parse_args()
+
+    ref, tok = load(args.model)
+    prompts = [encode(tok, r["prompt"]) for t in TASKS for r in load_heldout(t)[: args.limit]]
+    vllm = VLLMEngine(args.model, max_num_seqs=256)
+    graph = default_graph(args.model, "confidence")
+    table = []
+    for method in args.methods.split(","):
+        for name, engine in (("reference", ref), ("vLLM", vllm)):
+            kw = {}
+            if method == "spiffy":
+                kw = {"policy": "confidence", "graph": load_graph(graph) if name == "reference" else str(graph)}
+            run = dict(method=method, max_tokens=32, block_size=8, **kw)
+            if name == "vLLM":
+                engine.generate(prompts[:2], **run)  # start and warm up outside the timed region
+            for c in (int(x) for x in args.concurrency.split(",")):
+                before = dict(engine.step_time() if name == "vLLM" else engine.step_time)
+                wall, tokens = 0.0, 0
+                for a in range(0, len(prompts), c):
+                    t0 = time.perf_counter()
+                    res = engine.generate(prompts[a: a + c], **run, **({"batch_size": c} if name == "reference" else {}))
+                    wall += time.perf_counter() - t0
+                    tokens += sum(len(r.token_ids) for r in res)
+                after = engine.step_time() if name == "vLLM" else engine.step_time
+                steps = after["steps"] - before["steps"]
+                fwd = after["forward_seconds"] - before["forward_seconds"]
+                row = {"method": method, "engine": name, "concurrency": c, "steps": steps,
+                       "ms_per_step": 1e3 * wall / steps, "forward_ms_per_step": 1e3 * fwd / steps,
+                       "non_model_share": 1 - fwd / wall, "tokens_per_s": tokens / wall}
+                table.append(row)
+                print(f"{method:<11} {name:<9} c={c:<3} {steps:4d} steps  {row['ms_per_step']:7.1f} ms/step  "
+                      f"forward {row['forward_ms_per_step']:7.1f} ms  non-model {100 * row['non_model_share']:4.1f}%",
+                      flush=True)
+    vllm.close()
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "step_overhead.json").write_text(json.dumps({"prompts": len(prompts), "rows": table}, indent=1))
+    lines = ["| method | engine | concurrency | steps | ms / step | forward ms / step | non-model share |",
+             "|---|---|---|---|---|---|---|"]
+    for t in table:
+        lines.append(f"| {t['method']} | {t['engine']} | {t['concurrency']} | {t['steps']} | {t['ms_per_step']:.1f} | "
+                     f"{t['forward_ms_per_step']:.1f} | {100 * t['non_model_share']:.0f}% |")
+    (args.out / "step_overhead.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
