@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,16 +28,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from benchmarks.engines import engines_and_prompts, method_knobs  # noqa: E402  (sets vLLM's environment)
 
 
 def main() -> None:
-    from model_executor.decoding import load_graph
-    from psd_plugin import DEFAULT_DLLM, default_graph
-    from psd_plugin.evaluate import encode, load
-    from psd_plugin.train.tasks import TASKS, load_heldout
-    from psd_plugin.vllm.engine import VLLMEngine
+    from psd_plugin import DEFAULT_DLLM
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_DLLM)
@@ -48,17 +42,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
 
-    ref, tok = load(args.model)
-    prompts = [encode(tok, r["prompt"]) for t in TASKS for r in load_heldout(t)[: args.limit]]
-    vllm = VLLMEngine(args.model, max_num_seqs=256)
-    graph = default_graph(args.model, "confidence")
+    ref, _, _, prompts, vllm = engines_and_prompts(args.model, args.limit)
     table = []
     for method in args.methods.split(","):
         for name, engine in (("reference", ref), ("vLLM", vllm)):
-            kw = {}
-            if method == "spiffy":
-                kw = {"policy": "confidence", "graph": load_graph(graph) if name == "reference" else str(graph)}
-            run = dict(method=method, max_tokens=32, block_size=8, **kw)
+            run = dict(method=method, max_tokens=32, block_size=8, **method_knobs(method, args.model, name))
             if name == "vLLM":
                 engine.generate(prompts[:2], **run)  # start and warm up outside the timed region
             for c in (int(x) for x in args.concurrency.split(",")):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,16 +20,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+from benchmarks.engines import engines_and_prompts, method_knobs  # noqa: E402  (sets vLLM's environment)
 
 
 def main() -> None:
-    from model_executor.decoding import load_graph
-    from psd_plugin import DEFAULT_DLLM, default_graph
-    from psd_plugin.evaluate import encode, load
-    from psd_plugin.train.tasks import TASKS, grade, load_heldout
-    from psd_plugin.vllm.engine import VLLMEngine
+    from psd_plugin import DEFAULT_DLLM
+    from psd_plugin.train.tasks import grade
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=DEFAULT_DLLM)
@@ -39,18 +34,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
 
-    ref, tok = load(args.model)
-    rows = [r for t in TASKS for r in load_heldout(t)[: args.limit]]
-    prompts = [encode(tok, r["prompt"]) for r in rows]
-    vllm = VLLMEngine(args.model, max_num_seqs=256)
+    ref, tok, rows, prompts, vllm = engines_and_prompts(args.model, args.limit)
     table = []
     for method in args.methods.split(","):
         outs = {}
         for name, engine in (("reference", ref), ("vLLM", vllm)):
-            kw = {}
-            if method == "spiffy":  # the graph shipped for the model (confidence base policy)
-                path = default_graph(args.model, "confidence")
-                kw = {"policy": "confidence", "graph": load_graph(path) if name == "reference" else str(path)}
+            kw = method_knobs(method, args.model, name)
             if name == "vLLM":  # start the engine (and warm it up) outside the timed region
                 engine.generate(prompts[:2], method=method, max_tokens=32, **kw)
             t0 = time.perf_counter()
