@@ -1,9 +1,9 @@
 """The PyTorch prefix attention backend: runs on any device and dtype, and is what CI tests.
 
-One attention per request and layer: the request's new rows (every canvas or tree node of it, ``[R, Lq]``
-padded) over its keys ``[prefix | new rows]`` (``[R, Lk]`` padded), under one visibility mask that ``plan``
-builds once per forward: the whole prefix for every row, and among the new rows the plan's segments under
-its mask kind. The prefix is read once per request however many canvases it has. Per layer ``run`` is a
+One attention per batch entry and layer. An entry is a request (its new rows: every canvas or tree node of
+it) or, where that pads less, one segment of a request; its rows (``[R, Lq]`` padded) attend over its keys
+``[prefix | new rows]`` (``[R, Lk]`` padded) under one visibility mask that ``plan`` builds once per forward:
+the whole prefix for every row, and among the new rows the plan's segments under its mask kind. Per layer ``run`` is a
 handful of tensor ops: the prefix slots gathered from the pages, one index that lays out every request's
 keys, the query gather, one fused attention call, one output gather. On CPU the attention is PyTorch's
 fused flash-attention kernel (grouped-query heads native, the mask as an additive bias); elsewhere plain

@@ -128,15 +128,11 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
                              if kind == "block_causal" else None,
                              custom_masks=layout.custom_masks)
         slots = cam.slot_mapping[:T].long()
-        torch_backend = isinstance(self.attn, TorchPrefixAttention)
-        remap = layout.order is not None and torch_backend
-        extra = {}
-        if torch_backend:  # rows vLLM scheduled have their K/V written before attending; extra rows do not
-            extra["cached"] = torch.cat([slots.cpu(), torch.full((E,), -1, dtype=torch.long)])
-            if remap:
-                extra["rows"] = layout.order
+        remap = layout.order is not None and isinstance(self.attn, TorchPrefixAttention)
+        # rows vLLM scheduled have their K/V written (``forward``) before attending; extra rows do not
+        cached = torch.cat([slots.cpu(), torch.full((E,), -1, dtype=torch.long)])
         self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
-                       device=self.device, **extra)
+                       device=self.device, cached=cached, **({"rows": layout.order} if remap else {}))
         ok = slots >= 0
         rows = None if bool(ok.all()) else ok.nonzero().flatten()
         dev = self.device

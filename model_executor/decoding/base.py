@@ -89,7 +89,8 @@ def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: in
 
     Greedy predictions come from the batched rows (computed here when given bare logits), in the logits'
     dtype, so a float64 model gives float64 confidences (the exactness path). Sampling and ``keep_probs``
-    (full distributions, for calibration) work on the logits in float64."""
+    (full distributions, for calibration) work on the logits in float64; ``topk`` applies to greedy
+    predictions (Spiffy, which is greedy only)."""
     rows = out if isinstance(out, RowPredictions) else None
     logits = rows.logits if rows is not None else out
     if temperature > 0 or keep_probs:
@@ -100,10 +101,7 @@ def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: in
         else:
             tokens = lg.argmax(-1)
         probs = torch.softmax(lg, -1)
-        conf = probs.gather(-1, tokens[:, None])[:, 0]
-        top = probs.topk(topk, dim=-1) if topk > 0 else None
-        pred = Prediction(tokens, conf, probs if keep_probs else None,
-                          top.indices if top is not None else None, top.values if top is not None else None)
+        pred = Prediction(tokens, probs.gather(-1, tokens[:, None])[:, 0], probs if keep_probs else None)
     else:
         if rows is None or rows.topk < topk:
             rows = predict_rows(logits, topk)

@@ -133,8 +133,7 @@ class SpiffyDecoder(BlockDecoder):
         self.next_state, self.graph, self.budget = next_state, graph, budget
         self.max_commit = max_commit  # most positions one base step commits (static: 1; None: unbounded)
         self.kids = graph.children()
-        self.max_j = max(j for n in graph.nodes for _, j in n.formula)
-        self.topk = self.max_j
+        self.topk = max(j for n in graph.nodes for _, j in n.formula)  # the deepest token rank a formula reads
         self.q: tuple[torch.Tensor, Prediction] | None = None  # (Y_q, q): the last commit's state and prediction
         self.drafts: list[torch.Tensor] = []
         self.accepted = self.iterations = 0
@@ -144,7 +143,7 @@ class SpiffyDecoder(BlockDecoder):
 
     def _draft_candidates(self) -> list[tuple[int, torch.Tensor, float]]:
         y_q, q = self.q
-        order, top_tok, top_p = ranks(q, self.max_j)
+        order, top_tok, top_p = ranks(q, self.topk)
         inst: dict[int, tuple[torch.Tensor, float]] = {}
         for k, node in enumerate(self.graph.nodes):
             got = instantiate(y_q, node.formula, order, top_tok, top_p)
@@ -185,8 +184,8 @@ class SpiffyDecoder(BlockDecoder):
 
     def update(self, logits):
         it = iter(logits)
-        pred = predict(next(it), self.state, self.mask_id, topk=self.max_j)
-        preds = [predict(next(it), d, self.mask_id, topk=self.max_j) for d in self.drafts]
+        pred = predict(next(it), self.state, self.mask_id, topk=self.topk)
+        preds = [predict(next(it), d, self.mask_id, topk=self.topk) for d in self.drafts]
         pending = set(range(len(self.drafts)))
         while True:  # Alg. 1: commit from the state's exact prediction, then reuse an equal draft's
             new = self.next_state(self.state, pred)

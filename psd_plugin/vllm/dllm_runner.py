@@ -205,8 +205,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             self._forward_t0 = None
         self.step_layout = None
         req_ids, _, _ = compat.batch_rows(self)
-        topk = max((self._served(req_ids[i]).req.dec.topk for i in self._logit_rows
-                    if self._served(req_ids[i]).req.dec is not None), default=0)
+        decs = (self._served(req_ids[i]).req.dec for i in self._logit_rows)
+        topk = max((d.topk for d in decs if d is not None), default=0)
         preds = predict_rows(logits, topk)  # once for every canvas of every request
         outs: list[list[int]] = []
         for i, rid in enumerate(req_ids):
