@@ -3,9 +3,11 @@
 Same contract as :class:`attention_backends.torch_ref.TorchPrefixAttention` and the same decomposition,
 on FlashInfer kernels (written against flashinfer-python 0.5-0.6):
 
-1. *prefix*: ``BatchPrefillWithPagedKVCacheWrapper`` (``NHD``, no mask) over the rows of the requests that
-   have a prefix (FlashInfer cannot express an empty paged sequence, so requests without one are left out
-   and their rows keep the new-token part alone);
+1. *cached keys*: ``BatchPrefillWithPagedKVCacheWrapper`` (``NHD``, no mask) over the rows of the requests
+   that have a prefix (FlashInfer cannot express an empty paged sequence, so requests without one are left
+   out and their rows keep the new-token part alone). A plan with a kept suffix (DualCache) is not a run of
+   whole pages, so it goes as one-token pages (``page_size=1``, an index per cache slot, as SGLang drives
+   FlashInfer);
 2. *new tokens*: ``BatchPrefillWithRaggedKVCacheWrapper`` with one batch entry per *segment* (queries and
    keys are the segment's own rows): ``causal=True`` for causal segments, nothing for bidirectional ones,
    and a ``custom_mask`` for block-causal and custom (tree / DAG) segments;
@@ -57,15 +59,24 @@ class FlashInferPrefixAttention:
         elif plan.kind in ("block_causal", "custom"):
             kw["custom_mask"] = torch.cat([plan.segment_mask(s).flatten() for s in range(seg.numel() - 1)]).to(dev)
         self.ragged.plan(seg, seg, **heads, **kw)
-        # prefix: the rows of requests that have one, over their pages
-        has = (plan.prefix_lens > 0).nonzero().flatten()
-        self.rows = None
+        # cached keys: the rows of requests that have some, over their pages; a plan with a kept suffix (not a
+        # run of whole pages) goes as one-token pages, each index a cache slot
+        C = plan.cached_lens
+        has = (C > 0).nonzero().flatten()
+        self.rows, self.flat = None, plan.suffix_lens is not None and bool((plan.suffix_lens > 0).any())
         if has.numel():
-            qo, P, page = plan.qo_indptr, plan.prefix_lens[has], plan.page_size
+            qo = plan.qo_indptr
             lens = (qo[1:] - qo[:-1])[has]
             self.rows = torch.cat([torch.arange(int(qo[r]), int(qo[r + 1])) for r in has.tolist()]).to(dev)
-            n_pages = (P + page - 1) // page
-            indices = torch.cat([plan.block_table[r, :n].long().cpu() for r, n in zip(has.tolist(), n_pages.tolist())])
+            if self.flat:
+                page, P = 1, C[has]
+                slots = plan.cached_slots()[has]
+                indices, n_pages = slots[torch.arange(slots.shape[1]) < P[:, None]], P
+            else:
+                page, P = plan.page_size, plan.prefix_lens[has]
+                n_pages = (P + page - 1) // page
+                indices = torch.cat([plan.block_table[r, :n].long().cpu()
+                                     for r, n in zip(has.tolist(), n_pages.tolist())])
             self.paged.plan(torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]).to(dev, i32),
                             torch.cat([torch.zeros(1, dtype=torch.long), n_pages.cumsum(0)]).to(dev, i32),
                             indices.to(dev, i32), (P - (n_pages - 1) * page).to(dev, i32),
@@ -77,6 +88,8 @@ class FlashInferPrefixAttention:
         out, lse = self.ragged.run(q, k, v, return_lse=True)
         if self.rows is not None:
             qp = q[self.rows]
+            if self.flat:  # one-token pages: [slots, 1, Hkv, D] views
+                k_cache, v_cache = k_cache.flatten(0, 1)[:, None], v_cache.flatten(0, 1)[:, None]
             o_p, lse_p = self.paged.run(qp, (k_cache, v_cache), return_lse=True)
             merged, _ = self.fi.merge_state(o_p, lse_p, out[self.rows], lse[self.rows])
             out[self.rows] = merged

@@ -8,7 +8,9 @@ layer, like FlashInfer's ``plan``/``run`` split):
 - request ``r`` owns query rows ``qo_indptr[r]:qo_indptr[r + 1]`` and a cached prefix of
   ``prefix_lens[r]`` tokens on the pages ``block_table[r]`` of a paged KV cache laid out
   ``[num_pages, page_size, num_kv_heads, head_dim]`` (FlashInfer's ``NHD``); every new row sees the
-  whole prefix;
+  whole prefix, and, when the plan has one, the request's cached *suffix*: the positions
+  ``[suffix_starts[r], suffix_starts[r] + suffix_lens[r])`` of the same pages (DualCache's kept K/V of the
+  masks after a block);
 - the rows of a request are cut into *segments* (``seg_indptr``; default: one segment per request). A row
   sees only the rows of its own segment, under the mask ``kind``:
 
@@ -52,6 +54,8 @@ class AttentionPlan:
     positions: torch.Tensor | None = None  # [T]; needed by block_causal
     block_size: int = 0  # block_causal's attention block
     custom_masks: list[torch.Tensor] | None = None  # kind "custom": one bool [n_s, n_s] per segment
+    suffix_starts: torch.Tensor | None = None  # [R] first position of each request's cached suffix
+    suffix_lens: torch.Tensor | None = None  # [R] its length (None: no request has one)
 
     def __post_init__(self):
         if self.kind not in MASK_KINDS:
@@ -69,9 +73,21 @@ class AttentionPlan:
             raise ValueError(f"page_size must be > 0 (got {self.page_size})")
         if self.block_table.dim() != 2 or self.block_table.shape[0] != R:
             raise ValueError(f"block_table must be [num_requests={R}, max_pages], got {tuple(self.block_table.shape)}")
-        need = int(((self.prefix_lens + self.page_size - 1) // self.page_size).max()) if R else 0
+        if (self.suffix_starts is None) != (self.suffix_lens is None):
+            raise ValueError("suffix_starts and suffix_lens go together")
+        if self.suffix_lens is not None:
+            self.suffix_starts, self.suffix_lens = self.suffix_starts.long().cpu(), self.suffix_lens.long().cpu()
+            if self.suffix_lens.shape != (R,) or self.suffix_starts.shape != (R,):
+                raise ValueError(f"suffix_starts and suffix_lens must have one entry per request ({R})")
+            if bool((self.suffix_lens < 0).any()) or bool(((self.suffix_lens > 0)
+                                                           & (self.suffix_starts < self.prefix_lens)).any()):
+                raise ValueError("a suffix must have length >= 0 and start at or after its request's prefix end")
+        end = self.prefix_lens if self.suffix_lens is None else torch.maximum(
+            self.prefix_lens, torch.where(self.suffix_lens > 0, self.suffix_starts + self.suffix_lens, 0))
+        need = int(((end + self.page_size - 1) // self.page_size).max()) if R else 0
         if need > self.block_table.shape[1]:
-            raise ValueError(f"block_table has {self.block_table.shape[1]} pages per request; a prefix needs {need}")
+            raise ValueError(f"block_table has {self.block_table.shape[1]} pages per request; the cached keys "
+                             f"need {need}")
         seg = qo if self.seg_indptr is None else self.seg_indptr.long().cpu()
         if int(seg[0]) != 0 or int(seg[-1]) != int(qo[-1]) or bool((seg[1:] < seg[:-1]).any()):
             raise ValueError("seg_indptr must run from 0 to the number of new tokens without decreasing")
@@ -110,13 +126,27 @@ class AttentionPlan:
             return blk[None, :] <= blk[:, None]
         return self.custom_masks[s].cpu()
 
-    def prefix_slots(self) -> torch.Tensor:
-        """``[R, max_prefix]`` flat cache slots (``page * page_size + offset``) of each prefix, 0 past its end."""
-        P = int(self.prefix_lens.max()) if self.prefix_lens.numel() else 0
-        i = torch.arange(P)
-        pages = self.block_table.long().cpu().gather(1, (i // self.page_size).expand(self.prefix_lens.numel(), P))
-        slots = pages * self.page_size + i % self.page_size
-        return torch.where(i < self.prefix_lens[:, None], slots, torch.zeros_like(slots))
+    @property
+    def cached_lens(self) -> torch.Tensor:
+        """``[R]`` cached keys each request's rows see: its prefix plus its suffix."""
+        return self.prefix_lens if self.suffix_lens is None else self.prefix_lens + self.suffix_lens
+
+    def cached_positions(self) -> torch.Tensor:
+        """``[R, max_cached]`` positions of each request's cached keys (prefix, then suffix), 0 past their end."""
+        C = self.cached_lens
+        i = torch.arange(int(C.max()) if C.numel() else 0)
+        pos = i.expand(C.numel(), -1)
+        if self.suffix_lens is not None:
+            pos = torch.where(i < self.prefix_lens[:, None], pos, self.suffix_starts[:, None] + i - self.prefix_lens[:, None])
+        return torch.where(i < C[:, None], pos, torch.zeros_like(pos))
+
+    def cached_slots(self) -> torch.Tensor:
+        """``[R, max_cached]`` flat cache slots (``page * page_size + offset``) of each request's cached keys
+        (prefix, then suffix), 0 past their end."""
+        pos = self.cached_positions()
+        pages = self.block_table.long().cpu().gather(1, pos // self.page_size)
+        slots = pages * self.page_size + pos % self.page_size
+        return torch.where(torch.arange(pos.shape[1]) < self.cached_lens[:, None], slots, torch.zeros_like(slots))
 
 
 class PrefixAttention(Protocol):

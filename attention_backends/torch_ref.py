@@ -2,16 +2,17 @@
 
 One attention per batch entry and layer. An entry is a request (its new rows: every canvas or tree node of
 it) or, where that pads less, one segment of a request; its rows (``[R, Lq]`` padded) attend over its keys
-``[prefix | new rows]`` (``[R, Lk]`` padded) under one visibility mask that ``plan`` builds once per forward:
-the whole prefix for every row, and among the new rows the plan's segments under its mask kind. Per layer ``run`` is a
-handful of tensor ops: the prefix slots gathered from the pages, one index that lays out every request's
-keys, the query gather, one fused attention call, one output gather. On CPU the attention is PyTorch's
+``[cached | new rows]`` (``[R, Lk]`` padded; cached = the prefix, and the kept suffix when the plan has one)
+under one visibility mask that ``plan`` builds once per forward: every cached key for every row, and among
+the new rows the plan's segments under its mask kind. Per layer ``run`` is a handful of tensor ops: the
+cached slots gathered from the pages, one index that lays out every request's keys, the query gather, one
+fused attention call, one output gather. On CPU the attention is PyTorch's
 fused flash-attention kernel (grouped-query heads native, the mask as an additive bias); elsewhere plain
 matmuls with a softmax.
 
 Scores accumulate in float32 (float64 for float64 inputs: the exactness path). A row with no visible key
 gets 0. Padded key positions point at a real row's key (never at an unwritten cache slot), so caches may be
-allocated uninitialised: nothing outside the prefixes is read.
+allocated uninitialised: nothing outside the cached keys is read.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class TorchPrefixAttention:
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.acc = torch.promote_types(dtype, torch.float32)
         T = self.T = plan.num_tokens
-        P = plan.prefix_lens
+        P = plan.cached_lens  # cached keys per request: its prefix (and its kept suffix)
         model_row = torch.arange(T) if rows is None else rows.long().cpu()  # plan row -> input row
         # a batch entry per request (keys: its prefix and all its rows) or per segment (its prefix and the
         # segment's rows), whichever pads less; both read the prefix once per entry
@@ -67,7 +68,7 @@ class TorchPrefixAttention:
         q_plan = torch.where(q_ok, ptr[:-1, None] + i, torch.zeros_like(i))
         self.q_idx = torch.where(q_ok, model_row[q_plan.clamp(max=last)] if T else q_plan, 0).to(dev)
         # keys [R, Lk] index the run's source rows: the T new rows, then every prefix slot request by request
-        slots = plan.prefix_slots()
+        slots = plan.cached_slots()
         p_slots = slots[torch.arange(slots.shape[1]) < P[:, None]]
         self.p_slots = p_slots.to(dev)
         j = torch.arange(Lk)

@@ -21,8 +21,11 @@ backend's metadata once per forward:
   never written to the cache (they see the shared prefix and themselves only), so they take no KV pages and
   do not count against ``max_model_len``. Rows vLLM scheduled write their K/V through vLLM's slot mapping,
   inside ``forward`` (``forward_includes_kv_cache_update``), before attending; a row reads only the prefix
-  ``[0, prefix_len)`` from the cache, so what a draft row writes past it is never read before it is
-  rewritten.
+  ``[0, prefix_len)`` from the cache (and a kept suffix the layout names, past every row of the step), so
+  what a draft row writes past the prefix is never read before it is rewritten.
+- **Kept suffix** (DualCache): a layout may give each request a range of cached positions after its rows
+  (``suffix_starts``/``suffix_lens``), K/V an earlier step wrote there and vLLM keeps in the request's pages
+  (rolling ``num_computed_tokens`` back frees no page); every row of the request sees them.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class StepLayout:
     positions: torch.Tensor | None = None  # [T] of vLLM's rows, when they differ from vLLM's own (tree nodes)
     extra_ids: torch.Tensor | None = None  # [E] token ids the model appends
     extra_positions: torch.Tensor | None = None  # [E]
+    suffix_starts: torch.Tensor | None = None  # [R] cached keys after the rows every row of a request also
+    suffix_lens: torch.Tensor | None = None  # [R] sees (DualCache's kept suffix; None: none)
 
 
 @dataclass
@@ -126,7 +131,8 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
                              seg_indptr=layout.seg_indptr, block_size=self.block_size,
                              positions=(positions if layout.order is None else positions[layout.order])
                              if kind == "block_causal" else None,
-                             custom_masks=layout.custom_masks)
+                             custom_masks=layout.custom_masks, suffix_starts=layout.suffix_starts,
+                             suffix_lens=layout.suffix_lens)
         slots = cam.slot_mapping[:T].long()
         remap = layout.order is not None and isinstance(self.attn, TorchPrefixAttention)
         # rows vLLM scheduled have their K/V written (``forward``) before attending; extra rows do not

@@ -6,13 +6,15 @@ definition of that bookkeeping, so the reference engine and the vLLM runner forw
 tokens at exactly the same positions (which is what makes their outputs comparable token for token).
 
 Cache modes: ``none`` (recompute everything every step), ``prefix`` (Fast-dLLM prefix cache: the first
-step of a block recomputes everything, later steps reuse the K/V before the block), ``block`` (SDAR:
-the K/V of finished, model-aligned attention blocks is exact and reused).
+step of a block recomputes everything, later steps reuse the K/V before the block), ``dual`` (Fast-dLLM
+DualCache: as ``prefix``, and the first step also keeps the K/V of the masks after the block, so later
+steps forward the block alone against the cached prefix and that kept suffix), ``block`` (SDAR: the K/V of
+finished, model-aligned attention blocks is exact and reused).
 """
 
 from __future__ import annotations
 
-CACHE_MODES = ("none", "prefix", "block")
+CACHE_MODES = ("none", "prefix", "dual", "block")
 
 
 def plan_blocks(prompt_len: int, max_tokens: int, block_size: int, aligned: bool) -> list[tuple[int, int]]:
@@ -35,8 +37,8 @@ def window(cache: str, block: tuple[int, int], total: int, *, fresh: bool, cache
     b0, b1 = block
     if cache == "none":
         return 0, total
-    if cache == "prefix":
-        return (0, total) if fresh else (b0 - shift, total)
+    if cache in ("prefix", "dual"):
+        return (0, total) if fresh else (b0 - shift, total if cache == "prefix" else b1)
     return cached, b1
 
 
@@ -44,12 +46,19 @@ def cached_after_step(cache: str, block: tuple[int, int], w0: int, *, fresh: boo
                       model_block: int) -> int:
     """Length of the exact K/V prefix after a step that forwarded from ``w0``.
 
-    ``prefix``: the first step of a block stores everything before the block (``b0 - shift``). ``block``:
-    everything before the block's aligned start ``a0`` is final once a forward has covered it."""
+    ``prefix``, ``dual``: the first step of a block stores everything before the block (``b0 - shift``).
+    ``block``: everything before the block's aligned start ``a0`` is final once a forward has covered it."""
     b0, _ = block
-    if cache == "prefix":
+    if cache in ("prefix", "dual"):
         return b0 - shift if fresh else cached
     if cache == "block":
         a0 = b0 // model_block * model_block
         return a0 if w0 < a0 else cached
     return 0
+
+
+def kept_suffix(cache: str, block: tuple[int, int], total: int) -> tuple[int, int]:
+    """``[s0, s1)``: the positions after the block whose K/V ``dual`` keeps from the block's first step (the
+    masks after it, as they were then) for the block's later steps; empty for the other modes."""
+    _, b1 = block
+    return (b1, total) if cache == "dual" else (total, total)

@@ -21,14 +21,18 @@ from typing import Callable
 
 import torch
 
-from .block_schedule import cached_after_step, plan_blocks, window
+from .block_schedule import cached_after_step, kept_suffix, plan_blocks, window
 from .decoding import BlockDecoder, merge_stats
 
 
 @dataclass
 class DLLMStep:
     """What one step of a request forwards: positions ``[w0, w1)`` once per canvas (``tokens [K, w1 - w0]``);
-    the block ``[b0, b1)`` is predicted by rows ``first_row + j``; after it the K/V of ``[0, keep)`` is exact."""
+    the block ``[b0, b1)`` is predicted by rows ``first_row + j``; after it the K/V of ``[0, keep)`` is exact.
+
+    ``suffix = (s0, s1)``: DualCache's kept suffix (empty otherwise). A step whose window covers it (the block's
+    first) stores its K/V; a later step, whose window ends at ``s0``, reads it from the cache: every row sees
+    the keys ``[0, w0)`` and ``[s0, s1)`` of the cache, and its canvas's rows."""
 
     w0: int
     w1: int
@@ -37,6 +41,7 @@ class DLLMStep:
     tokens: torch.Tensor  # [K, S]
     keep: int
     shift: int
+    suffix: tuple[int, int] = (0, 0)
 
     @property
     def num_canvases(self) -> int:
@@ -54,6 +59,18 @@ class DLLMStep:
     @property
     def block_len(self) -> int:
         return self.b1 - self.b0
+
+    @property
+    def reads_suffix(self) -> int:
+        """How many kept-suffix positions this step reads from the cache (0 unless it is after the window)."""
+        s0, s1 = self.suffix
+        return s1 - s0 if s0 >= self.w1 else 0
+
+    @property
+    def writes_suffix(self) -> bool:
+        """Whether this step stores the kept suffix's K/V (it forwards those positions)."""
+        s0, s1 = self.suffix
+        return s1 > s0 and self.w0 <= s0 and s1 <= self.w1
 
 
 @dataclass
@@ -113,7 +130,7 @@ class DLLMRequest:
         """The rows of this request's next forward (module docstring)."""
         b0, b1 = self.block
         canvases = self.dec.canvases()
-        if self.fresh and cache == "prefix" and len(canvases) != 1:
+        if self.fresh and cache in ("prefix", "dual") and len(canvases) != 1:
             raise RuntimeError("a decoder must forward only its state on the first step of a block")
         w0, w1 = window(cache, (b0, b1), self.total, fresh=self.fresh, cached=self.cached, shift=shift)
         if w0 > self.cached:
@@ -122,17 +139,18 @@ class DLLMRequest:
                                  model_block=model_block)
         rows = self.tokens[w0:w1].repeat(len(canvases), 1)
         rows[:, b0 - w0: b1 - w0] = torch.stack(canvases).to(rows.device)
-        return DLLMStep(w0, w1, b0, b1, rows, keep, shift)
+        return DLLMStep(w0, w1, b0, b1, rows, keep, shift, kept_suffix(cache, (b0, b1), self.total))
 
     def first_step(self, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
         """The current block's first step again (the block all masks, as it was then). Forwarding it restores
         the K/V the block's later steps were computed against (after a preemption, under the prefix cache);
-        its logits are not for the decoder."""
+        its logits are not for the decoder. Under ``dual`` it restores the kept suffix too."""
         b0, b1 = self.block
         w0, w1 = window(cache, (b0, b1), self.total, fresh=True, cached=self.cached, shift=shift)
         keep = cached_after_step(cache, (b0, b1), w0, fresh=True, cached=self.cached, shift=shift,
                                  model_block=model_block)
-        return DLLMStep(w0, w1, b0, b1, self.tokens[w0:w1][None].clone(), keep, shift)
+        return DLLMStep(w0, w1, b0, b1, self.tokens[w0:w1][None].clone(), keep, shift,
+                        kept_suffix(cache, (b0, b1), self.total))
 
     def apply(self, step: DLLMStep, logits: list[torch.Tensor]) -> list[int]:
         """Update the decoder with one ``[block_len, V]`` logits tensor per canvas; returns the block's tokens

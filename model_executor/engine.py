@@ -15,6 +15,9 @@ KV-cache modes (``cache``):
   against that cache. For Dream, whose prediction for position ``i`` is the output at ``i - 1``, the
   window starts one position early so the block's first prediction is exact (a choice; Fast-dLLM reuses
   the block's own first output there).
+- ``dual`` (Fast-dLLM DualCache; LLaDA, Dream): as ``prefix``, and the block's first step also keeps the
+  K/V of the masks after the block; later steps forward the block alone (from ``b0 - 1`` for Dream) against
+  the cached prefix and that kept suffix, which is refreshed by the next block's first step.
 - ``block`` (SDAR, exact): blocks are aligned to absolute positions (``position // block_size``, the
   model's attention block), the K/V of finished blocks is exact and cached; the forward that finishes a
   block's K/V is fused with the first step of the next block (one model call, block-causal mask), so
@@ -83,9 +86,9 @@ class ReferenceEngine:
             raise ValueError(f"cache {cache!r}; allowed: {', '.join(CACHE_MODES)}")
         if cache == "block" and spec.attention != "block_causal":
             raise ValueError(f"cache 'block' is exact only for block-causal models (SDAR); {spec.family} "
-                             "allows: none, prefix")
-        if cache == "prefix" and spec.attention == "block_causal":
-            raise ValueError("cache 'prefix' is for bidirectional models; SDAR allows: none, block")
+                             "allows: none, prefix, dual")
+        if cache in ("prefix", "dual") and spec.attention == "block_causal":
+            raise ValueError(f"cache {cache!r} is for bidirectional models; SDAR allows: none, block")
         if spec.attention == "block_causal" and block_size != spec.block_size:
             raise ValueError(f"block_size {block_size}: an SDAR model decodes in its attention block of "
                              f"{spec.block_size} tokens")
@@ -149,13 +152,14 @@ class ReferenceEngine:
 
     def _forward(self, items: list[tuple[int, DLLMStep]]) -> torch.Tensor:
         """One model call over every request's window, once per block canvas: the canvases of a request
-        are segments that share its cached prefix ``[0, w0)`` on the paged cache and each see only
-        themselves (:class:`~attention_backends.prefix_attention.AttentionPlan`). Stores the K/V of the
-        positions ``[w0, keep)`` of the first canvas (the state's context) and returns the logits of every
-        canvas's block rows, concatenated in item order (row ``j`` predicts block position ``j``)."""
+        are segments that share its cached prefix ``[0, w0)`` (and DualCache's kept suffix) on the paged cache
+        and each see only themselves (:class:`~attention_backends.prefix_attention.AttentionPlan`). Stores the
+        K/V of the positions ``[w0, keep)`` of the first canvas (the state's context), and of the kept suffix
+        on a dual block's first step, and returns the logits of every canvas's block rows, concatenated in
+        item order (row ``j`` predicts block position ``j``)."""
         dev = self.device
         ids, pos, rows, w_slots, w_rows = [], [], [], [], []
-        qo, seg, prefix, seqs = [0], [0], [], []
+        qo, seg, prefix, seqs, suf0, suf = [0], [0], [], [], [], []
         for seq, st in items:
             n, K, start = st.seg_len, st.num_canvases, qo[-1]
             ids.append(st.tokens.flatten())
@@ -166,13 +170,17 @@ class ReferenceEngine:
             qo.append(start + K * n)
             prefix.append(st.w0)
             seqs.append(seq)
-            if st.keep > st.w0:  # positions [w0, keep) become exact cache
-                w_slots.append(self.kv.slots(torch.full((st.keep - st.w0,), seq), torch.arange(st.w0, st.keep)))
-                w_rows.append(torch.arange(st.keep - st.w0) + start)
+            suf0.append(st.suffix[0])
+            suf.append(st.reads_suffix)  # DualCache's kept suffix, read by the block's later steps
+            for a, b in ((st.w0, st.keep), st.suffix if st.writes_suffix else (0, 0)):
+                if b > a:  # positions [w0, keep) become exact cache; a dual block's first step keeps its suffix
+                    w_slots.append(self.kv.slots(torch.full((b - a,), seq), torch.arange(a, b)))
+                    w_rows.append(torch.arange(a - st.w0, b - st.w0) + start)
         positions = torch.cat(pos)
         plan = AttentionPlan(torch.tensor(qo), torch.tensor(prefix), self.kv.block_table[seqs], self.kv.page_size,
                              kind=self.spec.attention, seg_indptr=torch.tensor(seg), positions=positions,
-                             block_size=self.spec.block_size)
+                             block_size=self.spec.block_size,
+                             **(dict(suffix_starts=torch.tensor(suf0), suffix_lens=torch.tensor(suf)) if any(suf) else {}))
         write = (torch.cat(w_slots).to(dev), torch.cat(w_rows).to(dev)) if w_slots else None
         return self.model.forward_paged(torch.cat(ids).to(dev), positions.to(dev), plan, self.kv, self.attn,
                                         write=write, logits_rows=torch.cat(rows).to(dev))

@@ -22,7 +22,9 @@ class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     - ``graph``: Spiffy draft-graph file (``psd calibrate``); default: the graph shipped for the embedded
       model and the chosen base ``policy`` (static or confidence).
     - ``budget``: Spiffy's pruned draft count D* per forward.
-    - ``cache``: ``none`` | ``prefix`` (LLaDA, Dream; default) | ``block`` (SDAR, exact; default for SDAR).
+    - ``cache``: ``none`` | ``prefix`` (LLaDA, Dream; default) | ``dual`` (LLaDA, Dream: Fast-dLLM's DualCache,
+      the block's later steps forward the block alone against the prefix and the masks after it as the block's
+      first step left them) | ``block`` (SDAR, exact; default for SDAR).
     """
 
     threshold: Threshold = 0.9
@@ -34,7 +36,7 @@ class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     steps: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     graph: str | None = None
     budget: Annotated[int, msgspec.Meta(ge=1, le=64)] = 3
-    cache: Literal["none", "prefix", "block"] | None = None
+    cache: Literal["none", "prefix", "dual", "block"] | None = None
 
 
 class TreeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

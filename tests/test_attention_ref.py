@@ -16,29 +16,36 @@ from attention_backends.torch_ref import TorchPrefixAttention
 KINDS = ["bidirectional", "causal", "block_causal", "custom"]
 
 
-def _case(seed, kind, H=4, Hkv=2, D=16, page=4, dtype=torch.float64, device="cpu"):
-    """A random batch: requests with prefixes on shuffled pages, each request's rows cut into segments."""
+def _case(seed, kind, H=4, Hkv=2, D=16, page=4, dtype=torch.float64, device="cpu", suffix=False):
+    """A random batch: requests with prefixes on shuffled pages, each request's rows cut into segments;
+    ``suffix``: each request also has a cached suffix (0 to 9 positions) after its rows' positions."""
     g = torch.Generator().manual_seed(seed)
     R = int(torch.randint(1, 6, (1,), generator=g))
     prefix_lens = torch.randint(0, 20, (R,), generator=g)
     prefix_lens[0] = 0  # always a request without a prefix
     segs_per_req = [int(torch.randint(1, 5, (1,), generator=g)) for _ in range(R)]
     seg_lens = [int(torch.randint(1, 9, (1,), generator=g)) for _ in range(sum(segs_per_req))]
-    num_pages = int(((prefix_lens + page - 1) // page).sum()) + 3
-    k_cache = torch.randn(num_pages, page, Hkv, D, generator=g, dtype=dtype)
-    v_cache = torch.randn(num_pages, page, Hkv, D, generator=g, dtype=dtype)
-    perm, used = torch.randperm(num_pages, generator=g), 0
-    width = max(1, int((prefix_lens.max() + page - 1) // page))
-    table = torch.zeros(R, width, dtype=torch.int32)
-    for r, n in enumerate(prefix_lens.tolist()):
-        m = (n + page - 1) // page
-        table[r, :m] = perm[used: used + m].int()
-        used += m
     seg_indptr = torch.tensor(np.cumsum([0] + seg_lens))
     qo, i = [0], 0
     for n in segs_per_req:
         qo.append(int(seg_indptr[i + n]))
         i += n
+    suffix_starts = suffix_lens = None
+    end = prefix_lens
+    if suffix:
+        suffix_lens = torch.randint(0, 10, (R,), generator=g)
+        suffix_starts = prefix_lens + torch.tensor(qo).diff() + torch.randint(0, 3, (R,), generator=g)
+        end = suffix_starts + suffix_lens
+    num_pages = int(((end + page - 1) // page).sum()) + 3
+    k_cache = torch.randn(num_pages, page, Hkv, D, generator=g, dtype=dtype)
+    v_cache = torch.randn(num_pages, page, Hkv, D, generator=g, dtype=dtype)
+    perm, used = torch.randperm(num_pages, generator=g), 0
+    width = max(1, int((end.max() + page - 1) // page))
+    table = torch.zeros(R, width, dtype=torch.int32)
+    for r, n in enumerate(end.tolist()):
+        m = (n + page - 1) // page
+        table[r, :m] = perm[used: used + m].int()
+        used += m
     T = int(seg_indptr[-1])
     q = torch.randn(T, H, D, generator=g, dtype=dtype)
     k = torch.randn(T, Hkv, D, generator=g, dtype=dtype)
@@ -55,20 +62,26 @@ def _case(seed, kind, H=4, Hkv=2, D=16, page=4, dtype=torch.float64, device="cpu
                 m[j] |= m[parent]
             custom.append(m)
     plan = AttentionPlan(torch.tensor(qo), prefix_lens, table, page, kind=kind, seg_indptr=seg_indptr,
-                         positions=positions, block_size=3, custom_masks=custom)
+                         positions=positions, block_size=3, custom_masks=custom, suffix_starts=suffix_starts,
+                         suffix_lens=suffix_lens)
     to = lambda t: t.to(device)  # noqa: E731
     return plan, to(q), to(k), to(v), to(k_cache), to(v_cache)
 
 
 def _oracle(plan: AttentionPlan, q, k, v, k_cache, v_cache, scale):
-    """Dense attention per request over [gathered prefix | its new rows] with one explicit mask (float64)."""
+    """Dense attention per request over [gathered prefix and suffix | its new rows] with one explicit mask
+    (float64)."""
     q, k, v, k_cache, v_cache = (t.double().cpu() for t in (q, k, v, k_cache, v_cache))
     page = plan.page_size
     out = torch.zeros_like(q)
     for r in range(plan.qo_indptr.numel() - 1):
         a, b = int(plan.qo_indptr[r]), int(plan.qo_indptr[r + 1])
-        P = int(plan.prefix_lens[r])
-        idx = torch.tensor([int(plan.block_table[r, i // page]) * page + i % page for i in range(P)], dtype=torch.long)
+        at = list(range(int(plan.prefix_lens[r])))
+        if plan.suffix_lens is not None:
+            s0 = int(plan.suffix_starts[r])
+            at += list(range(s0, s0 + int(plan.suffix_lens[r])))
+        P = len(at)
+        idx = torch.tensor([int(plan.block_table[r, i // page]) * page + i % page for i in at], dtype=torch.long)
         keys = torch.cat([k_cache.flatten(0, 1)[idx], k[a:b]])
         vals = torch.cat([v_cache.flatten(0, 1)[idx], v[a:b]])
         new = torch.zeros(b - a, b - a, dtype=torch.bool)
@@ -88,11 +101,12 @@ def _oracle(plan: AttentionPlan, q, k, v, k_cache, v_cache, scale):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("geom", [(4, 4, 16, 1), (4, 2, 16, 4), (8, 1, 32, 16), (6, 3, 8, 5)])
-def test_torch_backend_matches_dense_oracle(kind, geom):
+@pytest.mark.parametrize("suffix", [False, True])
+def test_torch_backend_matches_dense_oracle(kind, geom, suffix):
     H, Hkv, D, page = geom
     for seed in range(4):
         for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
-            plan, q, k, v, kc, vc = _case(seed, kind, H, Hkv, D, page, dtype)
+            plan, q, k, v, kc, vc = _case(seed, kind, H, Hkv, D, page, dtype, suffix=suffix)
             want = _oracle(plan, q, k, v, kc, vc, 0.3)
             be = TorchPrefixAttention()
             be.plan(plan, H, Hkv, D, dtype, scale=0.3)
@@ -101,15 +115,24 @@ def test_torch_backend_matches_dense_oracle(kind, geom):
                 out = be.run(q, k, v, kc, vc)
                 assert out.dtype == dtype and out.shape == q.shape
                 assert torch.allclose(out.double(), want, atol=tol), (kind, geom, seed, dtype, fused)
+    if suffix:  # the suffix is read: without it the output differs
+        plan, q, k, v, kc, vc = _case(1, kind, H, Hkv, D, page, suffix=True)
+        assert int(plan.suffix_lens.sum()) > 0
+        plan.suffix_lens = torch.zeros_like(plan.suffix_lens)
+        be = TorchPrefixAttention()
+        be.plan(plan, H, Hkv, D, torch.float64, scale=0.3)
+        plan2, *_ = _case(1, kind, H, Hkv, D, page, suffix=True)
+        assert not torch.allclose(be.run(q, k, v, kc, vc), _oracle(plan2, q, k, v, kc, vc, 0.3))
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_keys_read_from_the_cache_and_either_batching_equal_the_oracle(kind):
+@pytest.mark.parametrize("suffix", [False, True])
+def test_keys_read_from_the_cache_and_either_batching_equal_the_oracle(kind, suffix):
     """When the caller has written the new rows' K/V to the cache (``cached``; vLLM's layout keeps K and V side
     by side in one page tensor), all keys come from the cache; requests or segments as batch entries give the
     same result."""
     for seed in range(4):
-        plan, q, k, v, kc, vc = _case(seed, kind)
+        plan, q, k, v, kc, vc = _case(seed, kind, suffix=suffix)
         want = _oracle(plan, q, k, v, kc, vc, 0.3)
         T, page = q.shape[0], plan.page_size
         n_pages = kc.shape[0]
@@ -141,16 +164,18 @@ def test_a_canvas_ignores_the_other_canvases():
     assert torch.equal(be.run(q, k2, v2, kc, vc)[s0:s1], out[s0:s1])
 
 
-def test_unwritten_cache_slots_never_reach_the_output():
-    """Caches may be uninitialised: NaN in every slot outside the prefixes changes nothing (slot 0, which
-    padded prefix positions point at, included)."""
-    plan, q, k, v, kc, vc = _case(2, "custom")
+@pytest.mark.parametrize("suffix", [False, True])
+def test_unwritten_cache_slots_never_reach_the_output(suffix):
+    """Caches may be uninitialised: NaN in every slot outside the cached keys changes nothing (slot 0, which
+    padded key positions point at, included)."""
+    plan, q, k, v, kc, vc = _case(2, "custom", suffix=suffix)
     be = TorchPrefixAttention()
     be.plan(plan, 4, 2, 16, torch.float64)
     want = be.run(q, k, v, kc, vc)
     used = set()
-    for r, n in enumerate(plan.prefix_lens.tolist()):
-        used |= {int(plan.block_table[r, i // 4]) * 4 + i % 4 for i in range(n)}
+    pos = plan.cached_positions()
+    for r, n in enumerate(plan.cached_lens.tolist()):
+        used |= {int(plan.block_table[r, int(i) // 4]) * 4 + int(i) % 4 for i in pos[r, :n]}
     kn, vn = kc.clone().flatten(0, 1), vc.clone().flatten(0, 1)
     free = torch.tensor(sorted(set(range(kn.shape[0])) - used))
     assert 0 in free.tolist()
@@ -168,6 +193,12 @@ def test_bad_plans_and_shapes_raise_clear_errors():
         AttentionPlan(qo, pl[:-1] if pl.numel() > 1 else torch.zeros(2, dtype=torch.long), bt, 4)
     with pytest.raises(ValueError, match="block_table has .* pages per request"):
         AttentionPlan(qo, pl + 100, bt, 4)
+    with pytest.raises(ValueError, match="block_table has .* pages per request"):
+        AttentionPlan(qo, pl, bt, 4, suffix_starts=pl + 100, suffix_lens=torch.ones_like(pl))
+    with pytest.raises(ValueError, match="suffix_starts and suffix_lens go together"):
+        AttentionPlan(qo, pl, bt, 4, suffix_starts=pl)
+    with pytest.raises(ValueError, match="at or after its request's prefix end"):
+        AttentionPlan(qo, pl + 1, bt, 4, suffix_starts=pl, suffix_lens=torch.ones_like(pl))
     with pytest.raises(ValueError, match="block_causal needs positions"):
         AttentionPlan(qo, pl, bt, 4, kind="block_causal")
     with pytest.raises(ValueError, match="custom needs one mask per segment"):
@@ -213,13 +244,14 @@ def test_pack_mask_round_trip_and_bit_order():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_flashinfer_matches_torch_backend(kind, dtype):
+@pytest.mark.parametrize("suffix", [False, True])
+def test_flashinfer_matches_torch_backend(kind, dtype, suffix):
     pytest.importorskip("flashinfer")
     fi = make_backend("flashinfer", "cuda", dtype)
     for geom in [(4, 4, 64, 1), (8, 2, 128, 16), (32, 8, 128, 32)]:
         H, Hkv, D, page = geom
         for seed in range(4):
-            plan, q, k, v, kc, vc = _case(seed, kind, H, Hkv, D, page, dtype, "cuda")
+            plan, q, k, v, kc, vc = _case(seed, kind, H, Hkv, D, page, dtype, "cuda", suffix=suffix)
             fi.plan(plan, H, Hkv, D, dtype)
             got = fi.run(q, k, v, kc, vc)
             want = _oracle(plan, q, k, v, kc, vc, D ** -0.5)

@@ -88,8 +88,10 @@ def _graph(path):
     return _GRAPHS[path]
 
 
-def _check_parity(path, prompts, method, max_tokens=32):
+def _check_parity(path, prompts, method, max_tokens=32, cache=None):
     knobs = _knobs(path, method)
+    if cache is not None:
+        knobs["cache"] = cache
     ref_engine = ReferenceEngine.from_pretrained(path)
     block = ref_engine.spec.block_size or 8
     ref_knobs = dict(knobs)
@@ -108,15 +110,22 @@ def _check_parity(path, prompts, method, max_tokens=32):
         assert n == r.nfe, f"{method} prompt {i}: vLLM took {n} forwards, the reference {r.nfe}"
 
 
+@pytest.mark.parametrize("cache", ("prefix", "dual"))
 @pytest.mark.parametrize("method", METHODS)
-def test_embedded_llada_matches_reference(heldout_prompts, method):
-    _check_parity(DEFAULT_DLLM, heldout_prompts, method)
+def test_embedded_llada_matches_reference(heldout_prompts, method, cache):
+    _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache=cache)
 
 
 @pytest.mark.parametrize("method", ("confidence", "psd", "lopa", "freedave", "spiffy"))
 @pytest.mark.parametrize("family", ("dream", "sdar"))
 def test_random_dream_and_sdar_match_reference(tiny_checkpoints, random_prompts, family, method):
     _check_parity(tiny_checkpoints[family], random_prompts, method, max_tokens=20)
+
+
+@pytest.mark.parametrize("method", ("psd", "spiffy"))
+def test_random_dream_with_the_dual_cache_matches_reference(tiny_checkpoints, random_prompts, method):
+    """Dream's shifted logits: the block's later steps forward from b0 - 1 against the kept suffix."""
+    _check_parity(tiny_checkpoints["dream"], random_prompts, method, max_tokens=20, cache="dual")
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
@@ -197,7 +206,8 @@ def test_greedy_only_methods_reject_temperature(heldout_prompts):
     ({"policy": "greedy"}, "policy.*allowed: static, confidence, localleap"),
     ({"threshold": 1.5}, r"<= 1.*threshold"),
     ({"blocksize": 8}, "unknown field.*allowed fields"),
-    ({"cache": "block"}, "cache 'block'.*allows: none, prefix"),
+    ({"cache": "block"}, "cache 'block'.*allows: none, prefix, dual"),
+    ({"cache": "suffix"}, "cache.*allowed: none, prefix, dual, block"),
     ({"decoding": "spiffy", "graph": "/nonexistent/graph.json"}, "no such file"),
 ])
 def test_bad_speculative_config_fails_before_engine_start(spec, match):
@@ -227,11 +237,14 @@ def test_ar_model_with_psd_and_dllm_with_other_method():
 def test_sdar_block_size_must_be_the_models(tiny_checkpoints):
     with pytest.raises(ValueError, match="block_size 8.*allowed: 4"):
         _llm(tiny_checkpoints["sdar"], block_size=8)
+    with pytest.raises(ValueError, match="cache 'dual' for a block-causal.*allowed: none, block"):
+        _llm(tiny_checkpoints["sdar"], cache="dual")
 
 
-@pytest.mark.parametrize("family", ("llada", "sdar"))
-def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, family):
-    """A KV cache of 8 usable pages of 16 tokens forces vLLM to preempt and resume requests; outputs stay the reference's."""
+@pytest.mark.parametrize("family,cache", [("llada", "prefix"), ("llada", "dual"), ("sdar", "block")])
+def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, family, cache):
+    """A KV cache of 8 usable pages of 16 tokens forces vLLM to preempt and resume requests; outputs stay the
+    reference's (under the dual cache the resumed block's first step restores the kept suffix too)."""
     from vllm import LLM, SamplingParams
 
     from psd_plugin.vllm.scheduler import DLLMScheduler
@@ -243,10 +256,10 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
     path, prompts = (DEFAULT_DLLM, heldout_prompts) if family == "llada" else (tiny_checkpoints["sdar"],
                                                                                 random_prompts * 3)
     engine = ReferenceEngine.from_pretrained(path)
-    ref = engine.generate(prompts, max_tokens=32, method="psd", block_size=engine.spec.block_size or 8)
+    ref = engine.generate(prompts, max_tokens=32, method="psd", block_size=engine.spec.block_size or 8, cache=cache)
     llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
               num_gpu_blocks_override=9,
-              speculative_config={"method": "psd", "decoding": "psd"})
+              speculative_config={"method": "psd", "decoding": "psd", "cache": cache})
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0),
                             use_tqdm=False)
@@ -256,8 +269,9 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
     assert [list(o.outputs[0].token_ids) for o in outs] == [r.token_ids for r in ref]
 
 
+@pytest.mark.parametrize("cache", ("prefix", "dual"))
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_serves_a_request_that_fills_the_context(tiny_checkpoints, method):
+def test_every_method_serves_a_request_that_fills_the_context(tiny_checkpoints, method, cache):
     """prompt + max_tokens = max_model_len: draft canvases take no context (they are extra rows of a step, not
     sequence positions), so every method serves it, equal to the reference engine, and runs to the last
     position with ignore_eos."""
@@ -267,7 +281,7 @@ def test_every_method_serves_a_request_that_fills_the_context(tiny_checkpoints, 
     g = torch.Generator().manual_seed(5)
     prompts = [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (93, 61)]
     max_tokens = [128 - len(p) for p in prompts]
-    knobs = _knobs(path, method)
+    knobs = {**_knobs(path, method), "cache": cache}
     ref_knobs = dict(knobs)
     if method == "spiffy":
         from model_executor.decoding import load_graph

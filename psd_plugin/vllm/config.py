@@ -105,7 +105,7 @@ def resolve(config: PSDSpeculativeConfig, hf_config, model_dir: str) -> PSDSpecu
     else:
         if config.cache == "block":
             raise ConfigError(f"{where}.cache 'block' is exact only for block-causal models (SDAR); "
-                              f"{spec.family} allows: none, prefix")
+                              f"{spec.family} allows: none, prefix, dual")
         cfg = msgspec.structs.replace(config, block_size=config.block_size or 8, cache=config.cache or "prefix")
     if cfg.decoding == "spiffy":
         spiffy_graph_for(cfg, model_dir, where=f"{where}.graph")

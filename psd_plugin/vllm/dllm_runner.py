@@ -11,6 +11,9 @@ drives too); this runner only decides how a step's rows reach vLLM (:mod:`.runne
   positions ``[w0, w1)``: the model appends them (:func:`attention_backends.vllm_backend.step_inputs`), the
   attention backend gives each canvas its own segment over the shared paged prefix, and their K/V is never
   written, so they take no KV pages.
+- Under ``cache: "dual"`` a block's first step forwards the whole answer region, so vLLM writes the K/V of
+  the masks after the block into the request's pages; the block's later steps forward the block only, and
+  the layout names that kept suffix, which every row of the request then reads from those pages.
 - Every draft is reported rejected until a block is complete; then the block's tokens are reported as
   sampled tokens (so streaming emits a block when it commits, and vLLM's stop checks truncate at EOS /
   ``max_tokens`` / stop strings).
@@ -18,9 +21,9 @@ drives too); this runner only decides how a step's rows reach vLLM (:mod:`.runne
 Choices: the first forward of a request is vLLM's prompt prefill (no canvas yet; counted in ``model_calls``,
 not in NFE, as the PSD paper counts decoding forwards). For block-causal models (SDAR) its K/V of the
 prompt's finished attention blocks is exact and reused. After a preemption vLLM re-prefills the prompt and
-committed tokens and the block's decoder continues where it was; with the prefix cache the block's first
-forward is run once more first (:meth:`DLLMRunnerMixin._rebuild_step`), so the outputs stay those of an
-uninterrupted run.
+committed tokens and the block's decoder continues where it was; with the prefix (or dual) cache the block's
+first forward is run once more first (:meth:`DLLMRunnerMixin._rebuild_step`; it restores the kept suffix
+too), so the outputs stay those of an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -156,11 +159,12 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         req_ids, qsl, computed = compat.batch_rows(self)
         for rid in compat.resumed_req_ids(scheduler_output):  # back from a preemption
             s = self.served.get(rid)
-            if s is not None and not s.req.done and self.psd.cache == "prefix" and not s.req.fresh \
+            if s is not None and not s.req.done and self.psd.cache in ("prefix", "dual") and not s.req.fresh \
                     and not s.rebuild and s.pending is None and s.step is not None:
                 s.pending, s.step = s.step, None  # vLLM re-prefilled without the masks: rebuild the prefix first
         T = int(qsl[-1])
         order, qo, seg, extra_ids, extra_pos, rows = [], [0], [0], [], [], []
+        suf0, suf = [0] * len(req_ids), [0] * len(req_ids)  # DualCache's kept suffix each request reads
         E = 0
         self._logit_rows = {}
         for i, rid in enumerate(req_ids):
@@ -175,6 +179,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 qo.append(qo[-1] + q1 - q0)
                 continue
             S, K = st.seg_len, st.num_canvases
+            suf0[i], suf[i] = st.suffix[0], st.reads_suffix
             starts = [q0]
             for k in range(1, K):
                 starts.append(T + E)
@@ -192,7 +197,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.step_layout = StepLayout(
             torch.tensor(qo), torch.cat(order), torch.tensor(seg),
             extra_ids=torch.cat(extra_ids) if extra_ids else None,
-            extra_positions=torch.cat(extra_pos) if extra_pos else None)
+            extra_positions=torch.cat(extra_pos) if extra_pos else None,
+            **(dict(suffix_starts=torch.tensor(suf0), suffix_lens=torch.tensor(suf)) if any(suf) else {}))
         idx = torch.tensor(rows or [0], dtype=logits_indices.dtype, device=logits_indices.device)
         self._forward_t0 = time.perf_counter()
         return idx, spec_meta, max_sampled

@@ -40,6 +40,8 @@ def step_tokens(cfg: PSDSpeculativeConfig, prompt_len: int, max_tokens: int) -> 
         S, fresh = P + M, P + M
     elif cfg.cache == "prefix":
         S, fresh = M + 1, P + M
+    elif cfg.cache == "dual":
+        S, fresh = min(M, cfg.block_size) + 1, P + M
     else:  # block: uncached finished tokens + the current block
         S, fresh = 2 * cfg.block_size + P % cfg.block_size, 0
     return max(fresh, K * S)
