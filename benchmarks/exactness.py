@@ -1,6 +1,6 @@
 """Token-for-token match of the lossless methods (FreeDave, Spiffy) with their base policy, float32 and float64.
 
-    .venv/bin/python benchmarks/exactness.py [--limit N] [--out benchmarks/results]
+    .venv/bin/python benchmarks/exactness.py [--limit N] [--dtypes float64,float32] [--caches prefix,dual]
 
 float64 must match on every prompt (the tests check that too). In float32 a draft canvas is computed in a
 batch of a different shape than plain decoding's forward, so the last bits of a logit may differ; when
@@ -30,12 +30,12 @@ from psd_plugin.evaluate import encode, load  # noqa: E402
 from psd_plugin.train.tasks import TASKS, load_heldout  # noqa: E402
 
 
-def min_margin(engine, prompt, policy: str) -> dict:
+def min_margin(engine, prompt, policy: str, cache: str) -> dict:
     """Smallest confidence / logit gap of any commit decision on ``policy``'s trajectory for ``prompt``."""
     blocks: list = []
     rule = make_policy(policy)
     mask = engine.spec.mask_token_id
-    engine.generate([prompt], method=policy, decoder_factory=lambda b: TrajectoryRecorder(b, mask, rule, blocks))
+    engine.generate([prompt], method=policy, cache=cache, decoder_factory=lambda b: TrajectoryRecorder(b, mask, rule, blocks))
     best = {"conf_gap": float("inf"), "logit_gap": float("inf")}
     for steps in blocks:
         for _, pred, _ in steps:
@@ -52,6 +52,7 @@ def main():
     ap.add_argument("--model", type=Path, default=DEFAULT_DLLM)
     ap.add_argument("--limit", type=int, default=50, help="held-out items per task")
     ap.add_argument("--dtypes", default="float64,float32", help="comma-separated: float64, float32")
+    ap.add_argument("--caches", default="prefix", help="comma-separated KV-cache modes: prefix, dual")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     rows = [r for t in TASKS for r in load_heldout(t)[: args.limit]]
@@ -59,6 +60,9 @@ def main():
     dtypes = args.dtypes.split(",")
     if not dtypes or any(d not in ("float64", "float32") for d in dtypes):
         ap.error(f"--dtypes {args.dtypes!r}; allowed: float64, float32 (comma-separated)")
+    caches = args.caches.split(",")
+    if not caches or any(c not in ("prefix", "dual") for c in caches):
+        ap.error(f"--caches {args.caches!r}; allowed: prefix, dual (comma-separated)")
     for dtype in dtypes:
         engine, tok = load(args.model, dtype)
         prompts = [encode(tok, r["prompt"]) for r in rows]
@@ -66,22 +70,24 @@ def main():
         for pol in ("static", "confidence"):
             g = load_graph(default_graph(args.model, pol))
             runs[f"spiffy D*=3 vs {pol}"] = (pol, dict(method="spiffy", policy=pol, graph=g, budget=3))
-        base_cache = {}
-        for name, (pol, kw) in runs.items():
-            base = base_cache.setdefault(pol, engine.generate(prompts, method=pol))
-            out = engine.generate(prompts, **kw)
-            bad = [i for i, (a, b) in enumerate(zip(base, out)) if a.token_ids != b.token_ids]
-            entry = {"prompts": len(prompts), "identical": len(prompts) - len(bad),
-                     "match_rate": round(1 - len(bad) / len(prompts), 4),
-                     "nfe_ratio": round(sum(r.nfe for r in out) / sum(r.nfe for r in base), 4),
-                     "mismatches": [{"prompt": rows[i]["prompt"], **min_margin(engine, prompts[i], pol)}
-                                    for i in bad]}
-            report[f"{name} ({dtype})"] = entry
-            print(f"{name:<26} {dtype}: {entry['identical']}/{len(prompts)} identical, NFE ratio "
-                  f"{entry['nfe_ratio']:.3f}", flush=True)
-            for m in entry["mismatches"]:
-                print(f"    mismatch: {m['prompt']!r}: smallest conf gap {m['conf_gap']:.2e}, "
-                      f"logit gap {m['logit_gap']:.2e}")
+        for cache in caches:
+            base_cache = {}
+            for name, (pol, kw) in runs.items():
+                base = base_cache.setdefault(pol, engine.generate(prompts, method=pol, cache=cache))
+                out = engine.generate(prompts, cache=cache, **kw)
+                bad = [i for i, (a, b) in enumerate(zip(base, out)) if a.token_ids != b.token_ids]
+                entry = {"prompts": len(prompts), "identical": len(prompts) - len(bad),
+                         "match_rate": round(1 - len(bad) / len(prompts), 4),
+                         "nfe_ratio": round(sum(r.nfe for r in out) / sum(r.nfe for r in base), 4),
+                         "mismatches": [{"prompt": rows[i]["prompt"], **min_margin(engine, prompts[i], pol, cache)}
+                                        for i in bad]}
+                key = f"{name} ({dtype})" if cache == "prefix" else f"{name} ({dtype}, dual cache)"
+                report[key] = entry
+                print(f"{name:<26} {dtype} {cache}: {entry['identical']}/{len(prompts)} identical, NFE ratio "
+                      f"{entry['nfe_ratio']:.3f}", flush=True)
+                for m in entry["mismatches"]:
+                    print(f"    mismatch: {m['prompt']!r}: smallest conf gap {m['conf_gap']:.2e}, "
+                          f"logit gap {m['logit_gap']:.2e}")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "exactness.json"  # rows of dtypes not run this time are kept
     merged = json.loads(path.read_text()) if path.exists() else {}

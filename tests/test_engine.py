@@ -80,6 +80,9 @@ def test_sampling_is_seeded(prompt_ids):
     kw = dict(max_tokens=16, block_size=8, method="static", temperature=1.0)
     a = eng.generate(prompt_ids, seed=1, **kw)
     assert [r.token_ids for r in a] == [r.token_ids for r in eng.generate(prompt_ids, seed=1, **kw)]
+    assert [r.token_ids for r in a] != [r.token_ids for r in eng.generate(prompt_ids, seed=2, **kw)]
+    greedy = eng.generate(prompt_ids, **{**kw, "temperature": 0.0})
+    assert [r.token_ids for r in a] != [r.token_ids for r in greedy]  # the temperature is applied
 
 
 def test_bad_arguments(tiny_checkpoints, prompt_ids):

@@ -161,9 +161,18 @@ def test_sampling_options(heldout_prompts):
         a = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=7), use_tqdm=False)
         b = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=7), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+        other = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=8), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in a] != [o.outputs[0].token_ids for o in other]
         greedy = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in a] != [o.outputs[0].token_ids for o in greedy]
         two = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, n=2, seed=3), use_tqdm=False)
-        assert all(len(t.outputs) == 2 and all(0 < len(c.token_ids) <= 16 for c in t.outputs) for t in two)
+        # vLLM gives sample j of a seeded request the seed + j: each is that seed's single sample
+        singles = [llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=3 + j), use_tqdm=False)
+                   for j in range(2)]
+        for i, t in enumerate(two):
+            got = sorted((c.index, list(c.token_ids)) for c in t.outputs)
+            assert got == [(j, list(singles[j][i].outputs[0].token_ids)) for j in range(2)]
+        assert any(t.outputs[0].token_ids != t.outputs[1].token_ids for t in two)
         text = greedy[1].outputs[0].text
         cut = text[len(text) // 2:][:2]
         stopped = llm.generate(prompts[1:2], SamplingParams(max_tokens=16, temperature=0, stop=[cut]), use_tqdm=False)
