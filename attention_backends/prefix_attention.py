@@ -54,8 +54,10 @@ class AttentionPlan:
     positions: torch.Tensor | None = None  # [T]; needed by block_causal
     block_size: int = 0  # block_causal's attention block
     custom_masks: list[torch.Tensor] | None = None  # kind "custom": one bool [n_s, n_s] per segment
-    suffix_starts: torch.Tensor | None = None  # [R] first position of each request's cached suffix
-    suffix_lens: torch.Tensor | None = None  # [R] its length (None: no request has one)
+    # [R] first position and length of each request's cached suffix (None: no request has one); the caller
+    # keeps it clear of the prefix and of the positions of the request's new rows (checked: the prefix only)
+    suffix_starts: torch.Tensor | None = None
+    suffix_lens: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.kind not in MASK_KINDS:

@@ -39,7 +39,7 @@ def dllm_server():
 
     srv = start(["--max-model-len", "512", "--max-num-seqs", "64", "--dtype", "float32"])
     yield srv
-    assert srv.stop() == 0 or srv.proc.returncode is not None
+    assert srv.stop() == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"
 
 
 async def _stream(session, url, model, prompt, max_tokens=32, stop_after=None):
@@ -157,5 +157,6 @@ def test_presto_server_under_load(prompts):
     try:
         got = asyncio.run(_all(srv.url, "ar-tiny", prompts))
     finally:
-        srv.stop()
+        code = srv.stop()
     assert got == alone
+    assert code == 0, f"SIGTERM did not shut the PRESTO server down cleanly; log: {srv.log}"

@@ -25,7 +25,7 @@ def server():
 
     srv = start(["--max-model-len", "512"])
     yield openai.OpenAI(base_url=srv.url + "/v1", api_key="none"), srv.proc
-    assert srv.stop() is not None
+    assert srv.stop() == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"
 
 
 @pytest.fixture(scope="module")

@@ -279,6 +279,50 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
 
 
 @pytest.mark.parametrize("cache", ("prefix", "dual"))
+def test_preemption_in_a_blocks_later_steps_keeps_outputs(monkeypatch, tiny_checkpoints, cache):
+    """Under the prefix and dual caches a request takes all its KV pages at its first block step, so FCFS
+    preempts only requests at that step. With priority scheduling, requests that arrive later with a higher
+    priority preempt running ones in the middle of a block: those resume with the block's first forward run
+    once more (restoring the prefix K/V and the kept suffix), and every output stays the reference's."""
+    from vllm import LLM, SamplingParams
+
+    from psd_plugin.vllm.dllm_runner import DLLMRunnerMixin
+
+    rebuilt = []
+    rebuild = DLLMRunnerMixin._rebuild_step
+    monkeypatch.setattr(DLLMRunnerMixin, "_rebuild_step", lambda self, s: (rebuilt.append(1), rebuild(self, s))[1])
+    path = tiny_checkpoints["llada"]  # a random model: its decisions follow small changes of the K/V it reads
+    g = torch.Generator().manual_seed(2)
+    prompts = [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (20, 27, 9, 14, 31, 22, 17, 25)]
+    low, high = prompts[:2], prompts[2:]
+    ref = ReferenceEngine.from_pretrained(path).generate(low + high, max_tokens=32, method="psd", cache=cache)
+    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
+              num_gpu_blocks_override=11, scheduling_policy="priority",
+              speculative_config={"method": "psd", "decoding": "psd", "cache": cache})
+    engine, params, outs = llm.llm_engine, SamplingParams(max_tokens=32, temperature=0), {}
+
+    def step():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+
+    try:
+        for i, p in enumerate(low):
+            engine.add_request(f"low{i}", {"prompt_token_ids": p}, params, priority=1)
+        for _ in range(3):  # prefill, the block's first step, a later step: in the middle of a block
+            step()
+        for i, p in enumerate(high):
+            engine.add_request(f"high{i}", {"prompt_token_ids": p}, params, priority=0)
+        while engine.has_unfinished_requests():
+            step()
+    finally:
+        del llm
+    assert rebuilt, "no request was preempted in the middle of a block"
+    ids = [f"low{i}" for i in range(len(low))] + [f"high{i}" for i in range(len(high))]
+    assert [outs[i] for i in ids] == [r.token_ids for r in ref]
+
+
+@pytest.mark.parametrize("cache", ("prefix", "dual"))
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_serves_a_request_that_fills_the_context(tiny_checkpoints, method, cache):
     """prompt + max_tokens = max_model_len: draft canvases take no context (they are extra rows of a step, not
