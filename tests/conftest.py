@@ -37,3 +37,25 @@ def in_process_vllm():
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
+@pytest.fixture(scope="session")
+def engine64():
+    """The embedded dLLM on the reference engine in float64 (the exactness path)."""
+    import torch
+
+    from model_executor.engine import ReferenceEngine
+
+    return ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def mixed_prompts(tokenizer_dir):
+    """Two held-out prompts per task: a batch of mixed lengths."""
+    from transformers import AutoTokenizer
+
+    from psd_plugin.evaluate import encode
+    from psd_plugin.train.tasks import TASKS, load_heldout
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    return [encode(tok, r["prompt"]) for t in TASKS for r in load_heldout(t)[:2]]

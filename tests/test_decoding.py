@@ -5,58 +5,43 @@ import torch
 
 from model_executor.decoding import DraftDAG, make_decoder
 from model_executor.decoding.policies import localleap_policy
-from model_executor.engine import ReferenceEngine
 from psd_plugin import DEFAULT_DLLM
 from psd_plugin.evaluate import encode
-from psd_plugin.train.tasks import TASKS, load_heldout
+from psd_plugin.train.tasks import load_heldout
 
 
 @pytest.fixture(scope="module")
-def engine64():
-    return ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer_dir):
-    """Two held-out prompts per task: a batch of mixed lengths."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    return [encode(tok, r["prompt"]) for t in TASKS for r in load_heldout(t)[:2]]
-
-
-@pytest.fixture(scope="module")
-def static_out(engine64, prompts):
-    return engine64.generate(prompts, method="static")
+def static_out(engine64, mixed_prompts):
+    return engine64.generate(mixed_prompts, method="static")
 
 
 @pytest.mark.parametrize("steps", [3, 8])
-def test_freedave_is_lossless_wrt_static(engine64, prompts, static_out, steps):
-    out = engine64.generate(prompts, method="freedave", steps=steps)
+def test_freedave_is_lossless_wrt_static(engine64, mixed_prompts, static_out, steps):
+    out = engine64.generate(mixed_prompts, method="freedave", steps=steps)
     assert [r.token_ids for r in out] == [r.token_ids for r in static_out]
     assert sum(r.nfe for r in out) < sum(r.nfe for r in static_out)
-    single = engine64.generate(prompts[:3], method="freedave", steps=steps, batch_size=1)
+    single = engine64.generate(mixed_prompts[:3], method="freedave", steps=steps, batch_size=1)
     assert [r.token_ids for r in single] == [r.token_ids for r in static_out[:3]]
 
 
-def test_freedave_one_step_is_static(engine64, prompts, static_out):
-    out = engine64.generate(prompts, method="freedave", steps=1)
+def test_freedave_one_step_is_static(engine64, mixed_prompts, static_out):
+    out = engine64.generate(mixed_prompts, method="freedave", steps=1)
     assert [(r.token_ids, r.nfe) for r in out] == [(r.token_ids, r.nfe) for r in static_out]
 
 
 @pytest.mark.parametrize("policy", ["static", "confidence", "localleap"])
-def test_zero_depth_psd_and_zero_branch_lopa_are_their_policy(engine64, prompts, policy):
-    base = engine64.generate(prompts, method=policy)
-    psd = engine64.generate(prompts, method="psd", policy=policy, depth=0)
-    lopa = engine64.generate(prompts, method="lopa", policy=policy, branches=0)
+def test_zero_depth_psd_and_zero_branch_lopa_are_their_policy(engine64, mixed_prompts, policy):
+    base = engine64.generate(mixed_prompts, method=policy)
+    psd = engine64.generate(mixed_prompts, method="psd", policy=policy, depth=0)
+    lopa = engine64.generate(mixed_prompts, method="lopa", policy=policy, branches=0)
     want = [(r.token_ids, r.nfe) for r in base]
     assert [(r.token_ids, r.nfe) for r in psd] == want
     assert [(r.token_ids, r.nfe) for r in lopa] == want
 
 
-def test_psd_drafts_save_forwards(engine64, prompts):
-    conf = engine64.generate(prompts, method="confidence")
-    psd = engine64.generate(prompts, method="psd", policy="confidence", depth=3)
+def test_psd_drafts_save_forwards(engine64, mixed_prompts):
+    conf = engine64.generate(mixed_prompts, method="confidence")
+    psd = engine64.generate(mixed_prompts, method="psd", policy="confidence", depth=3)
     assert sum(r.nfe for r in psd) < sum(r.nfe for r in conf)
     st = psd[0].stats
     assert len(st["node_tried"]) == 4 and all(a <= t for a, t in zip(st["node_accepted"], st["node_tried"]))
@@ -118,13 +103,13 @@ def shipped_graph():
 
 
 @pytest.mark.parametrize("policy", ["static", "confidence"])
-def test_spiffy_is_lossless_wrt_its_base_policy(engine64, prompts, policy):
+def test_spiffy_is_lossless_wrt_its_base_policy(engine64, mixed_prompts, policy):
     from model_executor.decoding import load_graph
     from psd_plugin import default_graph
 
     graph = load_graph(default_graph(DEFAULT_DLLM, policy))
-    base = engine64.generate(prompts, method=policy)
-    out = engine64.generate(prompts, method="spiffy", policy=policy, graph=graph, budget=3)
+    base = engine64.generate(mixed_prompts, method=policy)
+    out = engine64.generate(mixed_prompts, method="spiffy", policy=policy, graph=graph, budget=3)
     assert [r.token_ids for r in out] == [r.token_ids for r in base]
     assert sum(r.nfe for r in out) < sum(r.nfe for r in base)
     st = out[0].stats

@@ -15,8 +15,6 @@ from model_executor.decoding import make_decoder
 from model_executor.engine import ReferenceEngine
 from model_executor.models.reference import rope_cos_sin
 from psd_plugin import DEFAULT_DLLM
-from psd_plugin.evaluate import encode
-from psd_plugin.train.tasks import TASKS, load_heldout
 
 
 def _dense_forward(model, ids, positions, kept=None, keys_at=None):
@@ -90,33 +88,20 @@ def test_engine_equals_a_dense_implementation(tiny_checkpoints, family, method):
         assert [r.token_ids for r in got] != [r.token_ids for r in prefix]
 
 
-@pytest.fixture(scope="module")
-def engine64():
-    return ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=torch.float64)
-
-
-@pytest.fixture(scope="module")
-def prompts(tokenizer_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
-    return [encode(tok, r["prompt"]) for t in TASKS for r in load_heldout(t)[:2]]
-
-
 @pytest.mark.parametrize("policy", ["static", "confidence"])
-def test_freedave_and_spiffy_are_lossless_with_the_dual_cache(engine64, prompts, policy):
+def test_freedave_and_spiffy_are_lossless_with_the_dual_cache(engine64, mixed_prompts, policy):
     """Every canvas of a step sees the same kept K/V, so a draft equal to a state the base policy reaches gets
     that state's prediction (Spiffy's appendix A.2): FreeDave and Spiffy reproduce their base policy."""
     from model_executor.decoding import load_graph
     from psd_plugin import default_graph
 
-    base = engine64.generate(prompts, method=policy, cache="dual")
-    spiffy = engine64.generate(prompts, method="spiffy", policy=policy, cache="dual", budget=3,
+    base = engine64.generate(mixed_prompts, method=policy, cache="dual")
+    spiffy = engine64.generate(mixed_prompts, method="spiffy", policy=policy, cache="dual", budget=3,
                                graph=load_graph(default_graph(DEFAULT_DLLM, policy)))
     assert [r.token_ids for r in spiffy] == [r.token_ids for r in base]
     assert sum(r.nfe for r in spiffy) < sum(r.nfe for r in base)
     if policy == "static":
-        freedave = engine64.generate(prompts, method="freedave", steps=4, cache="dual")
+        freedave = engine64.generate(mixed_prompts, method="freedave", steps=4, cache="dual")
         assert [r.token_ids for r in freedave] == [r.token_ids for r in base]
         assert sum(r.nfe for r in freedave) < sum(r.nfe for r in base)
 
