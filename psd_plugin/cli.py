@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(e)
     e.add_argument("--task", default="all", help="a task name or 'all'")
     e.add_argument("--limit", type=int, default=None, help="first N items per task")
+    d = sub.add_parser("demo", help="held-out items of every task decoded with PSD through vLLM: expected "
+                       "answer, right or wrong, TPF, and the forwards one-token-per-step decoding takes")
+    _common(d)
+    d.add_argument("--items", type=int, default=1, help="held-out items per task (default 1)")
+    d.add_argument("--verbose", action="store_true", help="show the engine's start-up log instead of filing it")
     c = sub.add_parser("calibrate", help="calibrate a Spiffy draft graph (Spiffy Alg. 2)")
     c.add_argument("--model", type=Path, default=None)
     c.add_argument("--prompts", type=Path, default=None, help="JSONL calibration prompts (default: 60 from the "
@@ -208,6 +213,78 @@ def cmd_generate(args) -> int:
     return 0
 
 
+class _EngineLog:
+    """Send everything written to file descriptor 2 (vLLM's and torch's start-up lines, C++ warnings
+    included) to a log file while the engine starts and decodes; the command's own output stays on stdout."""
+
+    def __init__(self, quiet: bool):
+        self.quiet, self.path, self._saved = quiet, None, None
+
+    def __enter__(self):
+        if self.quiet:
+            import tempfile
+
+            fd, self.path = tempfile.mkstemp(prefix="psd-demo-", suffix=".log")
+            sys.stderr.flush()
+            self._saved = os.dup(2)
+            os.dup2(fd, 2)
+            os.close(fd)
+        return self
+
+    def __exit__(self, *exc):
+        if self._saved is not None:
+            sys.stderr.flush()
+            os.dup2(self._saved, 2)
+            os.close(self._saved)
+        return False
+
+
+def cmd_demo(args) -> int:
+    """The first run: ``--items`` held-out items of every task decoded with the chosen method (PSD by default)
+    through the chosen engine (vLLM by default), each with its expected answer, whether the answer is right,
+    its TPF and NFE, and the NFE of one-token-per-step (static) decoding on the same item beside it."""
+    from .evaluate import decode_answer, encode, load
+    from .train.tasks import TASKS, grade, load_heldout
+
+    if args.items <= 0:
+        raise UsageError(f"--items must be > 0 (got {args.items})")
+    rows = [r for t in TASKS for r in load_heldout(t)[: args.items]]
+    with _EngineLog(quiet=not args.verbose) as log:
+        engine, tok, kw, method = _setup(args)
+        if method in AR_METHODS:
+            raise UsageError(f"psd demo decodes dLLMs; --method {method!r} is for AR targets (see psd generate)")
+        prompts = [encode(tok, r["prompt"]) for r in rows]
+        res = engine.generate(prompts, **kw)
+        getattr(engine, "close", lambda: None)()
+        # static decoding's forwards on the same items; the reference engine counts them as vLLM does (tested)
+        ref, _ = load(args.model, "float32")
+        static = ref.generate(prompts, **{k: v for k, v in kw.items() if k in ("max_tokens", "block_size")},
+                              method="static")
+    from .vllm.engine import VLLMEngine
+
+    where = "vLLM" if isinstance(engine, VLLMEngine) else "the reference engine"
+    show = lambda t: t.replace("\n", "\\n")  # noqa: E731  (one line per item)
+    answers = [decode_answer(tok, r.token_ids) for r in res]
+    right = [grade(row, a) for row, a in zip(rows, answers)]
+    w = max(len(show(r["prompt"])) for r in rows)
+    e = max(8, max(len(show(r["answer"])) for r in rows))
+    a_w = max(6, max(len(show(a)) for a in answers))
+    print(f"{method} through {where} on {Path(args.model).name}: {args.items} held-out item(s) per task, greedy, "
+          f"max_tokens {args.max_tokens}\n")
+    print(f"{'task':<9} {'prompt':<{w}}  {'expected':<{e}}  {'answer':<{a_w}}  right  {'TPF':>5} {'NFE':>4} "
+          f"{'NFE static':>10}")
+    for row, a, ok, r, st in zip(rows, answers, right, res, static):
+        print(f"{row['task']:<9} {show(row['prompt']):<{w}}  {show(row['answer']):<{e}}  {show(a):<{a_w}}  "
+              f"{'yes' if ok else 'no':<5}  {r.tpf:>5.2f} {r.nfe:>4} {st.nfe:>10}")
+    tokens, nfe, nfe_static = (sum(len(r.token_ids) for r in res), sum(r.nfe for r in res),
+                               sum(r.nfe for r in static))
+    print(f"\n{sum(right)}/{len(rows)} right; {tokens} tokens in {nfe} forwards (TPF {tokens / max(1, nfe):.2f}); "
+          f"static decoding takes {nfe_static} forwards for the same items ({nfe_static / max(1, nfe):.1f}x).")
+    if log.path:
+        print(f"(engine log: {log.path})")
+    return 0
+
+
 def cmd_eval(args) -> int:
     from .evaluate import evaluate
     from .train.tasks import TASKS, load_heldout
@@ -352,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
     from model_executor.models.weights import CheckpointError
 
     try:
-        return {"generate": cmd_generate, "eval": cmd_eval, "calibrate": cmd_calibrate,
+        return {"generate": cmd_generate, "eval": cmd_eval, "demo": cmd_demo, "calibrate": cmd_calibrate,
                 "ngram": cmd_ngram}[args.verb](args)
     except (UsageError, ConfigError, CheckpointError, ValueError, FileNotFoundError, _ClientError) as e:
         print(f"psd {args.verb}: error: {e}", file=sys.stderr)

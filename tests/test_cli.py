@@ -35,6 +35,32 @@ def test_generate_prompts_file_and_static(tmp_path):
     assert len(rows) == 2 and all(row["nfe"] >= len(row["token_ids"]) for row in rows)
 
 
+def test_demo_shows_each_task_with_its_answer_and_forwards():
+    """The first command: one held-out item per task through vLLM with PSD, graded, with the forwards static
+    decoding takes beside PSD's; the engine's start-up log goes to a file, not the terminal."""
+    from psd_plugin.train.tasks import TASKS, grade, load_heldout
+
+    r = psd("demo")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("psd through vLLM on llada-tiny")
+    table = [line for line in lines if line.split(" ", 1)[0] in TASKS]
+    assert [line.split()[0] for line in table] == list(TASKS)
+    rows = [load_heldout(t)[0] for t in TASKS]
+    header = lines[lines.index(table[0]) - 1]
+    a0, a1 = header.index("answer"), header.index("right")  # the answer column
+    right = 0
+    for row, line in zip(rows, table):
+        ok, tpf, nfe, nfe_static = line[a1:].split()
+        assert ok in ("yes", "no") and int(nfe_static) >= int(nfe) > 0 and float(tpf) > 0
+        assert (ok == "yes") == grade(row, line[a0:a1].strip().replace("\\n", "\n"))
+        right += ok == "yes"
+    assert lines[-2].startswith(f"{right}/{len(TASKS)} right;") and "static decoding takes" in lines[-2]
+    assert float(lines[-2].split("(TPF ")[1].split(")")[0]) > 1
+    log = lines[-1].removeprefix("(engine log: ").removesuffix(")")
+    assert "WARNING" not in r.stdout + r.stderr and "WARNING" in open(log).read()
+
+
 def test_eval_json_reproduces_the_model_card():
     """The whole held-out split of one task through the serving path gives the model card's figure (the card
     was measured with the reference engine: the vLLM path decodes the same tokens)."""
