@@ -8,9 +8,10 @@ branches, FreeDave 4 steps, Spiffy the shipped confidence-base graph, D* 3: up t
 script builds the logits of every canvas of every request (``[rows, vocab]`` float32, outside the timed
 region): Gaussian noise plus one peaked token per block position whose height, fixed per position, gives
 confidences from ~0.1 to ~0.99, so policies commit several positions and drafts get accepted. Timed: the
-decoders' ``canvases()`` and ``update()`` for all requests, and in ``batched`` mode the engines' one
-:func:`~model_executor.decoding.base.predict_rows` pass over all rows (``canvas`` mode hands each decoder its
-canvases' bare logits, as the engines did before). Writes ``decode_step_<mode>.json`` into ``--out``.
+decoders' ``canvases()`` and their updates for all requests; in ``batched`` mode as the engines do it: one
+:func:`~model_executor.decoding.base.predict_rows` pass over all rows and
+:func:`~model_executor.decoding.base.update_all` (greedy policy decoders in one batched update); ``canvas``
+mode hands each decoder its canvases' bare logits, one decoder at a time, as the engines did before. Writes ``decode_step_<mode>.json`` into ``--out``.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     if args.mode == "batched":
-        from model_executor.decoding import predict_rows
+        from model_executor.decoding import predict_rows, update_all
 
     R, L, V, mask = args.requests, args.block, args.vocab, args.vocab - 1
     g = torch.Generator().manual_seed(0)
@@ -72,10 +73,17 @@ def main() -> None:
                 preds = predict_rows(logits, max(d.topk for d in live))
             else:
                 preds = logits
-            i = 0
-            for d, c in zip(live, cans):
-                d.update([preds[i + k * L: i + (k + 1) * L] for k in range(len(c))])
-                i += len(c) * L
+            if args.mode == "batched":  # as the engines do: greedy policy decoders in one batched update
+                firsts, i = [], 0
+                for c in cans:
+                    firsts.append([i + k * L for k in range(len(c))])
+                    i += len(c) * L
+                update_all(live, preds, firsts)
+            else:
+                i = 0
+                for d, c in zip(live, cans):
+                    d.update([preds[i + k * L: i + (k + 1) * L] for k in range(len(c))])
+                    i += len(c) * L
             times.append(t_canvas + time.perf_counter() - t0)
             canvases_per_step.append(sum(len(c) for c in cans))
             del logits

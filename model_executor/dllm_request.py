@@ -3,8 +3,9 @@
 A request decodes the answer region ``[P, P + max_tokens)`` in blocks (:mod:`.block_schedule`). Each step
 the engine asks :meth:`DLLMRequest.next_step` what to forward (the window ``[w0, w1)``, one row of tokens
 per canvas of the block's decoder, and how much K/V becomes exact), runs one forward for all its requests,
-and hands each request its block rows' logits with :meth:`DLLMRequest.apply`. That commits positions
-through the decoder; when a block is complete its tokens are committed to the request, and the request
+and hands each request its block rows' logits with :meth:`DLLMRequest.apply` (or updates every decoder at
+once with :func:`~model_executor.decoding.update_all` and then calls :meth:`DLLMRequest.stepped`). That
+commits positions through the decoder; when a block is complete its tokens are committed to the request, and the request
 either starts the next block or finishes (the block holding the first EOS, or the last block).
 
 Counting follows the PSD paper's appendix B.1: ``nfe`` is the number of decoding forwards, ``emitted`` the
@@ -156,6 +157,11 @@ class DLLMRequest:
         """Update the decoder with one ``[block_len, V]`` logits tensor per canvas; returns the block's tokens
         if this step completed it (else ``[]``)."""
         self.dec.update(logits)
+        return self.stepped(step)
+
+    def stepped(self, step: DLLMStep) -> list[int]:
+        """Bookkeeping after the decoder took ``step``'s predictions (:meth:`apply`, or the engine's batched
+        :func:`~model_executor.decoding.update_all`); returns the block's tokens if the step completed it."""
         self.nfe += 1
         self.cached = step.keep
         self.fresh = False

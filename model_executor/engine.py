@@ -38,7 +38,7 @@ from attention_backends.paged_kv_cache import PagedKVCache
 from attention_backends.prefix_attention import AttentionPlan, make_backend
 
 from .block_schedule import CACHE_MODES
-from .decoding import METHODS, BlockDecoder, make_decoder, predict_rows
+from .decoding import METHODS, BlockDecoder, make_decoder, predict_rows, update_all
 from .dllm_request import DLLMRequest, DLLMStep
 from .models.reference import ReferenceDLLM
 from .outputs import GenerationResult
@@ -144,11 +144,13 @@ class ReferenceEngine:
         self.step_time["forward_seconds"] += time.perf_counter() - t0
         self.step_time["steps"] += 1
         preds = predict_rows(logits, max(r.dec.topk for _, r in live))  # once for every canvas of every request
-        i = 0
+        firsts, i = [], 0
+        for st in steps:
+            firsts.append([i + k * st.block_len for k in range(st.num_canvases)])
+            i += st.num_canvases * st.block_len
+        update_all([r.dec for _, r in live], preds, firsts)  # greedy policy decoders together
         for (_, r), st in zip(live, steps):
-            L = st.block_len
-            r.apply(st, [preds[i + k * L: i + (k + 1) * L] for k in range(st.num_canvases)])
-            i += st.num_canvases * L
+            r.stepped(st)
 
     def _forward(self, items: list[tuple[int, DLLMStep]]) -> torch.Tensor:
         """One model call over every request's window, once per block canvas: the canvases of a request

@@ -175,3 +175,54 @@ def test_batched_predictions_equal_the_softmax_per_canvas(dtype):
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.conf, want.conf)
         assert torch.equal(got.top_ids, rows.top_ids[a: a + 8, :3])
         assert got.conf[1] == float("-inf") and got.conf[4] == float("-inf") and bool((got.conf[[0, 2]] > 0).all())
+
+
+@pytest.mark.parametrize("name", ["static", "confidence", "localleap"])
+def test_policies_over_a_batch_of_blocks_equal_them_block_by_block(name):
+    """``[R, L]`` confidences (decoded positions and padding at -inf, ties included) give each row's own result."""
+    from model_executor.decoding.policies import make_policy
+
+    g = torch.Generator().manual_seed(4)
+    conf = torch.rand(9, 12, generator=g, dtype=torch.float64).round(decimals=1)  # ties
+    conf[torch.rand(9, 12, generator=g) < 0.4] = float("-inf")
+    conf[3] = float("-inf")  # a block with nothing left
+    rule = make_policy(name, threshold=0.7, relaxed_threshold=0.4, radius=2)
+    assert torch.equal(rule(conf), torch.stack([rule(c) for c in conf]))
+
+
+def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
+    """:func:`update_all`: greedy policy decoders of blocks of different lengths, states and policies, updated
+    in one batched step per policy, equal each decoder updated alone; a sampling one updates alone."""
+    from model_executor.decoding import predict_rows, update_all
+    from model_executor.decoding.policies import PolicyDecoder
+
+    batches = []
+    batched = PolicyDecoder.update_batch.__func__
+    monkeypatch.setattr(PolicyDecoder, "update_batch",
+                        classmethod(lambda cls, decs, *a: (batches.append(len(decs)), batched(cls, decs, *a))[1]))
+
+    M, V = 7, 11
+    g = torch.Generator().manual_seed(5)
+    lens = [4, 8, 3, 8, 6]
+    methods = ["confidence", "static", "confidence", "localleap", "static"]
+    blocks = []
+    for n in lens:
+        b = torch.randint(0, M, (n,), generator=g)
+        b[torch.rand(n, generator=g) < 0.6] = M
+        blocks.append(b)
+    logits = torch.randn(sum(lens), V, generator=g, dtype=torch.float64) * 3
+    preds = predict_rows(logits)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    kw = dict(threshold=0.5, relaxed_threshold=0.3, radius=2)
+    together = [make_decoder(m, b, M, **kw) for m, b in zip(methods, blocks)]
+    together.append(make_decoder("static", blocks[0], M, temperature=1.0, generator=torch.Generator().manual_seed(1)))
+    update_all(together, preds, [[a] for a in starts] + [[starts[0]]])
+    for dec, m, b, a in zip(together, methods, blocks, starts):
+        alone = make_decoder(m, b, M, **kw)
+        alone.update([logits[a: a + b.numel()]])
+        assert torch.equal(dec.state, alone.state) and dec.state.numel() == b.numel(), m
+        assert (dec.state != b).any()  # every block had masks: something committed
+    sampled = make_decoder("static", blocks[0], M, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    sampled.update([logits[: lens[0]]])
+    assert torch.equal(together[-1].state, sampled.state)
+    assert sorted(batches) == [1, 2, 2]  # confidence x2, static x2 (the sampling one apart), localleap

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, RowPredictions, commit, merge_stats, predict_rows
+from .base import BlockDecoder, RowPredictions, commit, merge_stats, predict_rows, update_all
 from .freedave import FreeDaveDecoder
 from .lopa import LoPADecoder
 from .policies import SPATIAL_POLICIES, PolicyDecoder, make_policy
@@ -52,4 +52,4 @@ def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: f
 
 
 __all__ = ["METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "RowPredictions", "base_step", "load_graph",
-           "make_decoder", "merge_stats", "predict_rows"]
+           "make_decoder", "merge_stats", "predict_rows", "update_all"]

@@ -148,6 +148,37 @@ class BlockDecoder:
         """Method-specific counters (accepted drafts ...), summed over blocks by the engine."""
         return {}
 
+    def batch_key(self):
+        """Decoders of one step with equal, non-None keys are updated together by :meth:`update_batch`
+        (:func:`update_all`); None: this decoder updates alone."""
+        return None
+
+    @classmethod
+    def update_batch(cls, decoders: list["BlockDecoder"], preds: RowPredictions, rows: torch.Tensor) -> None:
+        """One step of several decoders of this class whose only canvas is their state: ``rows [R, L]`` are
+        the rows of ``preds`` holding each one's block predictions (-1 past a shorter block)."""
+        for d, r in zip(decoders, rows):
+            d.update([preds[int(r[0]): int(r[0]) + d.state.numel()]])
+
+
+def update_all(decoders: list[BlockDecoder], preds: RowPredictions, canvas_rows: list[list[int]]) -> None:
+    """One decoder step of every decoder of a forward from its batched predictions: ``canvas_rows[i]`` lists
+    the first row (in ``preds``) of each canvas of decoder ``i``, a block's length of rows each. Decoders that
+    forwarded their state alone and share a :meth:`BlockDecoder.batch_key` update together."""
+    groups: dict = {}
+    for i, d in enumerate(decoders):
+        key = d.batch_key() if len(canvas_rows[i]) == 1 else None
+        if key is None:
+            d.update([preds[a: a + d.state.numel()] for a in canvas_rows[i]])
+        else:
+            groups.setdefault((type(d), key), []).append(i)
+    for (cls, _), idx in groups.items():
+        group = [decoders[i] for i in idx]
+        start = torch.tensor([canvas_rows[i][0] for i in idx])
+        lens = torch.tensor([d.state.numel() for d in group])
+        j = torch.arange(int(lens.max()))
+        cls.update_batch(group, preds, torch.where(j < lens[:, None], start[:, None] + j, -1))
+
 
 def merge_stats(all_stats) -> dict:
     """Sum per-request method counters (ints, or per-node lists) into one dict."""

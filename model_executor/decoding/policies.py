@@ -1,12 +1,13 @@
 """Spatial policies: which masked positions of the current block one prediction commits.
 
-Engine-agnostic functions over one block's confidences. ``conf`` holds the confidence of the predicted
-token at every position of the block and ``-inf`` where the position is already decoded, so
-``isfinite(conf)`` is the set of masked positions. Each returns a boolean mask of the positions to
-commit; it is never empty while a masked position remains (the top-1 always commits), so every forward
-makes progress.
+Engine-agnostic functions over blocks' confidences, ``conf [..., L]`` (one block, or a batch of blocks one
+per row): the confidence of the predicted token at every position and ``-inf`` where the position is
+already decoded (or past a shorter block's end), so ``isfinite(conf)`` is the set of masked positions. Each
+returns a boolean mask of the positions to commit; it is never empty while a row has a masked position (the
+top-1 always commits), so every forward makes progress.
 
-:class:`PolicyDecoder` runs a policy alone: one forward, one commit, repeat.
+:class:`PolicyDecoder` runs a policy alone: one forward, one commit, repeat. Greedy policy decoders of a step
+update together (:meth:`PolicyDecoder.update_batch`): a handful of tensor ops for all requests.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ Policy = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _top1(conf: torch.Tensor) -> torch.Tensor:
+    """The most confident masked position of each row (first on ties); none in a row without one."""
     out = torch.zeros_like(conf, dtype=torch.bool)
-    if torch.isfinite(conf).any():
-        out[conf.argmax()] = True
-    return out
+    out.scatter_(-1, conf.argmax(-1, keepdim=True), True)
+    return out & torch.isfinite(conf).any(-1, keepdim=True)
 
 
 def static_policy(conf: torch.Tensor) -> torch.Tensor:
@@ -46,9 +47,10 @@ def localleap_policy(conf: torch.Tensor, threshold: float = 0.9, relaxed_thresho
     the PSD paper only cites LocalLeap's defaults.)"""
     masked = torch.isfinite(conf)
     anchors = masked & (conf >= threshold)
-    idx = torch.arange(conf.numel(), device=conf.device)
-    near = ((idx[:, None] - idx[None, :]).abs() <= radius) & anchors[None, :]
-    return _top1(conf) | anchors | (near.any(-1) & masked & (conf >= relaxed_threshold))
+    idx = torch.arange(conf.shape[-1], device=conf.device)
+    window = (idx[:, None] - idx[None, :]).abs() <= radius  # [L, L]
+    near = (window & anchors[..., None, :]).any(-1)
+    return _top1(conf) | anchors | (near & masked & (conf >= relaxed_threshold))
 
 
 SPATIAL_POLICIES = ("static", "confidence", "localleap")
@@ -79,3 +81,23 @@ class PolicyDecoder(BlockDecoder):
     def update(self, logits):
         pred = predict(logits[0], self.state, self.mask_id, temperature=self.temperature, generator=self.generator)
         self.state = commit(self.state, pred, self.policy(pred.conf) & self.masked)
+
+    def batch_key(self):
+        # sampling draws from each request's own generator; a subclass may do more in update (calibration)
+        if self.temperature > 0 or type(self).update is not PolicyDecoder.update:
+            return None
+        p = self.policy
+        return getattr(p, "func", p), tuple(sorted(getattr(p, "keywords", {}).items())), self.mask_id
+
+    @classmethod
+    def update_batch(cls, decoders, preds, rows):
+        """Every decoder's step at once: states ``[R, L]`` (padded with -1, never the mask), the predictions at
+        ``rows``, the policy over all rows, one commit; each decoder keeps a view of its row."""
+        lens = [d.state.numel() for d in decoders]
+        state = torch.nn.utils.rnn.pad_sequence([d.state for d in decoders], batch_first=True, padding_value=-1)
+        r = rows.clamp(min=0).to(preds.tokens.device)
+        masked = state == decoders[0].mask_id
+        conf = torch.where(masked, preds.conf[r], torch.full_like(preds.conf[r], float("-inf")))
+        new = torch.where(decoders[0].policy(conf) & masked, preds.tokens[r], state)
+        for d, row, n in zip(decoders, new, lens):
+            d.state = row[:n]

@@ -37,7 +37,7 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from attention_backends.vllm_backend import StepLayout
-from model_executor.decoding import make_decoder, merge_stats, predict_rows
+from model_executor.decoding import make_decoder, merge_stats, predict_rows, update_all
 from model_executor.dllm_request import DLLMRequest, DLLMStep
 from model_executor.models.configs import ArchSpec
 
@@ -214,6 +214,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         decs = (self._served(req_ids[i]).req.dec for i in self._logit_rows)
         topk = max((d.topk for d in decs if d is not None), default=0)
         preds = predict_rows(logits, topk)  # once for every canvas of every request
+        decoding = [i for i in self._logit_rows if not self._served(req_ids[i]).rebuild]
+        update_all([self._served(req_ids[i]).req.dec for i in decoding], preds,
+                   [self._logit_rows[i] for i in decoding])  # greedy policy decoders together
         outs: list[list[int]] = []
         for i, rid in enumerate(req_ids):
             s = self._served(rid)
@@ -223,8 +226,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 s.step, s.pending, s.rebuild = s.pending, None, False
                 s.drafts = s.step.tokens[0, s.step.b0 - s.step.w0:].tolist()
             elif i in self._logit_rows:
-                st, L = s.step, s.step.block_len
-                emit = s.req.apply(st, [preds[j: j + L] for j in self._logit_rows[i]])
+                emit = s.req.stepped(s.step)
                 s.step = None
                 if s.req.done:
                     self._record(rid, s)
