@@ -75,6 +75,54 @@ def test_bad_configs_fail_clearly():
         ArchSpec.from_hf_config({"model_type": "Dream", "eos_token_id": 0})
 
 
+@pytest.mark.parametrize("family,field,value", [
+    ("llada", "scale_logits", True), ("llada", "input_emb_norm", True), ("llada", "alibi", True),
+    ("llada", "rope", False), ("llada", "activation_type", "swiglu"), ("llada", "layer_norm_type", "default"),
+    ("llada", "rope_full_precision", False), ("llada", "block_type", "sequential"),
+    ("dream", "rope_scaling", {"rope_type": "linear", "factor": 2.0}), ("dream", "hidden_act", "gelu"),
+    ("sdar", "rope_scaling", {"rope_type": "dynamic", "factor": 4.0}), ("sdar", "use_sliding_window", True),
+])
+def test_unimplemented_config_values_are_refused(tiny_checkpoints, tmp_path, family, field, value):
+    """A field the model classes read only at its default is refused at another value, naming the field and the
+    supported value, by the reference model and by the config vLLM reads; the default itself loads."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    src = tiny_checkpoints[family]
+    cfg = json.loads((src / "config.json").read_text())
+    dst = shutil.copytree(src, tmp_path / "ckpt")
+    (dst / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(ValueError, match=f"config.json: {field} .* is not implemented .*; supported: "):
+        ReferenceDLLM.from_pretrained(dst)
+    register_configs()
+    with pytest.raises(ValueError, match=f"config.json: {field} "):
+        ArchSpec.from_hf_config(AutoConfig.from_pretrained(str(dst)))
+    default = {"rope_scaling": None, "scale_logits": False, "input_emb_norm": False, "alibi": False, "rope": True,
+               "activation_type": "silu", "layer_norm_type": "rms", "rope_full_precision": True,
+               "block_type": "llama", "hidden_act": "silu", "use_sliding_window": False}[field]
+    (dst / "config.json").write_text(json.dumps({**cfg, field: default}))
+    ReferenceDLLM.from_pretrained(dst)
+
+
+def test_llada_mlp_width_from_mlp_ratio(tiny_checkpoints, tmp_path):
+    """``mlp_hidden_size: null`` means ``mlp_ratio * d_model``, as in LLaDA's own code."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    src = tiny_checkpoints["llada"]
+    cfg = json.loads((src / "config.json").read_text())
+    ratio = cfg["mlp_hidden_size"] // cfg["d_model"]
+    assert ratio * cfg["d_model"] == cfg["mlp_hidden_size"]
+    dst = shutil.copytree(src, tmp_path / "ckpt")
+    (dst / "config.json").write_text(json.dumps({**cfg, "mlp_hidden_size": None, "mlp_ratio": ratio}))
+    ids = _ids(9)
+    assert torch.equal(ReferenceDLLM.from_pretrained(dst)(ids), ReferenceDLLM.from_pretrained(src)(ids))
+    register_configs()
+    assert AutoConfig.from_pretrained(str(dst)).intermediate_size == cfg["mlp_hidden_size"]  # what vLLM reads
+
+
 def test_read_config_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         read_config(tmp_path)

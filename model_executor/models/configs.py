@@ -11,6 +11,7 @@ logits are shifted, the attention pattern, the mask token).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,10 +31,14 @@ class LLaDAConfig(PretrainedConfig):
                  vocab_size=126464, embedding_size=None, rope_theta=500000.0, rms_norm_eps=1e-5,
                  max_sequence_length=4096, mask_token_id=126336, eos_token_id=126081, pad_token_id=126081,
                  bos_token_id=126080, weight_tying=False, include_bias=False, include_qkv_bias=False,
-                 rope=True, layer_norm_type="rms", block_type="llama", activation_type="silu", **kwargs):
+                 rope=True, layer_norm_type="rms", block_type="llama", activation_type="silu", mlp_ratio=4,
+                 **kwargs):
         self.d_model, self.n_layers, self.n_heads = d_model, n_layers, n_heads
         self.n_kv_heads = n_kv_heads if n_kv_heads is not None else n_heads
-        self.mlp_hidden_size, self.vocab_size = mlp_hidden_size, vocab_size
+        # LLaDA's own code: the MLP width is mlp_hidden_size, or mlp_ratio * d_model when that is null
+        self.mlp_ratio = mlp_ratio
+        self.mlp_hidden_size = mlp_hidden_size if mlp_hidden_size is not None else mlp_ratio * d_model
+        self.vocab_size = vocab_size
         self.embedding_size = embedding_size if embedding_size is not None else vocab_size
         self.rope_theta, self.rms_norm_eps = rope_theta, rms_norm_eps
         self.max_sequence_length, self.mask_token_id = max_sequence_length, mask_token_id
@@ -89,6 +94,34 @@ def register_configs() -> None:
 
 
 AttentionKind = Literal["bidirectional", "block_causal", "causal"]
+
+# Config fields whose other values change the computation in ways the model classes do not implement: a
+# checkpoint that sets one is refused (naming the field and what is supported), never decoded wrongly. An
+# absent field means its default, the supported value.
+SUPPORTED_VALUES = {
+    "llada": {"scale_logits": (False,), "input_emb_norm": (False,), "alibi": (False,), "rope": (True,),
+              "activation_type": ("silu",), "layer_norm_type": ("rms",), "rope_full_precision": (True,),
+              "block_type": ("llama",), "attention_layer_norm": (False,), "clip_qkv": (None,)},
+    "Dream": {"hidden_act": ("silu",), "rope_scaling": (None,), "use_sliding_window": (False,)},
+    "sdar": {"hidden_act": ("silu",), "rope_scaling": (None,), "use_sliding_window": (False,)},
+}
+
+
+def _check_supported(model_type: str, get) -> None:
+    """Refuse a config field set to a value the model classes do not implement (:data:`SUPPORTED_VALUES`)."""
+    missing = object()
+    for field, allowed in SUPPORTED_VALUES.get(model_type, {}).items():
+        value = get(field, missing)
+        if value is missing:
+            continue
+        if field == "rope_scaling" and isinstance(value, dict) and \
+                (value.get("rope_type") or value.get("type")) == "default" and \
+                set(value) <= {"rope_type", "type", "rope_theta"}:
+            continue  # transformers' spelling of "no scaling"
+        if value not in allowed:
+            shown = ", ".join("null" if a is None else json.dumps(a) for a in allowed)
+            raise ValueError(f"config.json: {field} {json.dumps(value)} is not implemented by psd-plugin's "
+                             f"{model_type} model classes; supported: {shown}")
 
 
 @dataclass(frozen=True)
@@ -153,10 +186,13 @@ class ArchSpec:
             eos = eos[0]
         if eos is None:
             raise ValueError("config.json: eos_token_id is missing")
+        _check_supported(model_type, get)
         if model_type == "llada":
             hidden, heads = get("d_model"), get("n_heads")
             kv = get("n_kv_heads") or heads
-            return cls("llada", hidden, get("n_layers"), heads, kv, hidden // heads, get("mlp_hidden_size"),
+            mlp = get("mlp_hidden_size")
+            mlp = mlp if mlp is not None else int(get("mlp_ratio", 4) or 4) * hidden  # as LLaDA's own code
+            return cls("llada", hidden, get("n_layers"), heads, kv, hidden // heads, mlp,
                        get("embedding_size") or get("vocab_size"), float(get("rope_theta", 10000.0)),
                        float(get("rms_norm_eps", 1e-5)), int(get("max_sequence_length", 4096)), int(mask),
                        int(eos), bool(get("include_qkv_bias", False) or get("include_bias", False)), False,
