@@ -255,14 +255,16 @@ def cmd_demo(args) -> int:
             raise UsageError(f"psd demo decodes dLLMs; --method {method!r} is for AR targets (see psd generate)")
         prompts = [encode(tok, r["prompt"]) for r in rows]
         res = engine.generate(prompts, **kw)
-        getattr(engine, "close", lambda: None)()
+        from .vllm.engine import VLLMEngine
+
+        on_vllm = isinstance(engine, VLLMEngine)
+        if on_vllm:
+            engine.close()
         # static decoding's forwards on the same items; the reference engine counts them as vLLM does (tested)
-        ref, _ = load(args.model, "float32")
+        ref = load(args.model, "float32")[0] if on_vllm else engine
         static = ref.generate(prompts, **{k: v for k, v in kw.items() if k in ("max_tokens", "block_size")},
                               method="static")
-    from .vllm.engine import VLLMEngine
-
-    where = "vLLM" if isinstance(engine, VLLMEngine) else "the reference engine"
+    where = "vLLM" if on_vllm else "the reference engine"
     show = lambda t: t.replace("\n", "\\n")  # noqa: E731  (one line per item)
     answers = [decode_answer(tok, r.token_ids) for r in res]
     right = [grade(row, a) for row, a in zip(rows, answers)]

@@ -156,9 +156,9 @@ class BlockDecoder:
     @classmethod
     def update_batch(cls, decoders: list["BlockDecoder"], preds: RowPredictions, rows: torch.Tensor) -> None:
         """One step of several decoders of this class whose only canvas is their state: ``rows [R, L]`` are
-        the rows of ``preds`` holding each one's block predictions (-1 past a shorter block)."""
-        for d, r in zip(decoders, rows):
-            d.update([preds[int(r[0]): int(r[0]) + d.state.numel()]])
+        the rows of ``preds`` holding each one's block predictions (-1 past a shorter block). A class whose
+        :meth:`batch_key` is not None implements it."""
+        raise NotImplementedError(f"{cls.__name__} has a batch_key but no update_batch")
 
 
 def update_all(decoders: list[BlockDecoder], preds: RowPredictions, canvas_rows: list[list[int]]) -> None:

@@ -97,7 +97,7 @@ class PolicyDecoder(BlockDecoder):
         state = torch.nn.utils.rnn.pad_sequence([d.state for d in decoders], batch_first=True, padding_value=-1)
         r = rows.clamp(min=0).to(preds.tokens.device)
         masked = state == decoders[0].mask_id
-        conf = torch.where(masked, preds.conf[r], torch.full_like(preds.conf[r], float("-inf")))
+        conf = preds.conf[r].masked_fill_(~masked, float("-inf"))  # the gather is a copy: fill in place
         new = torch.where(decoders[0].policy(conf) & masked, preds.tokens[r], state)
         for d, row, n in zip(decoders, new, lens):
             d.state = row[:n]
