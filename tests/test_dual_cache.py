@@ -13,16 +13,14 @@ import torch.nn.functional as F
 
 from model_executor.decoding import make_decoder
 from model_executor.engine import ReferenceEngine
-from model_executor.models.reference import rope_cos_sin
 from psd_plugin import DEFAULT_DLLM
 
 
 def _dense_forward(model, ids, positions, kept=None, keys_at=None):
     """Outputs of ``ids`` at ``positions``; each layer's rows attend to themselves and, when given, to the
     ``kept`` per-layer K/V ``[Hkv, N, D]`` at the positions ``keys_at`` of it. Returns (outputs, per-layer K/V)."""
-    spec = model.spec
     x = model.embed(ids)[None]
-    cos, sin = rope_cos_sin(positions[None], spec.head_dim, spec.rope_theta, x.dtype)
+    cos, sin = model._rope(positions[None], x.dtype)
     kvs = []
     for i, layer in enumerate(model.layers):
         q, k, v = (t.transpose(1, 2) for t in layer._qkv(x, cos, sin))  # [1, H, L, D]

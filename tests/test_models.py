@@ -196,3 +196,85 @@ def test_paged_forward_matches_full_forward(tiny_checkpoints, family):
         alone = paged(other[8:], torch.arange(8, 12), 8, [0, 4])
     assert torch.allclose(two[:4], full[8:], atol=1e-10)
     assert torch.allclose(two[4:], alone, atol=1e-10)
+
+
+def _sdar_without(src, dst, fields, mask_name=None):
+    """A copy of an SDAR checkpoint whose config.json lacks ``fields``; ``mask_name`` renames the tokenizer's
+    mask token (SDAR's tokenizers call it ``<|MASK|>``)."""
+    import shutil
+
+    dst = shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in fields}))
+    if mask_name:
+        for f in dst.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens")):
+                f.write_text(f.read_text().replace("<|mdm_mask|>", mask_name))
+    return dst
+
+
+def test_sdar_config_without_mask_and_block_reads_tokenizer_and_published_default(tiny_checkpoints, tmp_path,
+                                                                                   caplog):
+    """SDAR's published configs may lack mask_token_id and block_size: the mask id comes from the tokenizer's
+    <|MASK|>, the block size is SDAR's published 4, each choice logged once; the logits are the same model's."""
+    import logging
+
+    from transformers import AutoConfig
+
+    src = tiny_checkpoints["sdar"]
+    want = ArchSpec.from_hf_config(read_config(src))
+    assert want.block_size == 4
+    dst = _sdar_without(src, tmp_path / "sdar", ("mask_token_id", "block_size"), mask_name="<|MASK|>")
+    with caplog.at_level(logging.WARNING, logger="model_executor.models.configs"):
+        got = ReferenceDLLM.from_pretrained(dst)
+        ReferenceDLLM.from_pretrained(dst)
+        register_configs()
+        hf = AutoConfig.from_pretrained(str(dst))
+        assert getattr(hf, "mask_token_id", None) is None and hf.block_size is None
+        assert ArchSpec.from_hf_config(hf) == got.spec  # what vLLM's model class and runner read
+    assert got.spec == want and got.spec.mask_token_id == 2
+    logs = [r.getMessage() for r in caplog.records]
+    assert sum("no mask_token_id; using the tokenizer's <|MASK|>, id 2" in m for m in logs) == 1, logs
+    assert sum("no block_size; using SDAR's published block size 4" in m for m in logs) == 1, logs
+    ids = _ids(11)
+    with torch.no_grad():
+        assert torch.equal(got(ids), ReferenceDLLM.from_pretrained(src)(ids))
+
+
+def test_sdar_config_without_mask_and_no_mask_token_is_refused(tiny_checkpoints, tmp_path):
+    dst = _sdar_without(tiny_checkpoints["sdar"], tmp_path / "sdar", ("mask_token_id",))
+    with pytest.raises(ValueError, match=r"no mask_token_id and its tokenizer has no <\|MASK\|>.*--hf-overrides"):
+        ReferenceDLLM.from_pretrained(dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "block_size": 0, "mask_token_id": 2}))
+    with pytest.raises(ValueError, match="config.json: block_size 0; an SDAR block size is a positive integer"):
+        ReferenceDLLM.from_pretrained(dst)
+
+
+@pytest.mark.parametrize("family", ["dream", "sdar"])
+def test_bf16_logits_equal_the_authors_architecture(tiny_checkpoints, family):
+    """Dream is Qwen2's architecture and SDAR Qwen3's (q/k norm) under their own attention masks; their code,
+    like transformers' Qwen2/Qwen3, casts RoPE's cos/sin to the activation dtype before rotating. In bfloat16
+    the reference model gives the same logits bit for bit as transformers' classes on the same tensors (it
+    differed by ~1e-2 while it rotated in float32)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    path = tiny_checkpoints[family]
+    cfg = json.loads((path / "config.json").read_text())
+    C, M = {"dream": (Qwen2Config, Qwen2ForCausalLM), "sdar": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    fields = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "rope_theta", "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings")
+    config = C(**{k: cfg[k] for k in fields if k in cfg}, head_dim=cfg["hidden_size"] // cfg["num_attention_heads"])
+    hf = M.from_pretrained(str(path), config=config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    assert set(hf.state_dict()) == set(load_file(str(path / "model.safetensors")))  # every tensor, by its name
+    ref = ReferenceDLLM.from_pretrained(path, dtype=torch.bfloat16)
+    ids = _ids(23)
+    pos = torch.arange(23)[None]
+    from model_executor.models.reference import attention_mask
+
+    mask = attention_mask(ref.spec, pos, pos)
+    mask = torch.ones(1, 1, 23, 23, dtype=torch.bool) if mask is None else mask
+    with torch.no_grad():
+        want = hf(input_ids=ids, attention_mask=mask).logits
+        got = ref(ids)
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()

@@ -11,11 +11,22 @@ logits are shifted, the attention pattern, the mask token).
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from transformers import PretrainedConfig
+
+logger = logging.getLogger(__name__)
+
+# SDAR's published block size, and the name of its mask token in the SDAR tokenizers (id 151669 in the 4B/8B
+# chat models): what a config without ``block_size`` / ``mask_token_id`` means (:func:`sdar_defaults`).
+SDAR_BLOCK_SIZE = 4
+SDAR_MASK_TOKEN = "<|MASK|>"
 
 
 class LLaDAConfig(PretrainedConfig):
@@ -76,8 +87,8 @@ class SDARConfig(_QwenStyleConfig):
 
     model_type = "sdar"
 
-    def __init__(self, block_size=4, **kwargs):
-        self.block_size = block_size
+    def __init__(self, block_size=None, **kwargs):
+        self.block_size = block_size  # None: SDAR's published 4, logged when read (ArchSpec.from_hf_config)
         super().__init__(**kwargs)
 
 
@@ -148,6 +159,13 @@ class ArchSpec:
     block_size: int | None  # SDAR's attention block; None for fully bidirectional models
     tie_embeddings: bool
 
+    @property
+    def rope_in_float32(self) -> bool:
+        """Whether RoPE rotates in float32 whatever the activation dtype: LLaDA (``rope_full_precision``, the
+        only value it supports). Dream's, SDAR's and Llama's own code casts cos/sin to the activation dtype
+        and rotates there, so bfloat16 serving rotates in bfloat16 as they do."""
+        return self.family == "llada"
+
     @classmethod
     def from_ar_config(cls, config: dict) -> "ArchSpec":
         """A Llama-format autoregressive model (PRESTO's target), causal attention; errors name the field."""
@@ -178,9 +196,13 @@ class ArchSpec:
             raise ValueError(f"config.json: unknown model_type {model_type!r}; a dLLM checkpoint must have "
                              f"model_type one of {sorted(CONFIG_CLASSES)}")
         mask = get("mask_token_id")
+        if mask is None and model_type == "sdar":
+            mask = sdar_mask_from_tokenizer(get("_name_or_path"))
         if mask is None:
-            raise ValueError(f"config.json: model_type {model_type!r} has no mask_token_id; dLLM decoding "
-                             "needs the id of the mask token (e.g. <|mdm_mask|>) in config.json")
+            where = f" and its tokenizer has no {SDAR_MASK_TOKEN}" if model_type == "sdar" else ""
+            raise ValueError(f"config.json: model_type {model_type!r} has no mask_token_id{where}; dLLM decoding "
+                             "needs the id of the mask token (e.g. <|mdm_mask|>): set mask_token_id in config.json "
+                             "or with --hf-overrides '{\"mask_token_id\": N}'")
         eos = get("eos_token_id")
         if isinstance(eos, (list, tuple)):
             eos = eos[0]
@@ -208,6 +230,46 @@ class ArchSpec:
         if model_type == "Dream":
             return cls("dream", **common, qkv_bias=True, qk_norm=False, shift_logits=True,
                        attention="bidirectional", block_size=None)
-        block = int(get("block_size", 4) or 4)
+        block = get("block_size")
+        if block is None:
+            block = _sdar_default_block(str(get("_name_or_path") or "?"))
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            raise ValueError(f"config.json: block_size {json.dumps(block)}; an SDAR block size is a positive integer")
         return cls("sdar", **common, qkv_bias=False, qk_norm=True, shift_logits=False,
                    attention="block_causal", block_size=block)
+
+
+@functools.lru_cache(maxsize=None)
+def _sdar_default_block(model: str) -> int:
+    logger.warning("%s: config.json has no block_size; using SDAR's published block size %d (set it with "
+                   "--hf-overrides '{\"block_size\": N}')", model, SDAR_BLOCK_SIZE)
+    return SDAR_BLOCK_SIZE
+
+
+@functools.lru_cache(maxsize=None)
+def sdar_mask_from_tokenizer(model_dir: str | None) -> int | None:
+    """The id of SDAR's mask token ``<|MASK|>`` in the tokenizer next to a config without ``mask_token_id``
+    (SDAR's published configs may lack it; its generator takes it as an argument). Logged once per model; None
+    when there is no such tokenizer or token (the caller then refuses the config, naming the field)."""
+    if not model_dir or not Path(model_dir).is_dir():
+        return None
+    mask = None
+    tj = Path(model_dir) / "tokenizer.json"
+    try:
+        if tj.exists():
+            from tokenizers import Tokenizer
+
+            mask = Tokenizer.from_file(str(tj)).token_to_id(SDAR_MASK_TOKEN)
+        else:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(os.fspath(model_dir))
+            ids = tok.convert_tokens_to_ids([SDAR_MASK_TOKEN])
+            mask = ids[0] if ids and ids[0] != tok.unk_token_id else None
+    except Exception as e:  # an unreadable tokenizer: the caller's error names the missing field
+        logger.warning("%s: could not read the tokenizer for the mask token: %s", model_dir, e)
+        return None
+    if mask is not None:
+        logger.warning("%s: config.json has no mask_token_id; using the tokenizer's %s, id %d (set it with "
+                       "--hf-overrides '{\"mask_token_id\": N}')", model_dir, SDAR_MASK_TOKEN, mask)
+    return mask

@@ -6,7 +6,9 @@ model classes are tested against, the model the training script optimises, and t
 machines without vLLM (GPU boxes).
 
 Numerics follow the original code: RMSNorm in float32 then times the weight, NeoX-style RoPE (rotate
-half) with angles computed in float32, SwiGLU MLP ``down(silu(gate(h)) * up(h))``.
+half) with angles computed in float32 and the rotation in float32 for LLaDA (``rope_full_precision``) but in
+the activation dtype for Dream, SDAR and Llama (their code casts cos/sin first), SwiGLU MLP
+``down(silu(gate(h)) * up(h))``.
 
 ``forward`` returns the raw per-position outputs. For Dream those are *shifted*: the prediction for
 position ``i`` is the output at ``i - 1``; :meth:`ReferenceDLLM.token_logits` applies that shift for a
@@ -175,7 +177,7 @@ class ReferenceDLLM(nn.Module):
         if isinstance(mask, str):
             mask = attention_mask(self.spec, positions, positions)
         x = self.embed(input_ids)
-        cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, x.dtype)
+        cos, sin = self._rope(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         return self._head(x)
@@ -193,10 +195,19 @@ class ReferenceDLLM(nn.Module):
             kw["cached"] = torch.full((input_ids.numel(),), -1, dtype=torch.long)
             kw["cached"][write[1].cpu()] = write[0].long().cpu()
         attn.plan(plan, s.num_heads, s.num_kv_heads, s.head_dim, x.dtype, device=x.device, **kw)
-        cos, sin = rope_cos_sin(positions, s.head_dim, s.rope_theta, x.dtype)
+        cos, sin = self._rope(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer.forward_paged(i, x, cos, sin, attn, cache, write)
         return self._head(x if logits_rows is None else x[logits_rows])
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for ``positions``: angles in float32 (float64 on the exactness path), then in the activation
+        dtype unless the family rotates in full precision (:attr:`ArchSpec.rope_in_float32`), as the authors'
+        code does (Dream/SDAR/Llama cast cos/sin to the activations' dtype before rotating; LLaDA does not)."""
+        cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, dtype)
+        if not self.spec.rope_in_float32:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos, sin
 
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         x = self.norm(x)
@@ -220,6 +231,7 @@ def read_config(path: str | os.PathLike, allow_ar: bool = False) -> dict:
         cfg = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{f}: not valid JSON ({e})") from None
+    cfg.setdefault("_name_or_path", str(path))  # as transformers' configs carry it (SDAR's mask token lookup)
     if cfg.get("model_type") not in CONFIG_CLASSES and not (allow_ar and cfg.get("model_type") == "llama"):
         ArchSpec.from_hf_config(cfg)  # raises the unknown-model_type error
     return cfg

@@ -57,8 +57,11 @@ class DLLMDecoderLayer(nn.Module):
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, eps=spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, eps=spec.rms_norm_eps)
+        # LLaDA rotates in float32 (rope_full_precision); the others in the activation dtype, as their code does
+        self.rope_fp32 = spec.rope_in_float32
         self.rotary_emb = get_rope(d, max_position=spec.max_position, is_neox_style=True,
-                                   rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta})
+                                   rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+                                   dtype=torch.float32 if self.rope_fp32 else None)
         self.attn = PSDAttention(spec.num_heads, d, d**-0.5, num_kv_heads=spec.num_kv_heads,
                                  pattern=spec.attention, block_size=spec.block_size or 0,
                                  cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
@@ -74,7 +77,12 @@ class DLLMDecoderLayer(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q.reshape(-1, self.head_dim)).reshape(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).reshape(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.rope_fp32 and q.dtype != torch.float32:
+            dt = q.dtype
+            q, k = self.rotary_emb(positions, q.float(), k.float())
+            q, k = q.to(dt), k.to(dt)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
         a, _ = self.o(self.attn(q, k, v))
         x = x + a
         m, _ = self.down(self.act(self.gate_up(self.mlp_norm(x))[0]))
