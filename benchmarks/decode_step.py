@@ -70,7 +70,7 @@ def main() -> None:
             logits = base[idx]  # the step's logits (not timed)
             t0 = time.perf_counter()
             if args.mode == "batched":
-                preds = predict_rows(logits, max(d.topk for d in live))
+                preds = predict_rows(logits, max(d.topk for d in live), mask_id=mask)
             else:
                 preds = logits
             if args.mode == "batched":  # as the engines do: greedy policy decoders in one batched update

@@ -18,7 +18,7 @@ KV-cache modes (``cache``):
 - ``dual`` (Fast-dLLM DualCache; LLaDA, Dream): as ``prefix``, and the block's first step also keeps the
   K/V of the masks after the block; later steps forward the block alone (from ``b0 - 1`` for Dream) against
   the cached prefix and that kept suffix, which is refreshed by the next block's first step.
-- ``block`` (SDAR, exact): blocks are aligned to absolute positions (``position // block_size``, the
+- ``block`` (SDAR, LLaDA2: block-causal; exact): blocks are aligned to absolute positions (``position // block_size``, the
   model's attention block), the K/V of finished blocks is exact and cached; the forward that finishes a
   block's K/V is fused with the first step of the next block (one model call, block-causal mask), so
   the cache costs no extra forward.
@@ -85,12 +85,13 @@ class ReferenceEngine:
         if cache not in CACHE_MODES:
             raise ValueError(f"cache {cache!r}; allowed: {', '.join(CACHE_MODES)}")
         if cache == "block" and spec.attention != "block_causal":
-            raise ValueError(f"cache 'block' is exact only for block-causal models (SDAR); {spec.family} "
+            raise ValueError(f"cache 'block' is exact only for block-causal models (SDAR, LLaDA2); {spec.family} "
                              "allows: none, prefix, dual")
         if cache in ("prefix", "dual") and spec.attention == "block_causal":
-            raise ValueError(f"cache {cache!r} is for bidirectional models; SDAR allows: none, block")
+            raise ValueError(f"cache {cache!r} is for bidirectional models; a block-causal {spec.family} model "
+                             "allows: none, block")
         if spec.attention == "block_causal" and block_size != spec.block_size:
-            raise ValueError(f"block_size {block_size}: an SDAR model decodes in its attention block of "
+            raise ValueError(f"block_size {block_size}: a block-causal {spec.family} model decodes in its attention block of "
                              f"{spec.block_size} tokens")
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0 (got {max_tokens})")
@@ -104,7 +105,7 @@ class ReferenceEngine:
                                  f"context of {spec.max_position} tokens")
         make_decoder(method, torch.zeros(1, dtype=torch.long), spec.mask_token_id, **knobs)  # validate knobs early
         results: list[GenerationResult | None] = [None] * len(prompts)
-        aligned = cache == "block" or spec.attention == "block_causal"  # SDAR: model-aligned blocks
+        aligned = cache == "block" or spec.attention == "block_causal"  # SDAR, LLaDA2: model-aligned blocks
         for s in range(0, len(prompts), batch_size):
             idx = list(range(s, min(len(prompts), s + batch_size)))
             reqs: list[DLLMRequest] = []
@@ -143,7 +144,8 @@ class ReferenceEngine:
         logits = self._forward([(seq, st) for (seq, _), st in zip(live, steps)])
         self.step_time["forward_seconds"] += time.perf_counter() - t0
         self.step_time["steps"] += 1
-        preds = predict_rows(logits, max(r.dec.topk for _, r in live))  # once for every canvas of every request
+        # once for every canvas of every request; the mask token is never a prediction
+        preds = predict_rows(logits, max(r.dec.topk for _, r in live), mask_id=self.spec.mask_token_id)
         firsts, i = [], 0
         for st in steps:
             firsts.append([i + k * st.block_len for k in range(st.num_canvases)])

@@ -15,6 +15,7 @@ MODEL_CLASSES = {
     "LLaDAModelLM": "model_executor.models.vllm_models:LLaDAModelLM",
     "DreamModel": "model_executor.models.vllm_models:DreamModel",
     "SDARForCausalLM": "model_executor.models.vllm_models:SDARForCausalLM",
+    "LLaDA2MoeModelLM": "model_executor.models.vllm_models:LLaDA2MoeModelLM",
     "PSDLlamaForCausalLM": "model_executor.models.vllm_models:PSDLlamaForCausalLM",  # PRESTO's target
 }
 

@@ -32,7 +32,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                    "ar | linear | presto (AR targets; the embedded AR model when no --model)")
     p.add_argument("--config", default=None, help='method knobs as JSON, e.g. \'{"threshold": 0.9, "cache": "prefix"}\'')
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=None, help="decoding block (default 8; SDAR: its attention block)")
+    p.add_argument("--block-size", type=int, default=None, help="decoding block (default 8; SDAR, LLaDA2: its attention block)")
     p.add_argument("--dtype", choices=["float32", "float64", "bfloat16"], default="float32")
     p.add_argument("--device", default="cpu", help="--engine reference: torch device (cpu, cuda, cuda:1 ...)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto",
@@ -130,7 +130,7 @@ def _setup(args):
     engine_kind = args.engine or ("vllm" if dllm and _has_vllm() else "reference")
     if engine_kind == "vllm":
         if not dllm:
-            raise UsageError("--engine vllm decodes dLLMs (LLaDA, Dream, SDAR); run AR baselines with --engine reference")
+            raise UsageError("--engine vllm decodes dLLMs (LLaDA, Dream, SDAR, LLaDA2); run AR baselines with --engine reference")
         if args.dtype == "float64":
             raise UsageError("--dtype float64 runs on --engine reference only; vLLM allows: float32, bfloat16")
         if not _has_vllm():
@@ -329,7 +329,7 @@ def cmd_calibrate(args) -> int:
     if not (Path(model) / "config.json").exists():
         raise UsageError(f"--model {model}: not a model directory (no config.json)")
     if not is_dllm(model):
-        raise UsageError(f"--model {model}: Spiffy calibrates dLLM checkpoints (LLaDA, Dream, SDAR)")
+        raise UsageError(f"--model {model}: Spiffy calibrates dLLM checkpoints (LLaDA, Dream, SDAR, LLaDA2)")
     for name in ("lookahead", "budget", "block_size", "max_tokens"):
         if getattr(args, name) <= 0:
             raise UsageError(f"--{name.replace('_', '-')} must be > 0 (got {getattr(args, name)})")

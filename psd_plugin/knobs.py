@@ -24,7 +24,7 @@ class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     - ``budget``: Spiffy's pruned draft count D* per forward.
     - ``cache``: ``none`` | ``prefix`` (LLaDA, Dream; default) | ``dual`` (LLaDA, Dream: Fast-dLLM's DualCache,
       the block's later steps forward the block alone against the prefix and the masks after it as the block's
-      first step left them) | ``block`` (SDAR, exact; default for SDAR).
+      first step left them) | ``block`` (block-causal SDAR and LLaDA2, exact; their default).
     """
 
     threshold: Threshold = 0.9

@@ -7,7 +7,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from psd_plugin import DEFAULT_DLLM  # noqa: E402
 
-FAMILIES = ("llada", "dream", "sdar")
+FAMILIES = ("llada", "dream", "sdar", "llada2")
 
 
 @pytest.fixture(scope="session")

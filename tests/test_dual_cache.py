@@ -106,5 +106,5 @@ def test_freedave_and_spiffy_are_lossless_with_the_dual_cache(engine64, mixed_pr
 
 def test_dual_is_refused_for_sdar(tiny_checkpoints):
     eng = ReferenceEngine.from_pretrained(tiny_checkpoints["sdar"])
-    with pytest.raises(ValueError, match="cache 'dual' is for bidirectional models; SDAR allows: none, block"):
+    with pytest.raises(ValueError, match="cache 'dual' is for bidirectional models; a block-causal sdar model allows: none, block"):
         eng.generate([[1, 2, 3]], block_size=4, cache="dual")

@@ -30,7 +30,7 @@ def test_policies():
 
 
 @pytest.mark.parametrize("family,caches", [("llada", ["none", "prefix"]), ("dream", ["none", "prefix"]),
-                                           ("sdar", ["none", "block"])])
+                                           ("sdar", ["none", "block"]), ("llada2", ["none", "block"])])
 @pytest.mark.parametrize("method", ["static", "confidence"])
 def test_batch_equals_single_float64(tiny_checkpoints, prompt_ids, family, caches, method):
     eng = ReferenceEngine.from_pretrained(tiny_checkpoints[family], dtype=torch.float64)
@@ -46,10 +46,12 @@ def test_batch_equals_single_float64(tiny_checkpoints, prompt_ids, family, cache
             assert all(r.nfe == 12 and len(r.token_ids) == 12 for r in batch)
 
 
-def test_sdar_block_cache_is_exact(tiny_checkpoints, prompt_ids):
-    eng = ReferenceEngine.from_pretrained(tiny_checkpoints["sdar"], dtype=torch.float64)
-    a = eng.generate(prompt_ids, max_tokens=14, block_size=4, method="static", cache="none")
-    b = eng.generate(prompt_ids, max_tokens=14, block_size=4, method="static", cache="block")
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_block_causal_block_cache_is_exact(tiny_checkpoints, prompt_ids, family):
+    eng = ReferenceEngine.from_pretrained(tiny_checkpoints[family], dtype=torch.float64)
+    bs = eng.spec.block_size
+    a = eng.generate(prompt_ids, max_tokens=14, block_size=bs, method="static", cache="none")
+    b = eng.generate(prompt_ids, max_tokens=14, block_size=bs, method="static", cache="block")
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
 
 
@@ -100,3 +102,22 @@ def test_bad_arguments(tiny_checkpoints, prompt_ids):
     sdar = ReferenceEngine.from_pretrained(tiny_checkpoints["sdar"])
     with pytest.raises(ValueError, match="attention block of 4"):
         sdar.generate(prompt_ids, block_size=8)
+
+
+@pytest.mark.parametrize("method", ["static", "confidence", "localleap", "lopa", "freedave", "psd"])
+def test_a_model_that_ranks_the_mask_token_first_still_finishes(tiny_checkpoints, prompt_ids, method):
+    """A random checkpoint can rank the mask token first at a masked position; committing it would leave the
+    position masked and the request stepping forever (found calibrating a random LLaDA2). The mask token is
+    never a prediction: every request ends, with no mask in its answer, in at most one forward per token."""
+    eng = ReferenceEngine.from_pretrained(tiny_checkpoints["llada"])
+    mask, head = eng.spec.mask_token_id, eng.model._head
+
+    def mask_first(x):
+        out = head(x)
+        out[..., mask] += 1e4
+        return out
+
+    eng.model._head = mask_first
+    out = eng.generate(prompt_ids, max_tokens=12, block_size=4, method=method)
+    for r in out:
+        assert mask not in r.token_ids and 0 < len(r.token_ids) <= 12 and r.nfe <= 12

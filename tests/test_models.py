@@ -17,17 +17,24 @@ EXPECTED_NAMES = {
     "dream": ["model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.bias",
               "model.layers.1.mlp.gate_proj.weight", "model.layers.0.post_attention_layernorm.weight"],
     "sdar": ["model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight", "model.norm.weight"],
+    "llada2": ["model.word_embeddings.weight", "model.layers.0.attention.query_key_value.weight",
+               "model.layers.0.attention.dense.weight", "model.layers.0.attention.query_layernorm.weight",
+               "model.layers.1.attention.key_layernorm.weight", "model.layers.0.mlp.gate_proj.weight",
+               "model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.expert_bias",
+               "model.layers.1.mlp.experts.7.down_proj.weight", "model.layers.1.mlp.experts.0.up_proj.weight",
+               "model.layers.1.mlp.shared_experts.gate_proj.weight", "model.norm.weight", "lm_head.weight"],
 }
+ARCH = {"llada": "LLaDAModelLM", "dream": "DreamModel", "sdar": "SDARForCausalLM", "llada2": "LLaDA2MoeModelLM"}
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2"])
 def test_checkpoint_uses_real_names_and_reloads(tiny_checkpoints, family):
     path = tiny_checkpoints[family]
     stored = load_file(str(path / "model.safetensors"))
     for name in EXPECTED_NAMES[family]:
         assert name in stored
     cfg = json.loads((path / "config.json").read_text())
-    assert cfg["architectures"] == [{"llada": "LLaDAModelLM", "dream": "DreamModel", "sdar": "SDARForCausalLM"}[family]]
+    assert cfg["architectures"] == [ARCH[family]]
     model = ReferenceDLLM.from_pretrained(path)
     for ck, canon in checkpoint_names(model.spec).items():
         assert torch.equal(model.canonical_state()[canon], stored[ck])
@@ -53,7 +60,9 @@ def _rewrite(src, dst, edit):
 
 
 @pytest.mark.parametrize("family,name", [("llada", "model.transformer.blocks.1.up_proj.weight"),
-                                         ("dream", "model.layers.0.self_attn.k_proj.bias")])
+                                         ("dream", "model.layers.0.self_attn.k_proj.bias"),
+                                         ("llada2", "model.layers.1.mlp.experts.3.up_proj.weight"),
+                                         ("llada2", "model.layers.1.mlp.gate.expert_bias")])
 def test_missing_unexpected_misshaped_tensors_are_named(tiny_checkpoints, tmp_path, family, name):
     src = tiny_checkpoints[family]
     spec = ArchSpec.from_hf_config(read_config(src))
@@ -137,16 +146,17 @@ def _ids(n, seed=0):
 
 
 def test_attention_patterns(tiny_checkpoints):
-    """LLaDA/Dream are bidirectional; SDAR is block-causal (a change in a later block never reaches earlier ones)."""
+    """LLaDA/Dream are bidirectional; SDAR and LLaDA2 are block-causal (a change in a later block never reaches
+    earlier ones)."""
     x = _ids(12)
     y = x.clone()
-    y[0, 10] = 7  # a token in SDAR's third block (block size 4)
-    for family in ("llada", "dream", "sdar"):
+    y[0, 10] = 7  # a token in SDAR's third block (block size 4), LLaDA2's second (block size 8)
+    for family in ("llada", "dream", "sdar", "llada2"):
         m = ReferenceDLLM.from_pretrained(tiny_checkpoints[family], dtype=torch.float64)
         with torch.no_grad():
             a, b = m(x), m(y)
         early = (a[0, :8] - b[0, :8]).abs().max().item()
-        if family == "sdar":
+        if m.spec.attention == "block_causal":
             assert early == 0.0
             assert (a[0, 8:] - b[0, 8:]).abs().max().item() > 1e-6
         else:
@@ -164,7 +174,7 @@ def test_dream_logits_are_shifted(tiny_checkpoints):
         assert torch.equal(llada.token_logits(x), llada(x))
 
 
-@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar", "llada2"])
 def test_paged_forward_matches_full_forward(tiny_checkpoints, family):
     """Forwarding a suffix against paged cached K/V equals the full forward where the pattern makes it exact,
     and two canvases of the suffix in one call (segments sharing the prefix) do not see each other."""
@@ -188,7 +198,7 @@ def test_paged_forward_matches_full_forward(tiny_checkpoints, family):
         full = m(x[None])[0]
         # exact K/V of the first 8 positions: SDAR's earlier blocks never see later ones; a bidirectional
         # model's cached prefix must come from a forward that saw the whole sequence
-        ctx = x[:8] if family == "sdar" else x
+        ctx = x[:8] if s.attention == "block_causal" else x
         first = paged(ctx, torch.arange(ctx.numel()), 0, [0, ctx.numel()],
                       write=(cache.slots(torch.zeros(8, dtype=torch.long), torch.arange(8)), torch.arange(8)))
         assert torch.allclose(first, full[: ctx.numel()], atol=1e-10)
@@ -278,3 +288,90 @@ def test_bf16_logits_equal_the_authors_architecture(tiny_checkpoints, family):
         want = hf(input_ids=ids, attention_mask=mask).logits
         got = ref(ids)
     assert torch.equal(got, want), (got.float() - want.float()).abs().max().item()
+
+
+# LLaDA2.0-mini's published config.json (inclusionAI/LLaDA2.0-mini, LLaDA2.1-mini): no mask, EOS, block size
+# or use_qk_norm; partial RoPE; 256 experts in 8 groups.
+LLADA2_MINI = {"architectures": ["LLaDA2MoeModelLM"], "model_type": "llada2_moe", "vocab_size": 157184,
+               "hidden_size": 2048, "intermediate_size": 5120, "moe_intermediate_size": 512, "num_hidden_layers": 20,
+               "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 256,
+               "num_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "n_group": 8,
+               "topk_group": 4, "routed_scaling_factor": 2.5, "norm_topk_prob": True, "score_function": "sigmoid",
+               "moe_router_enable_expert_bias": True, "router_dtype": "fp32", "norm_head": False,
+               "partial_rotary_factor": 0.5, "rotary_dim": 64, "rope_theta": 600000, "rope_scaling": None,
+               "rms_norm_eps": 1e-06, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+               "hidden_act": "silu", "pad_token_id": 156892, "use_bias": False, "use_qkv_bias": False,
+               "use_cache": False, "output_router_logits": False, "embedding_dropout": 0.0}
+
+
+def test_published_llada2_config_reads_as_its_code(caplog, tmp_path):
+    """The published LLaDA2-mini config, as a dict and through AutoConfig (what vLLM reads): q/k norm on (its
+    config class's default), RoPE on 64 of 128 dims, the expert layout, and the mask id, EOS and block size of
+    its generate(), each logged once as a default; --hf-overrides-style fields win."""
+    import logging
+
+    from transformers import AutoConfig
+
+    (tmp_path / "config.json").write_text(json.dumps(LLADA2_MINI))
+    register_configs()
+    with caplog.at_level(logging.WARNING, logger="model_executor.models.configs"):
+        spec = ArchSpec.from_hf_config(read_config(tmp_path))
+        assert ArchSpec.from_hf_config(AutoConfig.from_pretrained(str(tmp_path))) == spec
+    assert (spec.family, spec.mask_token_id, spec.eos_token_id, spec.block_size) == ("llada2", 156895, 156892, 32)
+    assert spec.qk_norm and spec.fused_qkv and not spec.qkv_bias and not spec.shift_logits
+    assert (spec.head_dim, spec.rotary_dim, spec.num_kv_heads, spec.rope_theta) == (128, 64, 4, 600000.0)
+    assert spec.attention == "block_causal" and not spec.rope_in_float32
+    m = spec.moe
+    assert (m.num_experts, m.top_k, m.intermediate_size, m.num_shared, m.first_dense, m.n_group, m.topk_group,
+            m.scale) == (256, 8, 512, 1, 1, 8, 4, 2.5)
+    logs = [r.getMessage() for r in caplog.records]
+    for field, value in (("mask_token_id", 156895), ("eos_token_id", 156892), ("block_size", 32)):
+        assert sum(f"no {field}; using LLaDA2's published {value}" in x for x in logs) == 1, logs
+    hf = AutoConfig.from_pretrained(str(tmp_path))
+    hf.update({"block_size": 16, "mask_token_id": 156894})  # what vLLM does with --hf-overrides
+    assert (ArchSpec.from_hf_config(hf).block_size, ArchSpec.from_hf_config(hf).mask_token_id) == (16, 156894)
+
+
+@pytest.mark.parametrize("edit,message", [
+    ({"rotary_dim": 32}, "rotary_dim 32 disagrees with partial_rotary_factor 0.5 x head_dim 128 = 64"),
+    ({"n_group": 7}, "n_group 7 / topk_group 4 for num_experts 256"),
+    ({"num_experts_per_tok": 200}, "num_experts_per_tok 200; allowed: 1 to 128"),
+    ({"use_bias": True}, "use_bias true is not implemented .*; supported: false"),
+    ({"moe_router_enable_expert_bias": False}, "moe_router_enable_expert_bias false is not implemented"),
+    ({"mask_token_id": 200000}, "mask_token_id 200000 is outside the vocabulary"),
+    ({"moe_intermediate_size": None}, "moe_intermediate_size is missing"),
+])
+def test_bad_llada2_configs_name_the_field(edit, message):
+    with pytest.raises(ValueError, match=message):
+        ArchSpec.from_hf_config({**LLADA2_MINI, **edit})
+    ArchSpec.from_hf_config(LLADA2_MINI)
+
+
+def test_llada2_routing_is_the_published_rule():
+    """``route`` against the rule written out token by token: sigmoid scores; the bias for selection only; the
+    best topk_group groups by the sum of their two best biased scores; top_k experts there; weights are the
+    unbiased scores renormalised times the scale. Bias and groups both change the choice for some tokens."""
+    from model_executor.models.configs import MoESpec
+    from model_executor.models.reference import route
+
+    moe = MoESpec(num_experts=16, top_k=3, intermediate_size=8, num_shared=1, first_dense=0, n_group=4,
+                  topk_group=2, scale=2.5)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(200, 16, generator=g, dtype=torch.float64)
+    bias = torch.randn(16, generator=g, dtype=torch.float64) * 0.3
+    experts, w = route(moe, logits, bias)
+    by_bias = by_group = 0
+    for t in range(200):
+        s = logits[t].sigmoid()
+        b = s + bias
+        groups = sorted(range(4), key=lambda j: -sorted(b[4 * j: 4 * j + 4].tolist())[-2:][0] -
+                        sorted(b[4 * j: 4 * j + 4].tolist())[-1])[:2]
+        allowed = [e for e in range(16) if e // 4 in groups]
+        want = sorted(allowed, key=lambda e: -b[e].item())[:3]
+        assert sorted(experts[t].tolist()) == sorted(want)
+        ws = s[want] / s[want].sum() * 2.5
+        got = dict(zip(experts[t].tolist(), w[t].tolist()))
+        assert all(abs(got[e] - ws[i].item()) < 1e-12 for i, e in enumerate(want))
+        by_bias += set(want) != set(s.topk(3).indices.tolist())
+        by_group += set(want) != set(b.topk(3).indices.tolist())
+    assert by_bias > 0 and by_group > 0

@@ -45,6 +45,15 @@ def test_layer_hook_signatures(name):
     assert _params(getattr(Attention, name)) == compat.LAYER_HOOKS[name]
 
 
+@pytest.mark.parametrize("where", sorted(compat.LAYER_KWARGS))
+def test_model_layer_keywords_exist(where):
+    module, name = where.split(":")
+    obj = getattr(importlib.import_module(module), name)
+    params = set(inspect.signature(obj.__init__ if inspect.isclass(obj) else obj).parameters)
+    missing = [k for k in compat.LAYER_KWARGS[where] if k not in params]
+    assert not missing, f"{where} no longer takes {missing}"
+
+
 @pytest.mark.parametrize("where", sorted(compat.DATA_FIELDS))
 def test_data_structure_fields_exist(where):
     module, cls_name = where.split(":")

@@ -3,8 +3,8 @@
 For every decoding method and model family: a batch of mixed-length prompts through ``LLM.generate``
 gives the reference engine's tokens (float32) and the same number of forwards per request. The embedded
 llada-tiny decodes the held-out tasks (confident, so drafts get accepted and blocks end in EOS); the
-random Dream and SDAR checkpoints exercise Dream's shifted logits and SDAR's block-causal attention with
-its exact block cache. Also: requests joining and leaving between steps, per-request ``max_tokens``,
+random Dream, SDAR and LLaDA2 checkpoints exercise Dream's shifted logits, SDAR's block-causal attention with
+its exact block cache, and LLaDA2's experts. Also: requests joining and leaving between steps, per-request ``max_tokens``,
 sampling determinism, and the errors users get for bad configs and unsupported requests.
 """
 
@@ -120,6 +120,13 @@ def test_embedded_llada_matches_reference(heldout_prompts, method, cache):
 @pytest.mark.parametrize("family", ("dream", "sdar"))
 def test_random_dream_and_sdar_match_reference(tiny_checkpoints, random_prompts, family, method):
     _check_parity(tiny_checkpoints[family], random_prompts, method, max_tokens=20)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_random_llada2_matches_reference(tiny_checkpoints, random_prompts, method):
+    """LLaDA2 (mixture of experts through vLLM's fused MoE layer, block-causal blocks of 8 with the exact block
+    cache, partial RoPE): every method, vLLM equal to the reference engine in tokens and forwards."""
+    _check_parity(tiny_checkpoints["llada2"], random_prompts, method, max_tokens=20)
 
 
 @pytest.mark.parametrize("method", ("psd", "spiffy"))

@@ -47,7 +47,7 @@ def _engine_rows(path, prompts, dtype="float32", **llm_kw):
 
 
 @pytest.mark.parametrize("family,dtype", [("llada", "float32"), ("dream", "float32"), ("sdar", "float32"),
-                                          ("llada", "bfloat16"), ("sdar", "bfloat16")])
+                                          ("llada2", "float32"), ("llada", "bfloat16"), ("sdar", "bfloat16")])
 def test_vllm_class_matches_reference(tiny_checkpoints, family, dtype):
     """float32: equal to 1e-4. bfloat16 (LLaDA rotating in float32, SDAR in bfloat16, as their code does):
     within bfloat16 rounding of the reference in bfloat16; vLLM's oneDNN linears accumulate differently."""
@@ -87,18 +87,20 @@ def test_sdar_config_fields_from_hf_overrides(tiny_checkpoints, tmp_path):
     assert (rows[0] - want4).abs().max().item() > 1e-3
 
 
-def test_vllm_names_a_missing_tensor(tiny_checkpoints, tmp_path, capfd):
+@pytest.mark.parametrize("family,name", [("llada", "model.transformer.blocks.1.attn_out.weight"),
+                                         ("llada2", "model.layers.1.mlp.experts.5.down_proj.weight")])
+def test_vllm_names_a_missing_tensor(tiny_checkpoints, tmp_path, capfd, family, name):
     from safetensors.torch import load_file, save_file
 
     bad = tmp_path / "bad"
-    shutil.copytree(tiny_checkpoints["llada"], bad)
+    shutil.copytree(tiny_checkpoints[family], bad)
     sd = load_file(str(bad / "model.safetensors"))
-    sd.pop("model.transformer.blocks.1.attn_out.weight")
+    sd.pop(name)
     save_file(sd, str(bad / "model.safetensors"))
     with pytest.raises(Exception) as e:
         _engine_rows(bad, PROMPTS[:1])
     out = str(e.value) + capfd.readouterr().err
-    assert "missing tensor 'model.transformer.blocks.1.attn_out.weight'" in out
+    assert f"missing tensor '{name}'" in out
 
 
 def test_plugin_entry_point_registers_models():
@@ -112,7 +114,7 @@ def test_plugin_entry_point_registers_models():
     psd_plugin.register()  # idempotent
     from vllm import ModelRegistry
 
-    assert {"LLaDAModelLM", "DreamModel", "SDARForCausalLM"} <= set(ModelRegistry.get_supported_archs())
+    assert {"LLaDAModelLM", "DreamModel", "SDARForCausalLM", "LLaDA2MoeModelLM"} <= set(ModelRegistry.get_supported_archs())
 
 
 def test_embedded_ar_model_in_vllm_matches_transformers_greedy(tokenizer_dir):

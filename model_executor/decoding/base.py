@@ -56,11 +56,22 @@ class RowPredictions:
         return 0 if self.top_ids is None else self.top_ids.shape[-1]
 
 
-def predict_rows(logits: torch.Tensor, topk: int = 0) -> RowPredictions:
+def exclude_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """Set the mask token's logit to -inf, in place: no prediction, greedy or sampled, may be the mask token.
+    A committed mask would leave its position masked, and a decoder that must fill every position would then
+    step forever (a random or badly trained model can rank the mask first). Returns ``logits``."""
+    logits[..., mask_id] = float("-inf")
+    return logits
+
+
+def predict_rows(logits: torch.Tensor, topk: int = 0, mask_id: int | None = None) -> RowPredictions:
     """Argmax, its probability and (``topk > 0``) the top-k tokens with their probabilities, of every row of
     ``logits [N, V]``, in the logits' dtype, without materialising a softmax: per row the max (first index
     on ties, as ``argmax``) and ``sum(exp(x - max))``. On CPU the rows go in chunks of about 16 MB, so the
-    second pass over a chunk reads it from cache (at a 126k vocabulary a whole batch is gigabytes)."""
+    second pass over a chunk reads it from cache (at a 126k vocabulary a whole batch is gigabytes).
+    ``mask_id``: the mask token is excluded first, in place (:func:`exclude_mask_token`); the engines pass it."""
+    if mask_id is not None:
+        exclude_mask_token(logits, mask_id)
     N, V = logits.shape
     tokens = torch.empty(N, dtype=torch.long, device=logits.device)
     conf = torch.empty(N, dtype=logits.dtype, device=logits.device)
@@ -92,7 +103,8 @@ def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: in
     (full distributions, for calibration) work on the logits in float64; ``topk`` applies to greedy
     predictions (Spiffy, which is greedy only)."""
     rows = out if isinstance(out, RowPredictions) else None
-    logits = rows.logits if rows is not None else out
+    # the engines' rows exclude the mask token already (predict_rows(..., mask_id)); bare logits are copied
+    logits = rows.logits if rows is not None else exclude_mask_token(out.clone(), mask_id)
     if temperature > 0 or keep_probs:
         lg = logits.double()
         if temperature > 0:

@@ -1,12 +1,12 @@
 """Hugging Face config classes for the dLLM checkpoint formats, and their normalised architecture spec.
 
-The classes read the real ``config.json`` files of LLaDA (``model_type "llada"``), Dream (``"Dream"``)
-and SDAR (``"sdar"``) and are registered with ``transformers.AutoConfig`` by :func:`register_configs`,
+The classes read the real ``config.json`` files of LLaDA (``model_type "llada"``), Dream (``"Dream"``),
+SDAR (``"sdar"``) and LLaDA2 (``"llada2_moe"``, a mixture-of-experts block-diffusion model) and are registered with ``transformers.AutoConfig`` by :func:`register_configs`,
 so neither vLLM nor transformers needs ``trust_remote_code`` for them.
 
 :class:`ArchSpec` is the one place where the three formats are reduced to the handful of facts the
 reference model, the vLLM model classes and the decoders need (sizes, q/k/v bias, q/k norm, whether
-logits are shifted, the attention pattern, the mask token).
+logits are shifted, the attention pattern, the mask token, the experts).
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 # chat models): what a config without ``block_size`` / ``mask_token_id`` means (:func:`sdar_defaults`).
 SDAR_BLOCK_SIZE = 4
 SDAR_MASK_TOKEN = "<|MASK|>"
+# LLaDA2's published config.json has no mask, EOS or block size: its generate() (and SGLang's DLLM_PARAMS, dInfer)
+# use mask id 156895, EOS 156892 (= pad) and blocks of 32, the block size it was trained with.
+LLADA2_DEFAULTS = {"mask_token_id": 156895, "eos_token_id": 156892, "block_size": 32}
 
 
 class LLaDAConfig(PretrainedConfig):
@@ -92,12 +95,44 @@ class SDARConfig(_QwenStyleConfig):
         super().__init__(**kwargs)
 
 
-CONFIG_CLASSES = {c.model_type: c for c in (LLaDAConfig, DreamConfig, SDARConfig)}
-ARCHITECTURES = {"llada": "LLaDAModelLM", "Dream": "DreamModel", "sdar": "SDARForCausalLM"}
+class LLaDA2MoeConfig(PretrainedConfig):
+    """LLaDA2.0 / 2.1 (``LLaDA2MoeModelLM``): a Ling/Bailing mixture-of-experts transformer trained for block
+    diffusion. Defaults are those of the model card's config class (so a field a published config leaves out,
+    like ``use_qk_norm``, means what it means there); ``mask_token_id``, ``eos_token_id`` and ``block_size`` are
+    not in the published file (:data:`LLADA2_DEFAULTS`)."""
+
+    model_type = "llada2_moe"
+
+    def __init__(self, vocab_size=30592, hidden_size=1024, intermediate_size=None, num_hidden_layers=24,
+                 num_attention_heads=16, num_key_value_heads=0, hidden_act="silu", use_qkv_bias=False,
+                 use_qk_norm=True, use_bias=True, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 max_position_embeddings=16384, rope_theta=10000.0, rope_scaling=None, pad_token_id=None,
+                 num_experts=16, num_shared_experts=0, num_experts_per_tok=2, n_group=8, topk_group=4,
+                 routed_scaling_factor=2.5, moe_intermediate_size=None, first_k_dense_replace=0, head_dim=None,
+                 partial_rotary_factor=0.5, mask_token_id=None, block_size=None, **kwargs):
+        self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
+        self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.hidden_act, self.use_qkv_bias, self.use_qk_norm, self.use_bias = (hidden_act, use_qkv_bias,
+                                                                             use_qk_norm, use_bias)
+        self.rms_norm_eps, self.max_position_embeddings = rms_norm_eps, max_position_embeddings
+        self.rope_theta, self.rope_scaling, self.partial_rotary_factor = rope_theta, rope_scaling, partial_rotary_factor
+        self.num_experts, self.num_shared_experts, self.num_experts_per_tok = (num_experts, num_shared_experts,
+                                                                               num_experts_per_tok)
+        self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
+        self.moe_intermediate_size, self.first_k_dense_replace = moe_intermediate_size, first_k_dense_replace
+        self.mask_token_id, self.block_size = mask_token_id, block_size
+        super().__init__(pad_token_id=pad_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+
+CONFIG_CLASSES = {c.model_type: c for c in (LLaDAConfig, DreamConfig, SDARConfig, LLaDA2MoeConfig)}
+ARCHITECTURES = {"llada": "LLaDAModelLM", "Dream": "DreamModel", "sdar": "SDARForCausalLM",
+                 "llada2_moe": "LLaDA2MoeModelLM"}
 
 
 def register_configs() -> None:
-    """Register the three config classes with ``transformers.AutoConfig`` (idempotent)."""
+    """Register the config classes with ``transformers.AutoConfig`` (idempotent)."""
     from transformers import AutoConfig
 
     for model_type, cls in CONFIG_CLASSES.items():
@@ -115,6 +150,10 @@ SUPPORTED_VALUES = {
               "block_type": ("llama",), "attention_layer_norm": (False,), "clip_qkv": (None,)},
     "Dream": {"hidden_act": ("silu",), "rope_scaling": (None,), "use_sliding_window": (False,)},
     "sdar": {"hidden_act": ("silu",), "rope_scaling": (None,), "use_sliding_window": (False,)},
+    # LLaDA2's own code reads none of score_function, norm_topk_prob, router_dtype: it always scores with a
+    # sigmoid, renormalises the top-k weights and routes in float32, and so do these classes.
+    "llada2_moe": {"hidden_act": ("silu",), "rope_scaling": (None,), "use_sliding_window": (False,),
+                   "use_bias": (False,), "norm_head": (False,), "moe_router_enable_expert_bias": (True,)},
 }
 
 
@@ -127,7 +166,7 @@ def _check_supported(model_type: str, get) -> None:
             continue
         if field == "rope_scaling" and isinstance(value, dict) and \
                 (value.get("rope_type") or value.get("type")) == "default" and \
-                set(value) <= {"rope_type", "type", "rope_theta"}:
+                set(value) <= {"rope_type", "type", "rope_theta", "partial_rotary_factor"}:
             continue  # transformers' spelling of "no scaling"
         if value not in allowed:
             shown = ", ".join("null" if a is None else json.dumps(a) for a in allowed)
@@ -136,10 +175,31 @@ def _check_supported(model_type: str, get) -> None:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """LLaDA2's experts: layers from ``first_dense`` on replace the MLP by ``num_experts`` SwiGLU experts of width
+    ``intermediate_size`` plus ``num_shared`` always-on ones. Routing (per token): sigmoid scores of float32 router
+    logits; the expert bias is added for *selection only*; the ``topk_group`` of ``n_group`` expert groups with
+    the largest sum of their two best biased scores are kept, and the ``top_k`` best experts in them chosen;
+    their weights are the unbiased scores renormalised to sum 1, times ``scale``."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    num_shared: int
+    first_dense: int
+    n_group: int
+    topk_group: int
+    scale: float
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.first_dense
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     """The facts about a dLLM checkpoint that the model code and the decoders depend on."""
 
-    family: Literal["llada", "dream", "sdar", "llama"]
+    family: Literal["llada", "dream", "sdar", "llada2", "llama"]
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -156,8 +216,11 @@ class ArchSpec:
     qk_norm: bool
     shift_logits: bool  # Dream: the prediction for position i is read from the output at i - 1
     attention: AttentionKind
-    block_size: int | None  # SDAR's attention block; None for fully bidirectional models
+    block_size: int | None  # SDAR's / LLaDA2's attention block; None for fully bidirectional models
     tie_embeddings: bool
+    rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of a head (LLaDA2: half); None = all
+    fused_qkv: bool = False  # one query_key_value tensor (LLaDA2) instead of q/k/v
+    moe: MoESpec | None = None
 
     @property
     def rope_in_float32(self) -> bool:
@@ -188,7 +251,10 @@ class ArchSpec:
 
     @classmethod
     def from_hf_config(cls, config) -> "ArchSpec":
-        """Normalise a LLaDA / Dream / SDAR config (object or dict); errors name the bad field."""
+        """Normalise a LLaDA / Dream / SDAR / LLaDA2 config (object or dict); errors name the bad field."""
+        if isinstance(config, dict) and config.get("model_type") == "llada2_moe":
+            # fields a published LLaDA2 config leaves out mean the config class's defaults (use_qk_norm ...)
+            config = LLaDA2MoeConfig(**{k: v for k, v in config.items() if k != "model_type"})
         get = (lambda k, d=None: config.get(k, d)) if isinstance(config, dict) else (
             lambda k, d=None: getattr(config, k, d))
         model_type = get("model_type")
@@ -198,6 +264,11 @@ class ArchSpec:
         mask = get("mask_token_id")
         if mask is None and model_type == "sdar":
             mask = sdar_mask_from_tokenizer(get("_name_or_path"))
+        if model_type == "llada2_moe":
+            defaulted = {k: _llada2_default(str(get("_name_or_path") or "?"), k)
+                         for k in LLADA2_DEFAULTS if get(k) is None}
+            get = _with_defaults(get, defaulted)
+            mask = get("mask_token_id")
         if mask is None:
             where = f" and its tokenizer has no {SDAR_MASK_TOKEN}" if model_type == "sdar" else ""
             raise ValueError(f"config.json: model_type {model_type!r} has no mask_token_id{where}; dLLM decoding "
@@ -221,6 +292,9 @@ class ArchSpec:
                        False, "bidirectional", None, bool(get("weight_tying", False)))
         hidden, heads = get("hidden_size"), get("num_attention_heads")
         kv = get("num_key_value_heads") or heads
+        if not 0 <= int(mask) < int(get("vocab_size")):
+            raise ValueError(f"config.json: mask_token_id {mask} is outside the vocabulary (vocab_size "
+                             f"{get('vocab_size')})")
         head_dim = get("head_dim") or hidden // heads
         common = dict(hidden_size=hidden, num_layers=get("num_hidden_layers"), num_heads=heads, num_kv_heads=kv,
                       head_dim=head_dim, intermediate_size=get("intermediate_size"), vocab_size=get("vocab_size"),
@@ -230,6 +304,8 @@ class ArchSpec:
         if model_type == "Dream":
             return cls("dream", **common, qkv_bias=True, qk_norm=False, shift_logits=True,
                        attention="bidirectional", block_size=None)
+        if model_type == "llada2_moe":
+            return cls._llada2(common, get)
         block = get("block_size")
         if block is None:
             block = _sdar_default_block(str(get("_name_or_path") or "?"))
@@ -237,6 +313,50 @@ class ArchSpec:
             raise ValueError(f"config.json: block_size {json.dumps(block)}; an SDAR block size is a positive integer")
         return cls("sdar", **common, qkv_bias=False, qk_norm=True, shift_logits=False,
                    attention="block_causal", block_size=block)
+
+    @classmethod
+    def _llada2(cls, common: dict, get) -> "ArchSpec":
+        """LLaDA2 (``llada2_moe``): fused query_key_value, per-head q/k RMSNorm, RoPE on part of each head, a
+        dense MLP in the first ``first_k_dense_replace`` layers and experts after, block-causal attention."""
+        def need(field):
+            value = get(field)
+            if value is None:
+                raise ValueError(f"config.json: {field} is missing; a LLaDA2 (llada2_moe) config needs it")
+            return value
+
+        head_dim = common["head_dim"]
+        factor = get("partial_rotary_factor")
+        factor = 1.0 if factor is None else float(factor)
+        rotary = int(head_dim * factor)
+        if get("rotary_dim") is not None and int(get("rotary_dim")) != rotary:
+            raise ValueError(f"config.json: rotary_dim {get('rotary_dim')} disagrees with partial_rotary_factor "
+                             f"{factor} x head_dim {head_dim} = {rotary} (LLaDA2's code reads partial_rotary_factor)")
+        if rotary < 2 or rotary % 2 or rotary > head_dim:
+            raise ValueError(f"config.json: partial_rotary_factor {factor} gives {rotary} rotary dims of a "
+                             f"{head_dim}-dim head; it must be an even number from 2 to head_dim")
+        experts, top_k = int(need("num_experts")), int(need("num_experts_per_tok"))
+        n_group = int(get("n_group") or 1)
+        topk_group = int(get("topk_group") or n_group)
+        if experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"config.json: n_group {n_group} / topk_group {topk_group} for num_experts {experts}; "
+                             "n_group must divide num_experts and 1 <= topk_group <= n_group")
+        if not 1 <= top_k <= topk_group * (experts // n_group):
+            raise ValueError(f"config.json: num_experts_per_tok {top_k}; allowed: 1 to {topk_group * (experts // n_group)}"
+                             " (the experts in topk_group groups)")
+        first_dense = int(get("first_k_dense_replace") or 0)
+        moe = MoESpec(experts, top_k, int(need("moe_intermediate_size")), int(get("num_shared_experts") or 0),
+                      first_dense, n_group, topk_group, float(get("routed_scaling_factor", 1.0)))
+        dense = get("intermediate_size")
+        if first_dense > 0 and dense is None:
+            raise ValueError("config.json: intermediate_size is missing; the first first_k_dense_replace layers of a "
+                             "LLaDA2 model are dense MLPs of that width")
+        block = get("block_size")
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            raise ValueError(f"config.json: block_size {json.dumps(block)}; a LLaDA2 block size is a positive integer")
+        common = {**common, "intermediate_size": int(dense or 0)}
+        return cls("llada2", **common, qkv_bias=bool(get("use_qkv_bias", False)),
+                   qk_norm=bool(get("use_qk_norm", True)), shift_logits=False, attention="block_causal",
+                   block_size=block, rotary_dim=rotary, fused_qkv=True, moe=moe)
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,3 +393,14 @@ def sdar_mask_from_tokenizer(model_dir: str | None) -> int | None:
         logger.warning("%s: config.json has no mask_token_id; using the tokenizer's %s, id %d (set it with "
                        "--hf-overrides '{\"mask_token_id\": N}')", model_dir, SDAR_MASK_TOKEN, mask)
     return mask
+
+
+def _with_defaults(get, defaults: dict):
+    return lambda k, d=None: defaults[k] if k in defaults else get(k, d)
+
+
+@functools.lru_cache(maxsize=None)
+def _llada2_default(model: str, field: str):
+    logger.warning("%s: config.json has no %s; using LLaDA2's published %s (set it with --hf-overrides "
+                   "'{\"%s\": N}')", model, field, LLADA2_DEFAULTS[field], field)
+    return LLADA2_DEFAULTS[field]

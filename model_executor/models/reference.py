@@ -1,7 +1,9 @@
-"""Plain-PyTorch reference model for LLaDA, Dream and SDAR, and Llama as PRESTO's AR target (no vLLM imports).
+"""Plain-PyTorch reference model for LLaDA, Dream, SDAR and LLaDA2, and Llama as PRESTO's AR target (no vLLM
+imports).
 
-One transformer covers the three formats; :class:`~model_executor.models.configs.ArchSpec` switches
-q/k/v bias (Dream), per-head q/k RMSNorm (SDAR) and the attention pattern. It is the oracle the vLLM
+One transformer covers the formats; :class:`~model_executor.models.configs.ArchSpec` switches q/k/v bias
+(Dream), per-head q/k RMSNorm (SDAR, LLaDA2), a fused q/k/v projection and partial RoPE (LLaDA2), experts in
+place of the MLP (LLaDA2, :class:`MoE`) and the attention pattern. It is the oracle the vLLM
 model classes are tested against, the model the training script optimises, and the engine's model on
 machines without vLLM (GPU boxes).
 
@@ -28,7 +30,7 @@ from torch import nn
 from attention_backends.prefix_attention import AttentionPlan, PrefixAttention
 
 from attention_backends.paged_kv_cache import PagedKVCache
-from .configs import ArchSpec, CONFIG_CLASSES
+from .configs import ArchSpec, CONFIG_CLASSES, MoESpec
 from .weights import load_checkpoint
 
 class RMSNorm(nn.Module):
@@ -59,7 +61,11 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, L, H, D]; cos/sin: [B, L, D]."""
+    """x: [B, L, H, D]; cos/sin: [B, L, R] with R <= D: the first R dims of each head rotate (rotate-half within
+    them), the rest pass through (LLaDA2's partial RoPE)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     xf = x.to(cos.dtype)
     x1, x2 = xf.chunk(2, dim=-1)
     rot = torch.cat([-x2, x1], dim=-1)
@@ -69,7 +75,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attention_mask(spec: ArchSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor | None:
     """Boolean mask [B, 1, Lq, Lk] (True = attend) for the family's attention pattern (None: attend everywhere).
 
-    ``q_pos``/``k_pos`` are absolute positions [B, L]. Bidirectional models see every key; SDAR sees keys in
+    ``q_pos``/``k_pos`` are absolute positions [B, L]. Bidirectional models see every key; SDAR and LLaDA2 see keys in
     its own or an earlier block; causal models see keys at or before the query position.
     """
     if spec.attention == "bidirectional":
@@ -80,41 +86,117 @@ def attention_mask(spec: ArchSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> 
     return (k_pos[:, None, :] <= q_pos[:, :, None])[:, None]
 
 
+class SwiGLU(nn.Module):
+    """``down(silu(gate(h)) * up(h))``: the MLP, each expert and the shared experts."""
+
+    def __init__(self, hidden: int, width: int):
+        super().__init__()
+        self.gate = nn.Linear(hidden, width, bias=False)
+        self.up = nn.Linear(hidden, width, bias=False)
+        self.down = nn.Linear(width, hidden, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Router(nn.Module):
+    """LLaDA2's router: ``weight [experts, hidden]`` and the expert ``bias`` that only steers selection."""
+
+    def __init__(self, hidden: int, experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(experts, hidden))
+        self.bias = nn.Parameter(torch.zeros(experts))
+
+
+def route(moe: MoESpec, logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experts ``[T, top_k]`` and their weights (float32) for router ``logits [T, experts]`` (float32), as
+    :class:`~model_executor.models.configs.MoESpec` describes: sigmoid scores, bias for selection only, the best
+    ``topk_group`` groups by the sum of their two best biased scores, then the best ``top_k`` experts in them;
+    weights are the unbiased scores renormalised, times ``scale``."""
+    T = logits.shape[0]
+    scores = logits.sigmoid()
+    biased = scores + bias.to(scores.dtype)
+    grouped = biased.view(T, moe.n_group, -1)
+    group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    keep = torch.zeros_like(group_score, dtype=torch.bool)
+    keep.scatter_(1, group_score.topk(moe.topk_group, dim=-1).indices, True)
+    masked = biased.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(T, -1), float("-inf"))
+    experts = masked.topk(moe.top_k, dim=-1).indices
+    w = scores.gather(1, experts)
+    w = w / (w.sum(-1, keepdim=True) + 1e-20) if moe.top_k > 1 else w
+    return experts, w * moe.scale
+
+
 class Layer(nn.Module):
-    def __init__(self, spec: ArchSpec):
+    def __init__(self, spec: ArchSpec, index: int = 0):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         self.spec = spec
         self.attn_norm = RMSNorm(h, spec.rms_norm_eps)
-        self.q = nn.Linear(h, spec.num_heads * d, bias=spec.qkv_bias)
-        self.k = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
-        self.v = nn.Linear(h, spec.num_kv_heads * d, bias=spec.qkv_bias)
-        self.o = nn.Linear(spec.num_heads * d, h, bias=False)
+        q, kv = spec.num_heads * d, spec.num_kv_heads * d
+        if spec.fused_qkv:
+            self.qkv = nn.Linear(h, q + 2 * kv, bias=spec.qkv_bias)
+        else:
+            self.q = nn.Linear(h, q, bias=spec.qkv_bias)
+            self.k = nn.Linear(h, kv, bias=spec.qkv_bias)
+            self.v = nn.Linear(h, kv, bias=spec.qkv_bias)
+        self.o = nn.Linear(q, h, bias=False)
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.mlp_norm = RMSNorm(h, spec.rms_norm_eps)
-        self.gate = nn.Linear(h, spec.intermediate_size, bias=False)
-        self.up = nn.Linear(h, spec.intermediate_size, bias=False)
-        self.down = nn.Linear(spec.intermediate_size, h, bias=False)
+        self.moe = spec.moe is not None and spec.moe.is_moe_layer(index)
+        if self.moe:  # canonical names layers.i.router, layers.i.experts.e.gate, layers.i.shared.up ...
+            moe = spec.moe
+            self.router = Router(h, moe.num_experts)
+            self.experts = nn.ModuleList(SwiGLU(h, moe.intermediate_size) for _ in range(moe.num_experts))
+            if moe.num_shared:
+                self.shared = SwiGLU(h, moe.intermediate_size * moe.num_shared)
+        else:
+            self.gate = nn.Linear(h, spec.intermediate_size, bias=False)
+            self.up = nn.Linear(h, spec.intermediate_size, bias=False)
+            self.down = nn.Linear(spec.intermediate_size, h, bias=False)
 
     def _qkv(self, x, cos, sin):
-        """q [B, L, H, D] and k, v [B, L, Hkv, D] of ``x [B, L, hidden]``, q/k-normed (SDAR) and rotated."""
+        """q [B, L, H, D] and k, v [B, L, Hkv, D] of ``x [B, L, hidden]``, q/k-normed (SDAR, LLaDA2) and rotated."""
         s = self.spec
         B, L, _ = x.shape
         h = self.attn_norm(x)
-        q = self.q(h).view(B, L, s.num_heads, s.head_dim)
-        k = self.k(h).view(B, L, s.num_kv_heads, s.head_dim)
-        v = self.v(h).view(B, L, s.num_kv_heads, s.head_dim)
+        if s.fused_qkv:
+            q, k, v = self.qkv(h).split([s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
+                                         s.num_kv_heads * s.head_dim], dim=-1)
+        else:
+            q, k, v = self.q(h), self.k(h), self.v(h)
+        q = q.reshape(B, L, s.num_heads, s.head_dim)
+        k = k.reshape(B, L, s.num_kv_heads, s.head_dim)
+        v = v.reshape(B, L, s.num_kv_heads, s.head_dim)
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _rest(self, x, a):
-        """Output projection of the attention ``a [..., H * D]``, residual, and the MLP block."""
+        """Output projection of the attention ``a [..., H * D]``, residual, and the MLP (or expert) block."""
         x = x + self.o(a)
         h = self.mlp_norm(x)
+        if self.moe:
+            return x + self._experts(h)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+    def _experts(self, h: torch.Tensor) -> torch.Tensor:
+        """LLaDA2's expert block: routed experts, weighted and summed in float32 as its code does, plus the
+        shared experts."""
+        shape = h.shape
+        x = h.reshape(-1, shape[-1])
+        cd = _compute_dtype(x.dtype)
+        experts, w = route(self.spec.moe, F.linear(x.to(cd), self.router.weight.to(cd)), self.router.bias)
+        out = torch.zeros(x.shape, dtype=cd, device=x.device)
+        for e in experts.unique().tolist():
+            rows, slot = (experts == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, self.experts[e](x[rows]).to(cd) * w[rows, slot, None].to(cd))
+        out = out.to(x.dtype)
+        if self.spec.moe.num_shared:
+            out = out + self.shared(x)
+        return out.reshape(shape)
 
     def forward(self, x, cos, sin, mask):
         """Whole sequences ``x [B, L, hidden]`` under a ``[B, 1, L, L]`` mask (training, the oracle)."""
@@ -134,13 +216,13 @@ class Layer(nn.Module):
 
 
 class ReferenceDLLM(nn.Module):
-    """LLaDA / Dream / SDAR transformer in plain PyTorch, parameters under canonical names."""
+    """LLaDA / Dream / SDAR / LLaDA2 transformer in plain PyTorch, parameters under canonical names."""
 
     def __init__(self, spec: ArchSpec):
         super().__init__()
         self.spec = spec
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(Layer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(Layer(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         if not spec.tie_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -204,7 +286,7 @@ class ReferenceDLLM(nn.Module):
         """cos/sin for ``positions``: angles in float32 (float64 on the exactness path), then in the activation
         dtype unless the family rotates in full precision (:attr:`ArchSpec.rope_in_float32`), as the authors'
         code does (Dream/SDAR/Llama cast cos/sin to the activations' dtype before rotating; LLaDA does not)."""
-        cos, sin = rope_cos_sin(positions, self.spec.head_dim, self.spec.rope_theta, dtype)
+        cos, sin = rope_cos_sin(positions, self.spec.rotary_dim or self.spec.head_dim, self.spec.rope_theta, dtype)
         if not self.spec.rope_in_float32:
             cos, sin = cos.to(dtype), sin.to(dtype)
         return cos, sin

@@ -1,8 +1,10 @@
-"""vLLM model classes for LLaDA, Dream and SDAR checkpoints and PRESTO's Llama target (vLLM layers, paged KV
-cache, ``load_weights``).
+"""vLLM model classes for LLaDA, Dream, SDAR and LLaDA2 checkpoints and PRESTO's Llama target (vLLM layers,
+paged KV cache, ``load_weights``).
 
-One implementation, four registered architectures (``LLaDAModelLM``, ``DreamModel``, ``SDARForCausalLM``,
-and ``PSDLlamaForCausalLM``), as vLLM does for its Llama-family models. The numerics match
+One implementation, five registered architectures (``LLaDAModelLM``, ``DreamModel``, ``SDARForCausalLM``,
+``LLaDA2MoeModelLM`` and ``PSDLlamaForCausalLM``), as vLLM does for its Llama-family models. LLaDA2's experts
+are vLLM's own fused MoE layer (``FusedMoEFactory``, the one vLLM's Bailing-MoE uses) with its grouped
+sigmoid router and expert-score bias; the router itself runs in float32, as LLaDA2's code routes. The numerics match
 :mod:`model_executor.models.reference`; the differences between the formats come from
 :class:`~model_executor.models.configs.ArchSpec`.
 
@@ -30,8 +32,10 @@ from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear,
+                                               RowParallelLinear)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -45,7 +49,7 @@ from .weights import CheckpointError, canonical_shapes, checkpoint_names
 
 
 class DLLMDecoderLayer(nn.Module):
-    def __init__(self, spec: ArchSpec, vllm_config: VllmConfig, prefix: str):
+    def __init__(self, spec: ArchSpec, vllm_config: VllmConfig, index: int, prefix: str):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
         self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
@@ -59,17 +63,34 @@ class DLLMDecoderLayer(nn.Module):
             self.k_norm = RMSNorm(d, eps=spec.rms_norm_eps)
         # LLaDA rotates in float32 (rope_full_precision); the others in the activation dtype, as their code does
         self.rope_fp32 = spec.rope_in_float32
-        self.rotary_emb = get_rope(d, max_position=spec.max_position, is_neox_style=True,
-                                   rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
+        if spec.rotary_dim:
+            rope["rope_dim"] = spec.rotary_dim  # LLaDA2: the first rotary_dim dims of each head
+        self.rotary_emb = get_rope(d, max_position=spec.max_position, is_neox_style=True, rope_parameters=rope,
                                    dtype=torch.float32 if self.rope_fp32 else None)
         self.attn = PSDAttention(spec.num_heads, d, d**-0.5, num_kv_heads=spec.num_kv_heads,
                                  pattern=spec.attention, block_size=spec.block_size or 0,
                                  cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
         self.mlp_norm = RMSNorm(h, eps=spec.rms_norm_eps)
-        self.gate_up = MergedColumnParallelLinear(h, [spec.intermediate_size] * 2, bias=False,
-                                                  prefix=f"{prefix}.gate_up")
-        self.down = RowParallelLinear(spec.intermediate_size, h, bias=False, prefix=f"{prefix}.down")
-        self.act = SiluAndMul()
+        moe = spec.moe
+        self.is_moe = moe is not None and moe.is_moe_layer(index)
+        if not self.is_moe:
+            self.gate_up = MergedColumnParallelLinear(h, [spec.intermediate_size] * 2, bias=False,
+                                                      prefix=f"{prefix}.gate_up")
+            self.down = RowParallelLinear(spec.intermediate_size, h, bias=False, prefix=f"{prefix}.down")
+            self.act = SiluAndMul()
+            return
+        # LLaDA2: router logits in float32 (its code upcasts both sides), the bias steers selection only
+        self.router = ReplicatedLinear(h, moe.num_experts, bias=False, params_dtype=torch.float32,
+                                       prefix=f"{prefix}.router")
+        self.expert_bias = nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32), requires_grad=False)
+        self.shared = (SwiGLU(h, moe.intermediate_size * moe.num_shared, reduce_results=False,
+                              prefix=f"{prefix}.shared") if moe.num_shared else None)
+        self.experts = FusedMoEFactory(
+            num_experts=moe.num_experts, top_k=moe.top_k, hidden_size=h, intermediate_size=moe.intermediate_size,
+            renormalize=True, use_grouped_topk=True, num_expert_group=moe.n_group, topk_group=moe.topk_group,
+            scoring_func="sigmoid", e_score_correction_bias=self.expert_bias, routed_scaling_factor=moe.scale,
+            router_logits_dtype=torch.float32, shared_experts=self.shared, prefix=f"{prefix}.experts")
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv(self.attn_norm(x))
@@ -85,8 +106,26 @@ class DLLMDecoderLayer(nn.Module):
             q, k = self.rotary_emb(positions, q, k)
         a, _ = self.o(self.attn(q, k, v))
         x = x + a
-        m, _ = self.down(self.act(self.gate_up(self.mlp_norm(x))[0]))
+        h = self.mlp_norm(x)
+        if self.is_moe:
+            logits, _ = self.router(h.float())
+            return x + self.experts(hidden_states=h, router_logits=logits)  # routed + shared experts
+        m, _ = self.down(self.act(self.gate_up(h)[0]))
         return x + m
+
+
+class SwiGLU(nn.Module):
+    """LLaDA2's shared experts (``down(silu(gate(x)) * up(x))``), run by vLLM's MoE layer beside the routed ones."""
+
+    def __init__(self, hidden: int, width: int, reduce_results: bool, prefix: str):
+        super().__init__()
+        self.gate_up = MergedColumnParallelLinear(hidden, [width] * 2, bias=False, prefix=f"{prefix}.gate_up")
+        self.down = RowParallelLinear(width, hidden, bias=False, reduce_results=reduce_results,
+                                      prefix=f"{prefix}.down")
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate_up(x)[0]))[0]
 
 
 class DLLMForVLLM(nn.Module):
@@ -97,7 +136,7 @@ class DLLMForVLLM(nn.Module):
         self.spec = spec = self.arch_spec(vllm_config.model_config.hf_config)
         self.config = vllm_config.model_config.hf_config
         self.embed = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, prefix=maybe_prefix(prefix, "embed"))
-        self.layers = nn.ModuleList(DLLMDecoderLayer(spec, vllm_config, prefix=maybe_prefix(prefix, f"layers.{i}"))
+        self.layers = nn.ModuleList(DLLMDecoderLayer(spec, vllm_config, i, prefix=maybe_prefix(prefix, f"layers.{i}"))
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
         if spec.tie_embeddings:
@@ -126,6 +165,7 @@ class DLLMForVLLM(nn.Module):
 
     # canonical "layers.i.q" -> (vLLM parameter, shard id)
     _STACKED = {"q": ("qkv", "q"), "k": ("qkv", "k"), "v": ("qkv", "v"), "gate": ("gate_up", 0), "up": ("gate_up", 1)}
+    _EXPERT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # names vLLM's MoE layer loads
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load real checkpoint tensors; a missing, unexpected or misshaped tensor raises, naming it."""
@@ -147,6 +187,18 @@ class DLLMForVLLM(nn.Module):
             base = canon.removesuffix(".bias")
             leaf = base.rsplit(".", 1)[-1]
             suffix = ".bias" if is_bias else ".weight"
+            layer, _, rest = base.removeprefix("layers.").partition(".")
+            if rest.startswith("experts."):  # LLaDA2 expert e's gate/up/down -> vLLM's stacked expert weights
+                _, e, part = rest.split(".")
+                runner = self.layers[int(layer)].experts
+                for p in runner.load_weights([(f"{e}.{self._EXPERT[part]}.weight", tensor)]):
+                    loaded.add(f"layers.{layer}.experts.{p}")
+                continue
+            if rest == "router" and is_bias:  # LLaDA2's expert bias (selection only)
+                pname = f"layers.{layer}.expert_bias"
+                default_weight_loader(params[pname], tensor)
+                loaded.add(pname)
+                continue
             if base.startswith("layers.") and leaf in self._STACKED:
                 target, shard = self._STACKED[leaf]
                 pname = base[: -len(leaf)] + target + suffix
@@ -173,6 +225,10 @@ class DreamModel(DLLMForVLLM):
 
 class SDARForCausalLM(DLLMForVLLM):
     """SDAR format (``model_type "sdar"``)."""
+
+
+class LLaDA2MoeModelLM(DLLMForVLLM):
+    """LLaDA2.0 / 2.1 format (``model_type "llada2_moe"``): Ling/Bailing mixture of experts, block diffusion."""
 
 
 class PSDLlamaForCausalLM(DLLMForVLLM):

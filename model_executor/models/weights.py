@@ -1,9 +1,11 @@
-"""Checkpoint tensor names of the three dLLM formats, and strict safetensors loading.
+"""Checkpoint tensor names of the dLLM formats, and strict safetensors loading.
 
 Both the plain-PyTorch reference model and the vLLM model classes use *canonical* parameter names
-(``layers.3.q``, ``lm_head`` ...). :func:`checkpoint_names` maps them to the real names a family stores
-(``model.transformer.blocks.3.q_proj.weight`` for LLaDA, ``model.layers.3.self_attn.q_proj.weight`` for
-Dream/SDAR), so there is one table per format and nowhere else.
+(``layers.3.q``, ``lm_head``, ``layers.3.experts.7.gate`` ...). :func:`checkpoint_names` maps them to the
+real names a family stores (``model.transformer.blocks.3.q_proj.weight`` for LLaDA,
+``model.layers.3.self_attn.q_proj.weight`` for Dream/SDAR, ``model.layers.3.attention.query_key_value.weight``
+and ``model.layers.3.mlp.experts.7.gate_proj.weight`` for LLaDA2), so there is one table per format and
+nowhere else.
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ _QWEN_LAYER = {"attn_norm": "input_layernorm", "q": "self_attn.q_proj", "k": "se
                "up": "mlp.up_proj", "down": "mlp.down_proj"}
 
 
+_LLADA2_LAYER = {"attn_norm": "input_layernorm", "qkv": "attention.query_key_value", "o": "attention.dense",
+                 "q_norm": "attention.query_layernorm", "k_norm": "attention.key_layernorm",
+                 "mlp_norm": "post_attention_layernorm", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+                 "down": "mlp.down_proj", "router": "mlp.gate"}
+_LLADA2_EXPERT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def _swiglu(prefix: str, h: int, m: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate": (m, h), prefix + "up": (m, h), prefix + "down": (h, m)}
+
+
 def canonical_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
     """Every parameter of the model under its canonical name, with its shape."""
     h, d, v, m = spec.hidden_size, spec.head_dim, spec.vocab_size, spec.intermediate_size
@@ -33,12 +46,26 @@ def canonical_shapes(spec: ArchSpec) -> dict[str, tuple[int, ...]]:
         out["lm_head"] = (v, h)
     for i in range(spec.num_layers):
         p = f"layers.{i}."
-        out.update({p + "attn_norm": (h,), p + "q": (q, h), p + "k": (kv, h), p + "v": (kv, h), p + "o": (h, q),
-                    p + "mlp_norm": (h,), p + "gate": (m, h), p + "up": (m, h), p + "down": (h, m)})
-        if spec.qkv_bias:
-            out.update({p + "q.bias": (q,), p + "k.bias": (kv,), p + "v.bias": (kv,)})
+        out.update({p + "attn_norm": (h,), p + "o": (h, q), p + "mlp_norm": (h,)})
+        if spec.fused_qkv:
+            out[p + "qkv"] = (q + 2 * kv, h)
+            if spec.qkv_bias:
+                out[p + "qkv.bias"] = (q + 2 * kv,)
+        else:
+            out.update({p + "q": (q, h), p + "k": (kv, h), p + "v": (kv, h)})
+            if spec.qkv_bias:
+                out.update({p + "q.bias": (q,), p + "k.bias": (kv,), p + "v.bias": (kv,)})
         if spec.qk_norm:
             out.update({p + "q_norm": (d,), p + "k_norm": (d,)})
+        moe = spec.moe
+        if moe is None or not moe.is_moe_layer(i):
+            out.update(_swiglu(p, h, m))
+            continue
+        out.update({p + "router": (moe.num_experts, h), p + "router.bias": (moe.num_experts,)})
+        for e in range(moe.num_experts):
+            out.update(_swiglu(f"{p}experts.{e}.", h, moe.intermediate_size))
+        if moe.num_shared:
+            out.update(_swiglu(p + "shared.", h, moe.intermediate_size * moe.num_shared))
     return out
 
 
@@ -54,9 +81,19 @@ def checkpoint_name(spec: ArchSpec, canonical: str) -> str:
             return top[base] + suffix
         _, i, part = base.split(".")
         return f"model.transformer.blocks.{i}.{_LLADA_LAYER[part]}{suffix}"
-    top = {"embed": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
+    top = {"embed": "model.word_embeddings" if spec.family == "llada2" else "model.embed_tokens",
+           "norm": "model.norm", "lm_head": "lm_head"}
     if base in top:
         return top[base] + suffix
+    if spec.family == "llada2":
+        _, i, part, *rest = base.split(".")
+        if part == "router" and is_bias:  # the router's expert bias: used to pick experts, never to weight them
+            return f"model.layers.{i}.mlp.gate.expert_bias"
+        if part == "experts":  # experts.<e>.<gate|up|down>
+            return f"model.layers.{i}.mlp.experts.{rest[0]}.{_LLADA2_EXPERT[rest[1]]}{suffix}"
+        if part == "shared":
+            return f"model.layers.{i}.mlp.shared_experts.{_LLADA2_EXPERT[rest[0]]}{suffix}"
+        return f"model.layers.{i}.{_LLADA2_LAYER[part]}{suffix}"
     _, i, part = base.split(".")
     return f"model.layers.{i}.{_QWEN_LAYER[part]}{suffix}"
 

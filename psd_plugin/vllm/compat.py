@@ -60,6 +60,21 @@ LAYER_HOOKS = {
     "get_kv_cache_spec": ("self", "vllm_config"),
 }
 
+# Keyword arguments of vLLM's model-building layers that the model classes pass and that are not stable across
+# releases (the layers themselves are vLLM's model API): LLaDA2's experts through vLLM's fused MoE layer with
+# its grouped sigmoid router, and RoPE with a float32 table (LLaDA) or on part of a head (LLaDA2,
+# ``rope_parameters["rope_dim"]``). ``tests/test_vllm_contract.py`` checks each is still a parameter.
+LAYER_KWARGS = {
+    "vllm.model_executor.layers.fused_moe:FusedMoEFactory": (
+        "num_experts", "top_k", "hidden_size", "intermediate_size", "renormalize", "use_grouped_topk",
+        "num_expert_group", "topk_group", "scoring_func", "e_score_correction_bias", "routed_scaling_factor",
+        "router_logits_dtype", "shared_experts", "prefix"),
+    "vllm.model_executor.layers.rotary_embedding:get_rope": ("head_size", "max_position", "is_neox_style",
+                                                             "rope_parameters", "dtype"),
+    "vllm.model_executor.layers.linear:ReplicatedLinear": ("input_size", "output_size", "bias", "params_dtype",
+                                                           "prefix"),
+}
+
 # Fields, properties and methods of vLLM's data structures the plugin reads, writes or builds, per class
 # ("module:Class"). Many are ordinary dataclass fields, but none is documented as an extension API, so an
 # upgrade may rename them: the contract test checks each one exists.

@@ -14,7 +14,7 @@ plugin translates in the front end, before vLLM validates anything (:func:`trans
 
 Modes:
 
-- **dLLM** (LLaDA, Dream, SDAR): :class:`PSDSpeculativeConfig`. A dLLM without a speculative config gets the
+- **dLLM** (LLaDA, Dream, SDAR, LLaDA2): :class:`PSDSpeculativeConfig`. A dLLM without a speculative config gets the
   default (``decoding = "confidence"``, as SGLang's default dLLM algorithm); a dLLM with another speculative
   method is refused with a message that says what to do.
 - **PRESTO** (``"mode": "presto"`` on a Llama-format AR target): :class:`PrestoSpeculativeConfig`. The target
@@ -47,7 +47,7 @@ class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True
 
     - ``method``: ``"psd"`` (the key vLLM routes on).
     - ``decoding``: the algorithm, one of static | confidence | localleap | lopa | freedave | spiffy | psd.
-    - ``block_size``: tokens per semi-autoregressive block (default 8; SDAR: the model's attention block).
+    - ``block_size``: tokens per semi-autoregressive block (default 8; SDAR, LLaDA2: the model's attention block).
     - every knob of :class:`~psd_plugin.knobs.DecodeKnobs` (``threshold``, ``policy``, ``depth``,
       ``branches``, ``steps``, ``graph``, ``budget``, ``cache`` ...).
 
@@ -97,14 +97,14 @@ def resolve(config: PSDSpeculativeConfig, hf_config, model_dir: str) -> PSDSpecu
     where = "speculative_config"
     if spec.attention == "block_causal":
         if config.block_size not in (None, spec.block_size):
-            raise ConfigError(f"{where}.block_size {config.block_size}: an SDAR model decodes in its attention "
+            raise ConfigError(f"{where}.block_size {config.block_size}: a block-causal {spec.family} model decodes in its attention "
                               f"block; allowed: {spec.block_size}")
         if config.cache not in (None, "none", "block"):
-            raise ConfigError(f"{where}.cache {config.cache!r} for a block-causal (SDAR) model; allowed: none, block")
+            raise ConfigError(f"{where}.cache {config.cache!r} for a block-causal ({spec.family}) model; allowed: none, block")
         cfg = msgspec.structs.replace(config, block_size=spec.block_size, cache=config.cache or "block")
     else:
         if config.cache == "block":
-            raise ConfigError(f"{where}.cache 'block' is exact only for block-causal models (SDAR); "
+            raise ConfigError(f"{where}.cache 'block' is exact only for block-causal models (SDAR, LLaDA2); "
                               f"{spec.family} allows: none, prefix, dual")
         cfg = msgspec.structs.replace(config, block_size=config.block_size or 8, cache=config.cache or "prefix")
     if cfg.decoding == "spiffy":
@@ -176,7 +176,7 @@ def translate(engine_args, target_model_config, target_parallel_config) -> None:
             if "mode" in raw:
                 raise ConfigError(f"speculative_config.mode {raw['mode']!r}; allowed: presto (tree drafting for an "
                                   "autoregressive target)")
-            raise ConfigError(f"speculative_config method 'psd' decodes diffusion LLMs (LLaDA, Dream, SDAR); "
+            raise ConfigError(f"speculative_config method 'psd' decodes diffusion LLMs (LLaDA, Dream, SDAR, LLaDA2); "
                               f"{target_model_config.model} is model_type {getattr(hf, 'model_type', '?')!r}. For an "
                               "autoregressive target use {\"method\": \"psd\", \"mode\": \"presto\"} (tree "
                               "drafting with a diffusion drafter), another speculative method, or none")

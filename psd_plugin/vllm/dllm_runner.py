@@ -213,7 +213,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         req_ids, _, _ = compat.batch_rows(self)
         decs = (self._served(req_ids[i]).req.dec for i in self._logit_rows)
         topk = max((d.topk for d in decs if d is not None), default=0)
-        preds = predict_rows(logits, topk)  # once for every canvas of every request
+        preds = predict_rows(logits, topk, mask_id=self.spec.mask_token_id)  # once for every canvas of every request
         decoding = [i for i in self._logit_rows if not self._served(req_ids[i]).rebuild]
         update_all([self._served(req_ids[i]).req.dec for i in decoding], preds,
                    [self._logit_rows[i] for i in decoding])  # greedy policy decoders together
