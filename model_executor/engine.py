@@ -38,7 +38,7 @@ from attention_backends.paged_kv_cache import PagedKVCache
 from attention_backends.prefix_attention import AttentionPlan, make_backend
 
 from .block_schedule import CACHE_MODES
-from .decoding import METHODS, BlockDecoder, make_decoder, predict_rows, update_all
+from .decoding import METHODS, BlockDecoder, LogitsRules, apply_rules, make_decoder, predict_rows, update_all
 from .dllm_request import DLLMRequest, DLLMStep
 from .models.reference import ReferenceDLLM
 from .outputs import GenerationResult
@@ -71,12 +71,13 @@ class ReferenceEngine:
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 32, block_size: int = 8,
                  method: str = "confidence", cache: str | None = None, seed: int = 0, batch_size: int = 64,
                  decoder_factory: Callable[[torch.Tensor], BlockDecoder] | None = None,
-                 **knobs) -> list[GenerationResult]:
+                 rules: LogitsRules | None = None, **knobs) -> list[GenerationResult]:
         """Decode every prompt (token ids); one :class:`GenerationResult` per prompt, in order.
 
         ``knobs`` go to :func:`model_executor.decoding.make_decoder` (``threshold``, ``policy``, ``depth``,
-        ``branches``, ``steps``, ``temperature`` ...). ``decoder_factory(block)`` replaces the method's
-        decoder (calibration uses it to record trajectories).
+        ``branches``, ``steps``, ``temperature``, ``top_k`` ...). ``rules`` (logit bias, allowed and banned
+        tokens, ``min_tokens``) apply to every request's logits before the decoders see them.
+        ``decoder_factory(block)`` replaces the method's decoder (calibration uses it to record trajectories).
         """
         spec = self.spec
         cache = cache or self.default_cache()
@@ -125,7 +126,7 @@ class ReferenceEngine:
                 live = [(j, r) for j, r in enumerate(reqs) if not r.done]
                 if not live:
                     break
-                self._step(live, cache)
+                self._step(live, cache, rules)
                 for j, r in live:
                     if r.done:
                         seconds[j] = time.perf_counter() - t0
@@ -136,7 +137,7 @@ class ReferenceEngine:
         return results  # type: ignore[return-value]
 
     # -------------------------------------------------------------------------------- internals
-    def _step(self, live: list[tuple[int, DLLMRequest]], cache: str) -> None:
+    def _step(self, live: list[tuple[int, DLLMRequest]], cache: str, rules: LogitsRules | None = None) -> None:
         """One forward for every live request (``(sequence in the batch's cache, request)``)."""
         shift = int(self.spec.shift_logits)
         steps = [r.next_step(cache, shift, self.spec.block_size or 1) for _, r in live]
@@ -144,12 +145,15 @@ class ReferenceEngine:
         logits = self._forward([(seq, st) for (seq, _), st in zip(live, steps)])
         self.step_time["forward_seconds"] += time.perf_counter() - t0
         self.step_time["steps"] += 1
-        # once for every canvas of every request; the mask token is never a prediction
-        preds = predict_rows(logits, max(r.dec.topk for _, r in live), mask_id=self.spec.mask_token_id)
         firsts, i = [], 0
         for st in steps:
             firsts.append([i + k * st.block_len for k in range(st.num_canvases)])
             i += st.num_canvases * st.block_len
+        if rules is not None:
+            apply_rules(logits, [(rules, f[0], st.num_canvases, st.block_len, st.b0 - r.prompt_len)
+                                 for f, st, (_, r) in zip(firsts, steps, live)])
+        # once for every canvas of every request; the mask token is never a prediction
+        preds = predict_rows(logits, max(r.dec.topk for _, r in live), mask_id=self.spec.mask_token_id)
         update_all([r.dec for _, r in live], preds, firsts)  # greedy policy decoders together
         for (_, r), st in zip(live, steps):
             r.stepped(st)

@@ -161,7 +161,8 @@ def test_batched_predictions_equal_the_softmax_per_canvas(dtype):
 
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(24, 1000, generator=g) * 4).to(dtype)
-    rows = predict_rows(logits, topk=5)
+    rows = predict_rows(logits, topk=5, mask_id=7)  # the engines' call: the mask token (7) excluded in place
+    assert (logits[:, 7] == float("-inf")).all()
     probs = torch.softmax(logits.double(), -1)
     assert torch.equal(rows.tokens, logits.argmax(-1))
     assert rows.conf.dtype == dtype
@@ -226,3 +227,35 @@ def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
     sampled.update([logits[: lens[0]]])
     assert torch.equal(together[-1].state, sampled.state)
     assert sorted(batches) == [1, 2, 2]  # confidence x2, static x2 (the sampling one apart), localleap
+
+
+@pytest.mark.parametrize("temperature,flt", [(1.0, (0, 1.0, 0.0)), (0.7, (3, 1.0, 0.0)), (1.3, (0, 0.8, 0.0)),
+                                             (1.0, (0, 1.0, 0.2))])
+def test_sampled_tokens_follow_the_filtered_softmax(temperature, flt):
+    """Over 20000 masked positions with the same logits, the sampled tokens' histogram is softmax(logits / T)
+    restricted by (top_k, top_p, min_p) and renormalised; the mask token is never drawn."""
+    from model_executor.decoding.base import predict
+
+    g = torch.Generator().manual_seed(0)
+    V, N, mask = 12, 20000, 11
+    logits = torch.randn(V, generator=g, dtype=torch.float64) * 1.5
+    logits[mask] = 5.0  # the most likely token, were it allowed
+    state = torch.full((N,), mask)
+    pred = predict(logits.expand(N, V).clone(), state, mask, temperature=temperature,
+                   generator=torch.Generator().manual_seed(1), sample_filter=flt)
+    counts = torch.bincount(pred.tokens, minlength=V).double() / N
+    p = torch.softmax(torch.where(torch.arange(V) == mask, float("-inf"), logits) / temperature, -1)
+    top_k, top_p, min_p = flt
+    keep = torch.ones(V, dtype=torch.bool)
+    if top_k:
+        keep &= p >= p.topk(top_k).values[-1]
+    if top_p < 1.0:
+        srt, idx = p.sort(descending=True)
+        keep &= torch.zeros(V, dtype=torch.bool).scatter(0, idx, (srt.cumsum(0) - srt) < top_p)
+    if min_p:
+        keep &= p >= min_p * p.max()
+    want = torch.where(keep, p, 0.0)
+    want /= want.sum()
+    assert counts[mask] == 0 and (counts[~keep] == 0).all()
+    assert (counts - want).abs().max() < 0.012, (counts, want)
+    assert keep.sum() < V - 1 or flt == (0, 1.0, 0.0)  # the filter removed something

@@ -121,3 +121,47 @@ def test_a_model_that_ranks_the_mask_token_first_still_finishes(tiny_checkpoints
     out = eng.generate(prompt_ids, max_tokens=12, block_size=4, method=method)
     for r in out:
         assert mask not in r.token_ids and 0 < len(r.token_ids) <= 12 and r.nfe <= 12
+
+
+@pytest.mark.parametrize("method", ["static", "confidence", "lopa", "freedave", "psd"])
+def test_request_rules_change_the_output_as_asked(engine64, mixed_prompts, method):
+    """logit_bias forces a token; banned tokens never appear (and the answer changes where they did); allowed
+    tokens are the only ones; min_tokens keeps EOS out of the first positions; all methods, the lossless ones
+    still equal to their base policy under the same rules."""
+    from model_executor.decoding import LogitsRules
+
+    prompts = mixed_prompts[:6]
+    eos = engine64.spec.eos_token_id
+    kw = dict(max_tokens=16, block_size=8, method=method)
+    plain = engine64.generate(prompts, **kw)
+    forced = engine64.generate(prompts, rules=LogitsRules(logit_bias={77: 100.0}), **kw)
+    assert all(set(r.token_ids) == {77} for r in forced)
+    common = max({t for r in plain for t in r.token_ids if t != eos},
+                 key=lambda t: sum(r.token_ids.count(t) for r in plain))
+    banned = engine64.generate(prompts, rules=LogitsRules(banned_token_ids=(common,)), **kw)
+    assert all(common not in r.token_ids for r in banned)
+    assert any(common in r.token_ids for r in plain)
+    allowed = (eos, 70, 71, 72)
+    only = engine64.generate(prompts, rules=LogitsRules(allowed_token_ids=allowed), **kw)
+    assert all(set(r.token_ids) <= set(allowed) for r in only)
+    assert any(len(r.token_ids) < 16 for r in plain)  # EOS early somewhere ...
+    longer = engine64.generate(prompts, rules=LogitsRules(min_tokens=12, stop_token_ids=(eos,)), **kw)
+    assert all(eos not in r.token_ids[:12] and len(r.token_ids) >= 12 for r in longer)  # ... never before 12
+    if method == "freedave":  # lossless: static decoding under the same rules
+        base = engine64.generate(prompts, rules=LogitsRules(banned_token_ids=(common,)), max_tokens=16,
+                                 block_size=8, method="static")
+        assert [r.token_ids for r in base] == [r.token_ids for r in banned]
+
+
+def test_top_k_1_sampling_equals_greedy_and_top_p_restricts(engine64, mixed_prompts):
+    prompts = mixed_prompts[:6]
+    kw = dict(max_tokens=16, block_size=8, method="confidence")
+    greedy = engine64.generate(prompts, **kw)
+    k1 = engine64.generate(prompts, temperature=1.5, top_k=1, seed=3, **kw)
+    assert [r.token_ids for r in k1] == [r.token_ids for r in greedy]
+    wild = engine64.generate(prompts, temperature=5.0, seed=3, **kw)
+    assert [r.token_ids for r in wild] != [r.token_ids for r in greedy]  # temperature 5 samples far off
+    nucleus = engine64.generate(prompts, temperature=5.0, top_p=1e-9, seed=3, **kw)  # keeps the best token
+    assert [r.token_ids for r in nucleus] == [r.token_ids for r in greedy]
+    tiny_min_p = engine64.generate(prompts, temperature=5.0, min_p=1.0, seed=3, **kw)
+    assert [r.token_ids for r in tiny_min_p] == [r.token_ids for r in greedy]

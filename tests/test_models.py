@@ -375,3 +375,28 @@ def test_llada2_routing_is_the_published_rule():
         by_bias += set(want) != set(s.topk(3).indices.tolist())
         by_group += set(want) != set(b.topk(3).indices.tolist())
     assert by_bias > 0 and by_group > 0
+
+
+def test_llada2_routing_edge_layouts():
+    """One expert per token is weighted sigmoid x scale, not renormalised (LLaDA2's code renormalises only
+    several); one group; groups of one expert are refused (a group scores by its two best)."""
+    from model_executor.models.configs import MoESpec
+    from model_executor.models.reference import route
+
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(50, 8, generator=g, dtype=torch.float64)
+    bias = torch.randn(8, generator=g, dtype=torch.float64) * 0.3
+    one = MoESpec(8, 1, 4, 0, 0, n_group=1, topk_group=1, scale=2.5)
+    experts, w = route(one, logits, bias)
+    assert torch.equal(experts[:, 0], (logits.sigmoid() + bias).argmax(-1))
+    assert torch.allclose(w[:, 0], logits.sigmoid().gather(1, experts)[:, 0] * 2.5)
+    with pytest.raises(ValueError, match="groups of at least 2"):
+        ArchSpec.from_hf_config({**LLADA2_MINI, "n_group": 256, "topk_group": 4})
+
+
+def test_read_config_ignores_a_stale_name_or_path(tiny_checkpoints, tmp_path):
+    dst = _sdar_without(tiny_checkpoints["sdar"], tmp_path / "sdar", ("mask_token_id",), mask_name="<|MASK|>")
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "/mnt/train/run-7/checkpoint-900"}))
+    assert read_config(dst)["_name_or_path"] == str(dst)
+    assert ReferenceDLLM.from_pretrained(dst).spec.mask_token_id == 2

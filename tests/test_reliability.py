@@ -103,13 +103,13 @@ def _malformed(prompt):
         "presence_penalty": [0.5, -3.0],
         "frequency_penalty": [0.5],
         "repetition_penalty": [1.3],
-        "min_tokens": [2, -1],
+        "min_tokens": [-1, 9],  # more than max_tokens
         "stop": [5, [1, 2]],
         "seed": ["s", 1.5],
         "model": ["no-such-model", 7],
         "stream": ["maybe", 7],
-        "logit_bias": [{"5": 1.0}],
-        "bad_words": [["x"]],
+        "logit_bias": [{"999999": 1.0}, {"5": "big"}],  # outside the vocabulary; not a number
+        "bad_words": [["alpha beta gamma delta"], [""]],  # several tokens (a dLLM bans one-token words)
     }
     for field, values in bad_values.items():
         for v in values:

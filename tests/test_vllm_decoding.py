@@ -361,3 +361,53 @@ def test_every_method_serves_a_request_that_fills_the_context(tiny_checkpoints, 
         del llm
     assert [list(o.outputs[0].token_ids) for o in outs] == ref
     assert [len(o.outputs[0].token_ids) for o in full] == max_tokens
+
+
+@pytest.mark.parametrize("method", ("confidence", "psd"))
+def test_request_options_match_reference(heldout_prompts, method):
+    """logit_bias, allowed_token_ids, bad_words (one token) and min_tokens in vLLM give the reference engine's
+    tokens under the same rules, and do what they say; top_k 1 with temperature is greedy. Multi-token bad_words
+    and an allowed set of only the mask token are 400s naming the field."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from model_executor.decoding import LogitsRules
+
+    prompts = heldout_prompts[:8]
+    ref = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
+    eos, mask = ref.spec.eos_token_id, ref.spec.mask_token_id
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_DLLM))
+    plain = ref.generate(prompts, max_tokens=24, block_size=8, method=method)
+    words = {t: tok.decode([t]) for r in plain for t in r.token_ids if t != eos}
+    words = {t: w for t, w in words.items() if w.strip() == w and w and tok.encode(w, add_special_tokens=False) == [t]}
+    common = max(words, key=lambda t: sum(r.token_ids.count(t) for r in plain))  # a one-token word it writes
+    word = words[common]
+    cases = [(dict(logit_bias={77: 100.0}), LogitsRules(logit_bias={77: 100.0})),
+             (dict(allowed_token_ids=[eos, 70, 71, 72]), LogitsRules(allowed_token_ids=(eos, 70, 71, 72))),
+             (dict(bad_words=[word]), LogitsRules(banned_token_ids=(common,))),
+             (dict(min_tokens=20), LogitsRules(min_tokens=20, stop_token_ids=(eos,)))]
+    llm = _llm(DEFAULT_DLLM, decoding=method)
+    try:
+        for options, rules in cases:
+            want = ref.generate(prompts, max_tokens=24, block_size=8, method=method, rules=rules)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(max_tokens=24, temperature=0, **options), use_tqdm=False)
+            got = [list(o.outputs[0].token_ids) for o in outs]
+            assert got == [r.token_ids for r in want], options
+            assert got != [r.token_ids for r in plain], options
+        assert all(common not in r.token_ids for r in ref.generate(prompts, max_tokens=24, block_size=8,
+                                                                   method=method, rules=cases[2][1]))
+        with pytest.raises(VLLMValidationError, match="bad_words .*several tokens"):
+            llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0,
+                                                         bad_words=["hello world answer"]), use_tqdm=False)
+        with pytest.raises(VLLMValidationError, match="allowed_token_ids .*mask token"):
+            llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0,
+                                                         allowed_token_ids=[mask]), use_tqdm=False)
+        if method == "confidence":  # a sampling policy: top_k 1 samples the argmax
+            k1 = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                              SamplingParams(max_tokens=24, temperature=2.0, top_k=1, seed=5), use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in k1] == [r.token_ids for r in plain]
+        ok = llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+        assert ok[0].outputs[0].token_ids
+    finally:
+        del llm

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .base import BlockDecoder, RowPredictions, commit, merge_stats, predict_rows, update_all
+from .logits_rules import LogitsRules, apply_rules
 from .freedave import FreeDaveDecoder
 from .lopa import LoPADecoder
 from .policies import SPATIAL_POLICIES, PolicyDecoder, make_policy
@@ -29,16 +30,18 @@ def base_step(policy: str, threshold: float = 0.9):
 def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: float = 0.9,
                  relaxed_threshold: float = 0.75, radius: int = 4, policy: str = "confidence", depth: int = 3,
                  branches: int = 3, steps: int = 4, dag: DraftDAG | None = None, graph: DraftGraph | None = None,
-                 budget: int = 3, temperature: float = 0.0,
-                 generator: torch.Generator | None = None) -> BlockDecoder:
-    """The decoder for ``method`` over one block (``block`` holds the mask id where undecoded)."""
+                 budget: int = 3, temperature: float = 0.0, generator: torch.Generator | None = None,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> BlockDecoder:
+    """The decoder for ``method`` over one block (``block`` holds the mask id where undecoded).
+    ``temperature`` > 0 samples (the spatial policies); ``top_k``/``top_p``/``min_p`` restrict that sampling."""
     if method not in METHODS:
         raise ValueError(f"method {method!r}; allowed: {', '.join(METHODS)}")
     if temperature > 0 and method in GREEDY_ONLY:
         raise ValueError(f"method {method!r} decodes greedily; temperature must be 0 (got {temperature})")
     knobs = dict(threshold=threshold, relaxed_threshold=relaxed_threshold, radius=radius)
     if method in SPATIAL_POLICIES:
-        return PolicyDecoder(block, mask_id, make_policy(method, **knobs), temperature, generator)
+        return PolicyDecoder(block, mask_id, make_policy(method, **knobs), temperature, generator,
+                             sample_filter=(top_k if top_k > 0 else 0, top_p, min_p))
     if method == "freedave":
         return FreeDaveDecoder(block, mask_id, steps=steps)
     if method == "spiffy":
@@ -51,5 +54,5 @@ def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: f
     return PSDDecoder(block, mask_id, make_policy(policy, **knobs), dag or DraftDAG.nested(depth))
 
 
-__all__ = ["METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "RowPredictions", "base_step", "load_graph",
-           "make_decoder", "merge_stats", "predict_rows", "update_all"]
+__all__ = ["METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "LogitsRules", "RowPredictions", "apply_rules",
+           "base_step", "load_graph", "make_decoder", "merge_stats", "predict_rows", "update_all"]

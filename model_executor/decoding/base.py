@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .logits_rules import filter_logits
+
 
 @dataclass
 class Prediction:
@@ -94,14 +96,17 @@ def predict_rows(logits: torch.Tensor, topk: int = 0, mask_id: int | None = None
 
 
 def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: int, keep_probs: bool = False,
-            temperature: float = 0.0, generator: torch.Generator | None = None, topk: int = 0) -> Prediction:
+            temperature: float = 0.0, generator: torch.Generator | None = None, topk: int = 0,
+            sample_filter: tuple[int, float, float] = (0, 1.0, 0.0)) -> Prediction:
     """Greedy (or Gumbel-max sampled, LLaDA ``generate.py``) tokens and confidences over masked positions of
     one canvas, from its logits ``[L, V]`` or its slice of the step's :class:`RowPredictions`.
 
     Greedy predictions come from the batched rows (computed here when given bare logits), in the logits'
     dtype, so a float64 model gives float64 confidences (the exactness path). Sampling and ``keep_probs``
     (full distributions, for calibration) work on the logits in float64; ``topk`` applies to greedy
-    predictions (Spiffy, which is greedy only)."""
+    predictions (Spiffy, which is greedy only). ``sample_filter = (top_k, top_p, min_p)`` restricts sampling
+    (:func:`~model_executor.decoding.logits_rules.filter_logits`, after temperature); a confidence is still the
+    model's probability of the chosen token."""
     rows = out if isinstance(out, RowPredictions) else None
     # the engines' rows exclude the mask token already (predict_rows(..., mask_id)); bare logits are copied
     logits = rows.logits if rows is not None else exclude_mask_token(out.clone(), mask_id)
@@ -109,7 +114,10 @@ def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: in
         lg = logits.double()
         if temperature > 0:
             u = torch.rand(lg.shape, generator=generator, device=lg.device, dtype=torch.float64).clamp_min(1e-300)
-            tokens = (lg / temperature - torch.log(-torch.log(u))).argmax(-1)
+            scaled = lg / temperature
+            if sample_filter != (0, 1.0, 0.0):
+                scaled = filter_logits(scaled, *sample_filter)
+            tokens = (scaled - torch.log(-torch.log(u))).argmax(-1)
         else:
             tokens = lg.argmax(-1)
         probs = torch.softmax(lg, -1)

@@ -71,15 +71,17 @@ class PolicyDecoder(BlockDecoder):
     """A spatial policy alone: each forward predicts the block and the policy commits positions."""
 
     def __init__(self, block, mask_id, policy: Policy, temperature: float = 0.0,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, sample_filter: tuple[int, float, float] = (0, 1.0, 0.0)):
         super().__init__(block, mask_id)
         self.policy, self.temperature, self.generator = policy, temperature, generator
+        self.sample_filter = sample_filter  # (top_k, top_p, min_p) when sampling
 
     def canvases(self):
         return [self.state]
 
     def update(self, logits):
-        pred = predict(logits[0], self.state, self.mask_id, temperature=self.temperature, generator=self.generator)
+        pred = predict(logits[0], self.state, self.mask_id, temperature=self.temperature, generator=self.generator,
+                       sample_filter=self.sample_filter)
         self.state = commit(self.state, pred, self.policy(pred.conf) & self.masked)
 
     def batch_key(self):

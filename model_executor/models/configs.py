@@ -337,9 +337,10 @@ class ArchSpec:
         experts, top_k = int(need("num_experts")), int(need("num_experts_per_tok"))
         n_group = int(get("n_group") or 1)
         topk_group = int(get("topk_group") or n_group)
-        if experts % n_group or not 1 <= topk_group <= n_group:
+        if experts % n_group or experts // n_group < 2 or not 1 <= topk_group <= n_group:
             raise ValueError(f"config.json: n_group {n_group} / topk_group {topk_group} for num_experts {experts}; "
-                             "n_group must divide num_experts and 1 <= topk_group <= n_group")
+                             "n_group must divide num_experts into groups of at least 2 (a group scores by its two "
+                             "best experts) and 1 <= topk_group <= n_group")
         if not 1 <= top_k <= topk_group * (experts // n_group):
             raise ValueError(f"config.json: num_experts_per_tok {top_k}; allowed: 1 to {topk_group * (experts // n_group)}"
                              " (the experts in topk_group groups)")
@@ -371,7 +372,7 @@ def sdar_mask_from_tokenizer(model_dir: str | None) -> int | None:
     """The id of SDAR's mask token ``<|MASK|>`` in the tokenizer next to a config without ``mask_token_id``
     (SDAR's published configs may lack it; its generator takes it as an argument). Logged once per model; None
     when there is no such tokenizer or token (the caller then refuses the config, naming the field)."""
-    if not model_dir or not Path(model_dir).is_dir():
+    if not model_dir:
         return None
     mask = None
     tj = Path(model_dir) / "tokenizer.json"

@@ -117,7 +117,7 @@ def route(moe: MoESpec, logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch
     scores = logits.sigmoid()
     biased = scores + bias.to(scores.dtype)
     grouped = biased.view(T, moe.n_group, -1)
-    group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+    group_score = grouped.topk(2, dim=-1).values.sum(-1)
     keep = torch.zeros_like(group_score, dtype=torch.bool)
     keep.scatter_(1, group_score.topk(moe.topk_group, dim=-1).indices, True)
     masked = biased.masked_fill(~keep[:, :, None].expand_as(grouped).reshape(T, -1), float("-inf"))
@@ -313,7 +313,8 @@ def read_config(path: str | os.PathLike, allow_ar: bool = False) -> dict:
         cfg = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{f}: not valid JSON ({e})") from None
-    cfg.setdefault("_name_or_path", str(path))  # as transformers' configs carry it (SDAR's mask token lookup)
+    cfg["_name_or_path"] = str(path)  # as transformers' configs carry it (SDAR's mask token lookup); a stale
+    # one saved in config.json (a training run's path) would point elsewhere, as AutoConfig also overrides it
     if cfg.get("model_type") not in CONFIG_CLASSES and not (allow_ar and cfg.get("model_type") == "llama"):
         ArchSpec.from_hf_config(cfg)  # raises the unknown-model_type error
     return cfg

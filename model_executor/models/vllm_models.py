@@ -88,7 +88,8 @@ class DLLMDecoderLayer(nn.Module):
                               prefix=f"{prefix}.shared") if moe.num_shared else None)
         self.experts = FusedMoEFactory(
             num_experts=moe.num_experts, top_k=moe.top_k, hidden_size=h, intermediate_size=moe.intermediate_size,
-            renormalize=True, use_grouped_topk=True, num_expert_group=moe.n_group, topk_group=moe.topk_group,
+            renormalize=moe.top_k > 1,  # LLaDA2's code renormalises the weights of several experts only
+            use_grouped_topk=True, num_expert_group=moe.n_group, topk_group=moe.topk_group,
             scoring_func="sigmoid", e_score_correction_bias=self.expert_bias, routed_scaling_factor=moe.scale,
             router_logits_dtype=torch.float32, shared_experts=self.shared, prefix=f"{prefix}.experts")
 

@@ -63,7 +63,8 @@ LAYER_HOOKS = {
 # Keyword arguments of vLLM's model-building layers that the model classes pass and that are not stable across
 # releases (the layers themselves are vLLM's model API): LLaDA2's experts through vLLM's fused MoE layer with
 # its grouped sigmoid router, and RoPE with a float32 table (LLaDA) or on part of a head (LLaDA2,
-# ``rope_parameters["rope_dim"]``). ``tests/test_vllm_contract.py`` checks each is still a parameter.
+# ``rope_parameters["rope_dim"]``). ``tests/test_vllm_contract.py`` checks each is still a parameter; what vLLM
+# does with them (the ``rope_dim`` key, the router's rule) is checked by the LLaDA2 vLLM-vs-reference logits test.
 LAYER_KWARGS = {
     "vllm.model_executor.layers.fused_moe:FusedMoEFactory": (
         "num_experts", "top_k", "hidden_size", "intermediate_size", "renormalize", "use_grouped_topk",
@@ -94,7 +95,8 @@ DATA_FIELDS = {
     "vllm.v1.utils:CpuGpuBuffer": ("np",),
     "vllm.v1.engine:EngineCoreRequest": ("sampling_params", "prompt_token_ids"),
     "vllm.v1.engine.input_processor:InputProcessor": ("vllm_config",),
-    "vllm.sampling_params:SamplingParams": ("all_stop_token_ids",),
+    "vllm.sampling_params:SamplingParams": ("all_stop_token_ids", "bad_words_token_ids", "logit_bias", "min_p",
+                                            "allowed_token_ids", "min_tokens", "_validate_spec_decode"),
     "vllm.v1.attention.backend:CommonAttentionMetadata": ("num_reqs", "query_start_loc_cpu", "seq_lens",
                                                           "block_table_tensor", "slot_mapping"),
     "vllm.v1.attention.backend:AttentionBackend": ("forward_includes_kv_cache_update",),

@@ -37,7 +37,7 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from attention_backends.vllm_backend import StepLayout
-from model_executor.decoding import make_decoder, merge_stats, predict_rows, update_all
+from model_executor.decoding import LogitsRules, apply_rules, make_decoder, merge_stats, predict_rows, update_all
 from model_executor.dllm_request import DLLMRequest, DLLMStep
 from model_executor.models.configs import ArchSpec
 
@@ -50,6 +50,18 @@ logger = init_logger(__name__)
 NO_REWIND = 1 << 62  # recompute_from of a request with nothing more to forward
 
 
+def request_rules(sp) -> LogitsRules | None:
+    """The :class:`LogitsRules` of a request's sampling params (None when it asks for none): ``logit_bias``,
+    ``allowed_token_ids``, ``bad_words`` (one token each; the front end refuses longer ones) and
+    ``min_tokens`` against the request's stop tokens."""
+    bad = tuple(ids[0] for ids in (sp.bad_words_token_ids or []) if len(ids) == 1)
+    rules = LogitsRules(logit_bias={int(k): float(v) for k, v in (sp.logit_bias or {}).items()},
+                        allowed_token_ids=tuple(sp.allowed_token_ids) if sp.allowed_token_ids else None,
+                        banned_token_ids=bad, min_tokens=sp.min_tokens,
+                        stop_token_ids=tuple(sorted(sp.all_stop_token_ids)))
+    return rules if rules.active else None
+
+
 @dataclass
 class _Served:
     """A request in this runner: its decoding state, the step it forwards next, and serving counters."""
@@ -57,6 +69,7 @@ class _Served:
     req: DLLMRequest
     step: DLLMStep | None = None
     drafts: list[int] = field(default_factory=list)  # vLLM draft tokens of ``step``: canvas 0 from b0
+    rules: LogitsRules | None = None  # the request's logit bias, allowed / banned tokens, min_tokens
     rebuild: bool = False  # ``step`` only restores the prefix K/V (after a preemption)
     pending: DLLMStep | None = None  # the step to resume with once the rebuild step has run
     model_calls: int = 0
@@ -100,8 +113,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                          policy=p.policy, depth=p.depth, branches=p.branches, steps=p.steps, graph=self.graph,
                          budget=p.budget)
 
-            def make(blk, gen=gen, temperature=sp.temperature):
-                return make_decoder(p.decoding, blk, mask, temperature=temperature, generator=gen, **knobs)
+            sampling = dict(temperature=sp.temperature, top_k=max(sp.top_k, 0), top_p=sp.top_p, min_p=sp.min_p)
+
+            def make(blk, gen=gen, sampling=sampling):
+                return make_decoder(p.decoding, blk, mask, generator=gen, **sampling, **knobs)
 
             # decode past the model's EOS exactly when vLLM will not stop there (ignore_eos, or a tokenizer /
             # generation config whose EOS differs): the request then ends where vLLM ends it
@@ -109,7 +124,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             ignore_eos = sp.ignore_eos or eos not in sp.all_stop_token_ids
             req = DLLMRequest(prompt, sp.max_tokens, p.block_size, make, mask, eos,
                               aligned=self.spec.attention == "block_causal", ignore_eos=ignore_eos)
-            s = self.served[req_id] = _Served(req)
+            s = self.served[req_id] = _Served(req, rules=request_rules(sp))
         return s
 
     def _propose(self, s: _Served) -> None:
@@ -213,6 +228,11 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         req_ids, _, _ = compat.batch_rows(self)
         decs = (self._served(req_ids[i]).req.dec for i in self._logit_rows)
         topk = max((d.topk for d in decs if d is not None), default=0)
+        ruled = [(s, self._logit_rows[i]) for i in self._logit_rows
+                 if (s := self._served(req_ids[i])).rules is not None and not s.rebuild]
+        if ruled:  # the request's logit bias, allowed / banned tokens and min_tokens, as the reference engine
+            apply_rules(logits, [(s.rules, rows[0], s.step.num_canvases, s.step.block_len,
+                                  s.step.b0 - s.req.prompt_len) for s, rows in ruled])
         preds = predict_rows(logits, topk, mask_id=self.spec.mask_token_id)  # once for every canvas of every request
         decoding = [i for i in self._logit_rows if not self._served(req_ids[i]).rebuild]
         update_all([self._served(req_ids[i]).req.dec for i in decoding], preds,

@@ -19,16 +19,20 @@ from model_executor.decoding import GREEDY_ONLY
 from . import compat
 from .config import PSDSpeculativeConfig, from_vllm_config
 
-_UNSUPPORTED = (  # (field, default, why)
-    ("logprobs", None, "logprobs are not produced by dLLM decoding"),
-    ("presence_penalty", 0.0, "penalties are not applied by dLLM decoding"),
-    ("frequency_penalty", 0.0, "penalties are not applied by dLLM decoding"),
-    ("repetition_penalty", 1.0, "penalties are not applied by dLLM decoding"),
+_UNSUPPORTED = (  # (field, default, why): refused by both paths
+    ("logprobs", None, "logprobs are not produced by dLLM decoding yet"),
+    ("presence_penalty", 0.0, "penalties are not applied by dLLM decoding yet"),
+    ("frequency_penalty", 0.0, "penalties are not applied by dLLM decoding yet"),
+    ("repetition_penalty", 1.0, "penalties are not applied by dLLM decoding yet"),
+    ("structured_outputs", None, "structured outputs need left-to-right decoding (a grammar constrains the next "
+                                 "token given the ones before it), and a dLLM commits positions in any order; "
+                                 "dLLM decoding does not support them"),
+)
+_RULES = (  # what the dLLM path applies to its logits (model_executor/decoding/logits_rules.py) and PRESTO not
     ("min_tokens", 0, "min_tokens is not supported by dLLM decoding"),
     ("logit_bias", None, "logit_bias is not supported by dLLM decoding"),
     ("allowed_token_ids", None, "allowed_token_ids is not supported by dLLM decoding"),
     ("bad_words", None, "bad_words is not supported by dLLM decoding"),
-    ("structured_outputs", None, "structured outputs are not supported by dLLM decoding"),
 )
 
 
@@ -47,8 +51,8 @@ def step_tokens(cfg: PSDSpeculativeConfig, prompt_len: int, max_tokens: int) -> 
     return max(fresh, K * S)
 
 
-def _check_supported(params, what: str) -> None:
-    for name, default, why in _UNSUPPORTED:
+def _check_supported(params, what: str, table=_UNSUPPORTED) -> None:
+    for name, default, why in table:
         value = getattr(params, name, default)
         if value is None or value == default or (isinstance(value, (list, dict, tuple)) and not value):
             continue
@@ -60,6 +64,7 @@ def check_presto(params) -> None:
     """Raise :class:`VLLMValidationError` for a request PRESTO's tree verification cannot serve: it samples
     from the target's full (temperature-scaled) distribution and produces no logprobs."""
     _check_supported(params, "PRESTO tree verification")
+    _check_supported(params, "PRESTO tree verification", _RULES)
     if params.temperature > 0 and (params.top_p < 1.0 or params.top_k not in (0, -1) or params.min_p > 0):
         raise VLLMValidationError("top_p/top_k/min_p: PRESTO's lossless tree sampling draws from the target's full "
                                   "distribution; leave them at their defaults", parameter="top_p")
@@ -69,16 +74,29 @@ def check(vllm_config, params, prompt_len: int) -> None:
     """Raise :class:`VLLMValidationError` for a request the dLLM path cannot serve."""
     cfg = from_vllm_config(vllm_config)
     _check_supported(params, "dLLM decoding")
-    if params.temperature > 0:
-        if cfg.decoding in GREEDY_ONLY:
-            raise VLLMValidationError(
-                f"temperature={params.temperature}: decoding {cfg.decoding!r} is greedy (its acceptance tests "
-                "compare argmax tokens); use temperature 0, or decoding static | confidence | localleap",
-                parameter="temperature", value=params.temperature)
-        if params.top_p < 1.0 or params.top_k not in (0, -1) or params.min_p > 0:
-            raise VLLMValidationError("top_p/top_k/min_p: dLLM sampling draws from the full distribution "
-                                      "(Gumbel-max, LLaDA generate.py); leave them at their defaults",
-                                      parameter="top_p")
+    if params.temperature > 0 and cfg.decoding in GREEDY_ONLY:
+        raise VLLMValidationError(
+            f"temperature={params.temperature}: decoding {cfg.decoding!r} is greedy (its acceptance tests "
+            "compare argmax tokens); use temperature 0, or decoding static | confidence | localleap",
+            parameter="temperature", value=params.temperature)
+    if params.bad_words and any(len(ids) > 1 for ids in (params.bad_words_token_ids or [])):
+        raise VLLMValidationError(
+            f"bad_words {params.bad_words!r}: a word of several tokens cannot be kept out of an answer whose "
+            "positions are decoded in any order; dLLM decoding bans bad_words of one token each (with and "
+            "without a leading space)", parameter="bad_words", value=params.bad_words)
+    vocab = vllm_config.model_config.get_vocab_size()
+    bad = [t for t in (params.logit_bias or {}) if not 0 <= int(t) < vocab]
+    if bad:
+        raise VLLMValidationError(f"logit_bias token ids {bad} are outside the vocabulary (size {vocab})",
+                                  parameter="logit_bias", value=bad)
+    if params.allowed_token_ids is not None:
+        from model_executor.models.configs import ArchSpec
+
+        mask_id = ArchSpec.from_hf_config(vllm_config.model_config.hf_config).mask_token_id
+        if not set(params.allowed_token_ids) - {mask_id}:
+            raise VLLMValidationError(f"allowed_token_ids {params.allowed_token_ids}: the mask token ({mask_id}) is "
+                                      "never a prediction; allow at least one other token",
+                                      parameter="allowed_token_ids", value=params.allowed_token_ids)
     limit = vllm_config.model_config.max_model_len
     if prompt_len + params.max_tokens > limit:
         raise VLLMValidationError(
@@ -94,14 +112,35 @@ def check(vllm_config, params, prompt_len: int) -> None:
             "max_num_batched_tokens", parameter="max_tokens", value=params.max_tokens)
 
 
+def _hold_from_spec_decode_check(params):
+    """vLLM refuses ``logit_bias`` and ``min_p`` for every speculative method (``SamplingParams.verify``): its
+    own sampler cannot apply them to draft tokens. The dLLM path is selected through a speculative config but
+    applies both itself (``logit_bias`` as a logits rule, ``min_p`` when sampling), so they are taken off the
+    params while vLLM checks them and put back after; :func:`check` validates them instead."""
+    if not params.logit_bias and not params.min_p:
+        return None
+    held = (params.logit_bias, params.min_p)
+    params.logit_bias, params.min_p = None, 0.0
+    return held
+
+
 def install() -> None:
     """Wrap ``InputProcessor.process_inputs`` (idempotent; called from ``psd_plugin.register``)."""
     from vllm.sampling_params import SamplingParams
 
     def make(original):
         def process_inputs(self, *args, **kwargs):
-            request = original(self, *args, **kwargs)
             extra = self.vllm_config.additional_config or {}
+            params = kwargs.get("params", args[2] if len(args) > 2 else None)
+            held = _hold_from_spec_decode_check(params) if "psd" in extra and isinstance(params, SamplingParams) \
+                else None
+            try:
+                request = original(self, *args, **kwargs)
+            finally:
+                if held:
+                    params.logit_bias, params.min_p = held
+            if held:
+                request.sampling_params.logit_bias, request.sampling_params.min_p = held
             if isinstance(request.sampling_params, SamplingParams):
                 if "psd" in extra:
                     check(self.vllm_config, request.sampling_params, len(request.prompt_token_ids or ()))

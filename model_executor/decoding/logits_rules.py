@@ -1,0 +1,82 @@
+"""What a request asks of the distributions its tokens are chosen from: the usual request options of an
+OpenAI-style server, applied to a dLLM step's logits before any confidence is computed.
+
+:class:`LogitsRules` holds one request's ``logit_bias``, ``allowed_token_ids``, banned tokens (``bad_words``
+that are one token) and ``min_tokens`` (the stop tokens are suppressed at answer positions before it: in a
+dLLM every position of the block is predicted at once, so "no EOS before ``min_tokens``" is a rule per
+position, not per step). :func:`apply_rules` applies the rules of every request of a step to its rows, in
+place, in both engines, so every decoding method (the lossless ones included: their base policy and their
+drafts see the same processed logits) decodes the processed distribution.
+
+:func:`filter_logits` is ``top_k`` / ``top_p`` / ``min_p`` for the policies that sample (after temperature,
+as vLLM's sampler orders them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class LogitsRules:
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] | None = None
+    banned_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # suppressed at answer positions < min_tokens
+
+    @property
+    def active(self) -> bool:
+        return bool(self.logit_bias or self.allowed_token_ids is not None or self.banned_token_ids
+                    or (self.min_tokens > 0 and self.stop_token_ids))
+
+    def apply(self, logits: torch.Tensor, answer_offsets: torch.Tensor) -> None:
+        """``logits [K, L, V]``: the rows of a request's K canvases, row ``j`` predicting the answer's token
+        ``answer_offsets[j]`` (0 = the first answer token). In place."""
+        V = logits.shape[-1]
+        if self.allowed_token_ids is not None:
+            keep = torch.zeros(V, dtype=torch.bool, device=logits.device)
+            keep[list(self.allowed_token_ids)] = True
+            logits.masked_fill_(~keep, float("-inf"))
+        if self.banned_token_ids:
+            logits[..., list(self.banned_token_ids)] = float("-inf")
+        if self.logit_bias:
+            ids = torch.tensor(list(self.logit_bias), device=logits.device)
+            logits[..., ids] += torch.tensor(list(self.logit_bias.values()), dtype=logits.dtype, device=logits.device)
+        if self.min_tokens > 0 and self.stop_token_ids:
+            early = (answer_offsets < self.min_tokens).nonzero().to(logits.device)  # [E, 1]
+            if early.numel():
+                logits[:, early, torch.tensor(self.stop_token_ids, device=logits.device)] = float("-inf")
+
+
+def apply_rules(logits: torch.Tensor, items: list[tuple[LogitsRules | None, int, int, int, int]]) -> None:
+    """Apply each request's rules to its rows of a step's ``logits [N, V]``, in place. ``items``: per request
+    ``(rules, first row, canvases K, block length L, answer offset of the block's first position)``; the
+    request's rows are ``[first, first + K * L)``, canvas after canvas."""
+    for rules, first, K, L, offset in items:
+        if rules is None or not rules.active:
+            continue
+        view = logits[first: first + K * L].view(K, L, -1)
+        rules.apply(view, torch.arange(offset, offset + L))
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Keep, per row of (temperature-scaled) ``logits [..., V]``, the ``top_k`` best tokens (0 or -1: all), the
+    smallest set of best tokens whose probability reaches ``top_p``, and the tokens with at least ``min_p``
+    times the best one's probability; the others get -inf. The best token always stays. Returns a new tensor."""
+    out = logits.clone()
+    V = out.shape[-1]
+    if 0 < top_k < V:
+        kth = out.topk(top_k, dim=-1).values[..., -1:]
+        out.masked_fill_(out < kth, float("-inf"))
+    if top_p < 1.0:
+        srt, idx = out.sort(dim=-1, descending=True)
+        cum = srt.softmax(-1).cumsum(-1)
+        drop = (cum - srt.softmax(-1)) >= top_p  # the mass before this token already reaches top_p
+        out.scatter_(-1, idx, srt.masked_fill(drop, float("-inf")))
+    if min_p > 0.0:
+        p = out.softmax(-1)
+        out.masked_fill_(p < min_p * p.amax(-1, keepdim=True), float("-inf"))
+    return out
