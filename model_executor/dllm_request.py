@@ -96,6 +96,7 @@ class DLLMRequest:
     nfe: int = 0
     emitted: int = 0
     stats: dict = field(default_factory=dict)
+    logprobs: dict = field(default_factory=dict)  # answer position -> (token, logprob, top alternatives)
     done: bool = False
     finish_reason: str = "length"
 
@@ -181,6 +182,40 @@ class DLLMRequest:
             self.done, self.dec = True, None
             self.finish_reason = "stop" if eos and not self.ignore_eos else "length"
         return out
+
+    def record_logprobs(self, before: torch.Tensor, rows: torch.Tensor, k: int) -> None:
+        """Log-probabilities of the positions the decoder committed in this step (``before``: its state before
+        the step), under the state canvas's distribution of this forward (``rows [block_len, V]``: its logits
+        after the request's rules, mask token excluded), with the ``k`` most likely tokens. Stored per answer
+        position in ``self.logprobs`` (:meth:`logprobs_of`); a position is committed once, so once recorded."""
+        if self.dec is None:
+            return
+        after = self.dec.state.to(before.device)
+        new = ((before == self.mask_id) & (after != self.mask_id)).nonzero().flatten()
+        if not new.numel():
+            return
+        lp = torch.log_softmax(rows[new.to(rows.device)].double(), -1)
+        chosen = lp.gather(1, after[new].to(lp.device)[:, None])[:, 0]
+        top = lp.topk(k, -1) if k > 0 else None
+        b0, _ = self.block
+        ranks = (lp > chosen[:, None]).sum(-1) + 1
+        for i, pos in enumerate(new.tolist()):
+            alts = {} if top is None else dict(zip(top.indices[i].tolist(), top.values[i].tolist()))
+            self.logprobs[b0 + pos - self.prompt_len] = (int(after[pos]), float(chosen[i]), alts, int(ranks[i]))
+
+    def logprobs_of(self, start: int, n: int) -> list[tuple[int, float, dict[int, float], int]]:
+        """``(token, logprob, {top token: logprob}, rank)`` of answer positions ``[start, start + n)``."""
+        return [self.logprobs[j] for j in range(start, start + n)]
+
+    def history(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(prompt ids, answer ids committed so far: finished blocks and the current block's decided
+        positions), what the repetition / presence / frequency penalties count."""
+        b0, _ = self.block
+        done = self.tokens[self.prompt_len: b0]
+        if self.dec is not None:
+            state = self.dec.state.to(self.tokens.device)
+            done = torch.cat([done, state[state != self.mask_id]])
+        return self.tokens[: self.prompt_len], done[done != self.mask_id]
 
     def answer(self) -> list[int]:
         """The answer so far: up to and including the first EOS, without undecoded positions."""

@@ -39,6 +39,7 @@ from attention_backends.prefix_attention import AttentionPlan, make_backend
 
 from .block_schedule import CACHE_MODES
 from .decoding import METHODS, BlockDecoder, LogitsRules, apply_rules, make_decoder, predict_rows, update_all
+from .decoding.policies import SPATIAL_POLICIES
 from .dllm_request import DLLMRequest, DLLMStep
 from .models.reference import ReferenceDLLM
 from .outputs import GenerationResult
@@ -71,12 +72,13 @@ class ReferenceEngine:
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 32, block_size: int = 8,
                  method: str = "confidence", cache: str | None = None, seed: int = 0, batch_size: int = 64,
                  decoder_factory: Callable[[torch.Tensor], BlockDecoder] | None = None,
-                 rules: LogitsRules | None = None, **knobs) -> list[GenerationResult]:
+                 rules: LogitsRules | None = None, logprobs: int | None = None, **knobs) -> list[GenerationResult]:
         """Decode every prompt (token ids); one :class:`GenerationResult` per prompt, in order.
 
         ``knobs`` go to :func:`model_executor.decoding.make_decoder` (``threshold``, ``policy``, ``depth``,
         ``branches``, ``steps``, ``temperature``, ``top_k`` ...). ``rules`` (logit bias, allowed and banned
-        tokens, ``min_tokens``) apply to every request's logits before the decoders see them.
+        tokens, ``min_tokens``) apply to every request's logits before the decoders see them. ``logprobs=k``
+        gives each token's log-probability and the ``k`` most likely tokens' (:attr:`GenerationResult.logprobs`).
         ``decoder_factory(block)`` replaces the method's decoder (calibration uses it to record trajectories).
         """
         spec = self.spec
@@ -105,6 +107,9 @@ class ReferenceEngine:
                 raise ValueError(f"prompt of {len(p)} tokens + max_tokens {max_tokens} exceeds the model's "
                                  f"context of {spec.max_position} tokens")
         make_decoder(method, torch.zeros(1, dtype=torch.long), spec.mask_token_id, **knobs)  # validate knobs early
+        if rules is not None and rules.penalized and method not in SPATIAL_POLICIES:
+            raise ValueError(f"penalties with method {method!r}: they count the tokens committed so far, which its "
+                             f"draft canvases would see out of date; use one of {', '.join(SPATIAL_POLICIES)}")
         results: list[GenerationResult | None] = [None] * len(prompts)
         aligned = cache == "block" or spec.attention == "block_causal"  # SDAR, LLaDA2: model-aligned blocks
         for s in range(0, len(prompts), batch_size):
@@ -126,18 +131,21 @@ class ReferenceEngine:
                 live = [(j, r) for j, r in enumerate(reqs) if not r.done]
                 if not live:
                     break
-                self._step(live, cache, rules)
+                self._step(live, cache, rules, logprobs)
                 for j, r in live:
                     if r.done:
                         seconds[j] = time.perf_counter() - t0
             for j, (i, r) in enumerate(zip(idx, reqs)):
-                results[i] = GenerationResult(list(r.prompt), r.answer(), r.nfe, seconds[j], r.finish_reason,
-                                              r.stats)
+                answer = r.answer()
+                lps = None if logprobs is None else [{t: lp, **alts} for t, lp, alts, _ in r.logprobs_of(0, len(answer))]
+                results[i] = GenerationResult(list(r.prompt), answer, r.nfe, seconds[j], r.finish_reason, r.stats,
+                                              lps)
             self.kv = None  # the batch's pages
         return results  # type: ignore[return-value]
 
     # -------------------------------------------------------------------------------- internals
-    def _step(self, live: list[tuple[int, DLLMRequest]], cache: str, rules: LogitsRules | None = None) -> None:
+    def _step(self, live: list[tuple[int, DLLMRequest]], cache: str, rules: LogitsRules | None = None,
+              logprobs: int | None = None) -> None:
         """One forward for every live request (``(sequence in the batch's cache, request)``)."""
         shift = int(self.spec.shift_logits)
         steps = [r.next_step(cache, shift, self.spec.block_size or 1) for _, r in live]
@@ -150,12 +158,15 @@ class ReferenceEngine:
             firsts.append([i + k * st.block_len for k in range(st.num_canvases)])
             i += st.num_canvases * st.block_len
         if rules is not None:
-            apply_rules(logits, [(rules, f[0], st.num_canvases, st.block_len, st.b0 - r.prompt_len)
+            apply_rules(logits, [(rules, f[0], st.num_canvases, st.block_len, st.b0 - r.prompt_len, r.history)
                                  for f, st, (_, r) in zip(firsts, steps, live)])
         # once for every canvas of every request; the mask token is never a prediction
         preds = predict_rows(logits, max(r.dec.topk for _, r in live), mask_id=self.spec.mask_token_id)
+        before = [r.dec.state.clone() for _, r in live] if logprobs is not None else None
         update_all([r.dec for _, r in live], preds, firsts)  # greedy policy decoders together
-        for (_, r), st in zip(live, steps):
+        for j, ((_, r), st) in enumerate(zip(live, steps)):
+            if before is not None:  # under the state canvas's distribution (rules applied, mask excluded)
+                r.record_logprobs(before[j], logits[firsts[j][0]: firsts[j][0] + st.block_len], logprobs)
             r.stepped(st)
 
     def _forward(self, items: list[tuple[int, DLLMStep]]) -> torch.Tensor:

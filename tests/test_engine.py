@@ -165,3 +165,25 @@ def test_top_k_1_sampling_equals_greedy_and_top_p_restricts(engine64, mixed_prom
     assert [r.token_ids for r in nucleus] == [r.token_ids for r in greedy]
     tiny_min_p = engine64.generate(prompts, temperature=5.0, min_p=1.0, seed=3, **kw)
     assert [r.token_ids for r in tiny_min_p] == [r.token_ids for r in greedy]
+
+
+def test_penalties_follow_vllms_rules_on_the_tokens_committed_so_far(engine64, mixed_prompts):
+    """Repetition / presence / frequency penalties over the tokens committed before each forward (the prompt too
+    for repetition): a strong one changes the answers and repeats fewer tokens; the drafting methods refuse them."""
+    from model_executor.decoding import LogitsRules
+
+    prompts = mixed_prompts[:6]
+    kw = dict(max_tokens=16, block_size=8, method="confidence")
+    plain = engine64.generate(prompts, **kw)
+
+    def repeats(rs):
+        return sum(len(r.token_ids) - len(set(r.token_ids)) for r in rs)
+
+    for rules in (LogitsRules(repetition_penalty=3.0), LogitsRules(frequency_penalty=2.0),
+                  LogitsRules(presence_penalty=3.0)):
+        got = engine64.generate(prompts, rules=rules, **kw)
+        assert [r.token_ids for r in got] != [r.token_ids for r in plain]
+        assert repeats(got) < repeats(plain), rules
+    with pytest.raises(ValueError, match="penalties with method 'psd'.*static, confidence, localleap"):
+        engine64.generate(prompts, rules=LogitsRules(presence_penalty=1.0), max_tokens=16, block_size=8,
+                          method="psd")

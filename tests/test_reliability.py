@@ -100,9 +100,9 @@ def _malformed(prompt):
         "top_p": [0.0, -0.5, 2.0, "p"],
         "top_k": [-5, "k", 1.5],
         "logprobs": [3, 5],
-        "presence_penalty": [0.5, -3.0],
-        "frequency_penalty": [0.5],
-        "repetition_penalty": [1.3],
+        "presence_penalty": [5.0, -3.0],  # outside vLLM's [-2, 2]
+        "frequency_penalty": [5.0],
+        "repetition_penalty": [0.0, -1.3],
         "min_tokens": [-1, 9],  # more than max_tokens
         "stop": [5, [1, 2]],
         "seed": ["s", 1.5],

@@ -185,8 +185,6 @@ def test_sampling_options(heldout_prompts):
         stopped = llm.generate(prompts[1:2], SamplingParams(max_tokens=16, temperature=0, stop=[cut]), use_tqdm=False)
         assert stopped[0].outputs[0].text == text[: text.index(cut)]
         assert stopped[0].outputs[0].finish_reason == "stop"
-        with pytest.raises(VLLMValidationError, match="logprobs"):
-            llm.generate(prompts, SamplingParams(max_tokens=8, logprobs=2), use_tqdm=False)
         with pytest.raises(VLLMValidationError, match="maximum context length is 512"):  # vLLM's own check
             llm.generate([{"prompt_token_ids": heldout_prompts[0] * 30}], SamplingParams(max_tokens=8),
                          use_tqdm=False)
@@ -365,9 +363,10 @@ def test_every_method_serves_a_request_that_fills_the_context(tiny_checkpoints, 
 
 @pytest.mark.parametrize("method", ("confidence", "psd"))
 def test_request_options_match_reference(heldout_prompts, method):
-    """logit_bias, allowed_token_ids, bad_words (one token) and min_tokens in vLLM give the reference engine's
-    tokens under the same rules, and do what they say; top_k 1 with temperature is greedy. Multi-token bad_words
-    and an allowed set of only the mask token are 400s naming the field."""
+    """logit_bias, allowed_token_ids, bad_words (one token), min_tokens and (confidence) the penalties in vLLM
+    give the reference engine's tokens under the same rules, and do what they say; top_k 1 with temperature is
+    greedy. Multi-token bad_words, an allowed set of only the mask token and penalties with a drafting method are
+    400s naming the field."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 
@@ -386,6 +385,10 @@ def test_request_options_match_reference(heldout_prompts, method):
              (dict(allowed_token_ids=[eos, 70, 71, 72]), LogitsRules(allowed_token_ids=(eos, 70, 71, 72))),
              (dict(bad_words=[word]), LogitsRules(banned_token_ids=(common,))),
              (dict(min_tokens=20), LogitsRules(min_tokens=20, stop_token_ids=(eos,)))]
+    if method == "confidence":  # penalties: the spatial policies only (they count the tokens committed so far)
+        cases += [(dict(repetition_penalty=2.5), LogitsRules(repetition_penalty=2.5)),
+                  (dict(presence_penalty=1.5, frequency_penalty=0.5),
+                   LogitsRules(presence_penalty=1.5, frequency_penalty=0.5))]
     llm = _llm(DEFAULT_DLLM, decoding=method)
     try:
         for options, rules in cases:
@@ -403,6 +406,10 @@ def test_request_options_match_reference(heldout_prompts, method):
         with pytest.raises(VLLMValidationError, match="allowed_token_ids .*mask token"):
             llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0,
                                                          allowed_token_ids=[mask]), use_tqdm=False)
+        if method == "psd":
+            with pytest.raises(VLLMValidationError, match="presence_penalty=1.0: .*decoding 'psd'.*out of date"):
+                llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0, presence_penalty=1.0),
+                             use_tqdm=False)
         if method == "confidence":  # a sampling policy: top_k 1 samples the argmax
             k1 = llm.generate([{"prompt_token_ids": p} for p in prompts],
                               SamplingParams(max_tokens=24, temperature=2.0, top_k=1, seed=5), use_tqdm=False)
@@ -411,3 +418,31 @@ def test_request_options_match_reference(heldout_prompts, method):
         assert ok[0].outputs[0].token_ids
     finally:
         del llm
+
+
+@pytest.mark.parametrize("method", ("confidence", "psd"))
+def test_logprobs_equal_the_reference_engine(heldout_prompts, method):
+    """logprobs=k: each returned token's log-probability under the state canvas's distribution of the forward
+    that committed it, and the k most likely tokens', as the reference engine gives them; all <= 0, the
+    token's own entry always there, ranks consistent; greedy tokens are their forward's most likely (rank 1)
+    for the spatial policy."""
+    from vllm import SamplingParams
+
+    prompts = heldout_prompts[:8]
+    want = ReferenceEngine.from_pretrained(DEFAULT_DLLM).generate(prompts, max_tokens=24, block_size=8,
+                                                                  method=method, logprobs=2)
+    llm = _llm(DEFAULT_DLLM, decoding=method)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=24, temperature=0, logprobs=2), use_tqdm=False)
+    finally:
+        del llm
+    for o, r in zip(outs, want):
+        c = o.outputs[0]
+        assert list(c.token_ids) == r.token_ids and len(c.logprobs) == len(r.token_ids)
+        for tok, got, ref in zip(c.token_ids, c.logprobs, r.logprobs):
+            assert tok in got and set(got) == set(ref)
+            assert all(lp.logprob <= 0 for lp in got.values())
+            assert all(abs(got[t].logprob - ref[t]) < 1e-4 for t in ref)
+            if method == "confidence":
+                assert got[tok].rank == 1

@@ -4,7 +4,8 @@ OpenAI-style server, applied to a dLLM step's logits before any confidence is co
 :class:`LogitsRules` holds one request's ``logit_bias``, ``allowed_token_ids``, banned tokens (``bad_words``
 that are one token) and ``min_tokens`` (the stop tokens are suppressed at answer positions before it: in a
 dLLM every position of the block is predicted at once, so "no EOS before ``min_tokens``" is a rule per
-position, not per step). :func:`apply_rules` applies the rules of every request of a step to its rows, in
+position, not per step) and vLLM's repetition / presence / frequency penalties over the tokens committed so
+far (for the decoders that forward their state alone: :attr:`LogitsRules.penalized`). :func:`apply_rules` applies the rules of every request of a step to its rows, in
 place, in both engines, so every decoding method (the lossless ones included: their base policy and their
 drafts see the same processed logits) decodes the processed distribution.
 
@@ -26,16 +27,37 @@ class LogitsRules:
     banned_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()  # suppressed at answer positions < min_tokens
+    repetition_penalty: float = 1.0  # vLLM's: on tokens of the prompt and the answer so far
+    presence_penalty: float = 0.0  # on tokens of the answer so far
+    frequency_penalty: float = 0.0  # times each one's count in the answer so far
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the rules depend on the tokens committed so far (penalties): only decoders that forward their
+        state alone (the spatial policies) see them as they are; a draft canvas would see them out of date."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
     def active(self) -> bool:
         return bool(self.logit_bias or self.allowed_token_ids is not None or self.banned_token_ids
-                    or (self.min_tokens > 0 and self.stop_token_ids))
+                    or (self.min_tokens > 0 and self.stop_token_ids) or self.penalized)
 
-    def apply(self, logits: torch.Tensor, answer_offsets: torch.Tensor) -> None:
+    def apply(self, logits: torch.Tensor, answer_offsets: torch.Tensor,
+              history: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """``logits [K, L, V]``: the rows of a request's K canvases, row ``j`` predicting the answer's token
-        ``answer_offsets[j]`` (0 = the first answer token). In place."""
+        ``answer_offsets[j]`` (0 = the first answer token). ``history = (prompt ids, answer ids committed so
+        far)`` for the penalties. In place."""
         V = logits.shape[-1]
+        if self.penalized:
+            prompt, output = (t.to(logits.device) for t in history)
+            counts = torch.bincount(output, minlength=V)[:V].to(logits.dtype)
+            if self.repetition_penalty != 1.0:
+                seen = counts > 0
+                seen[prompt] = True
+                p = self.repetition_penalty
+                logits.copy_(torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits))
+            if self.frequency_penalty or self.presence_penalty:
+                logits -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0).to(logits.dtype)
         if self.allowed_token_ids is not None:
             keep = torch.zeros(V, dtype=torch.bool, device=logits.device)
             keep[list(self.allowed_token_ids)] = True
@@ -51,15 +73,16 @@ class LogitsRules:
                 logits[:, early, torch.tensor(self.stop_token_ids, device=logits.device)] = float("-inf")
 
 
-def apply_rules(logits: torch.Tensor, items: list[tuple[LogitsRules | None, int, int, int, int]]) -> None:
+def apply_rules(logits: torch.Tensor, items: list[tuple]) -> None:
     """Apply each request's rules to its rows of a step's ``logits [N, V]``, in place. ``items``: per request
-    ``(rules, first row, canvases K, block length L, answer offset of the block's first position)``; the
+    ``(rules, first row, canvases K, block length L, answer offset of the block's first position, history)``
+    (``history``: see :meth:`LogitsRules.apply`; a callable, called only when the rules need it); the
     request's rows are ``[first, first + K * L)``, canvas after canvas."""
-    for rules, first, K, L, offset in items:
+    for rules, first, K, L, offset, history in items:
         if rules is None or not rules.active:
             continue
         view = logits[first: first + K * L].view(K, L, -1)
-        rules.apply(view, torch.arange(offset, offset + L))
+        rules.apply(view, torch.arange(offset, offset + L), history() if rules.penalized else None)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:

@@ -50,15 +50,40 @@ logger = init_logger(__name__)
 NO_REWIND = 1 << 62  # recompute_from of a request with nothing more to forward
 
 
+def _logprobs_tensors(lps: dict[int, list], want: dict[int, int], width: int, rows: int):
+    """vLLM's :class:`LogprobsTensors` for a step's sampled tokens ``[rows, width]`` (row-major, as vLLM's
+    spec-decode path flattens them): per emitted token its id and logprob, then the ``k`` most likely tokens and
+    theirs, and its rank; None when no request asked for logprobs."""
+    if not want:
+        return None
+    from vllm.v1.outputs import LogprobsTensors
+
+    k = max(max(want.values()), 0)
+    ids = torch.zeros(rows * width, k + 1, dtype=torch.int32)
+    vals = torch.full((rows * width, k + 1), float("-inf"), dtype=torch.float32)
+    ranks = torch.zeros(rows * width, dtype=torch.int32)
+    for i, entries in lps.items():
+        for j, (tok, lp, alts, rank) in enumerate(entries):
+            r = i * width + j
+            ids[r, 0], vals[r, 0], ranks[r] = tok, lp, rank
+            top = list(alts.items())[:k]
+            if top:
+                ids[r, 1: 1 + len(top)] = torch.tensor([t for t, _ in top], dtype=torch.int32)
+                vals[r, 1: 1 + len(top)] = torch.tensor([v for _, v in top], dtype=torch.float32)
+    return LogprobsTensors(ids, vals, ranks)
+
+
 def request_rules(sp) -> LogitsRules | None:
     """The :class:`LogitsRules` of a request's sampling params (None when it asks for none): ``logit_bias``,
     ``allowed_token_ids``, ``bad_words`` (one token each; the front end refuses longer ones) and
-    ``min_tokens`` against the request's stop tokens."""
+    ``min_tokens`` against the request's stop tokens, and the penalties."""
     bad = tuple(ids[0] for ids in (sp.bad_words_token_ids or []) if len(ids) == 1)
     rules = LogitsRules(logit_bias={int(k): float(v) for k, v in (sp.logit_bias or {}).items()},
                         allowed_token_ids=tuple(sp.allowed_token_ids) if sp.allowed_token_ids else None,
                         banned_token_ids=bad, min_tokens=sp.min_tokens,
-                        stop_token_ids=tuple(sorted(sp.all_stop_token_ids)))
+                        stop_token_ids=tuple(sorted(sp.all_stop_token_ids)),
+                        repetition_penalty=sp.repetition_penalty, presence_penalty=sp.presence_penalty,
+                        frequency_penalty=sp.frequency_penalty)
     return rules if rules.active else None
 
 
@@ -232,12 +257,18 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                  if (s := self._served(req_ids[i])).rules is not None and not s.rebuild]
         if ruled:  # the request's logit bias, allowed / banned tokens and min_tokens, as the reference engine
             apply_rules(logits, [(s.rules, rows[0], s.step.num_canvases, s.step.block_len,
-                                  s.step.b0 - s.req.prompt_len) for s, rows in ruled])
+                                  s.step.b0 - s.req.prompt_len, s.req.history) for s, rows in ruled])
         preds = predict_rows(logits, topk, mask_id=self.spec.mask_token_id)  # once for every canvas of every request
         decoding = [i for i in self._logit_rows if not self._served(req_ids[i]).rebuild]
+        want_lp = {i: k for i in decoding if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
+        before = {i: self._served(req_ids[i]).req.dec.state.clone() for i in want_lp}
         update_all([self._served(req_ids[i]).req.dec for i in decoding], preds,
                    [self._logit_rows[i] for i in decoding])  # greedy policy decoders together
+        for i, k in want_lp.items():  # under the state canvas's distribution, as the reference engine
+            s, first = self._served(req_ids[i]), self._logit_rows[i][0]
+            s.req.record_logprobs(before[i], logits[first: first + s.step.block_len], max(k, 0))
         outs: list[list[int]] = []
+        lps: dict[int, list] = {}  # batch row -> (token, logprob, top, rank) of each emitted token
         for i, rid in enumerate(req_ids):
             s = self._served(rid)
             emit: list[int] = []
@@ -246,7 +277,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 s.step, s.pending, s.rebuild = s.pending, None, False
                 s.drafts = s.step.tokens[0, s.step.b0 - s.step.w0:].tolist()
             elif i in self._logit_rows:
+                b0 = s.step.b0
                 emit = s.req.stepped(s.step)
+                if emit and i in want_lp:
+                    lps[i] = s.req.logprobs_of(b0 - s.req.prompt_len, len(emit))
                 s.step = None
                 if s.req.done:
                     self._record(rid, s)
@@ -259,7 +293,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         for i, o in enumerate(outs):
             if o:
                 sampled[i, : len(o)] = torch.tensor(o, dtype=torch.int32)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=_logprobs_tensors(lps, want_lp, width,
+                                                                                           len(outs)))
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         """Each running request's next canvas (module docstring)."""

@@ -20,20 +20,22 @@ from . import compat
 from .config import PSDSpeculativeConfig, from_vllm_config
 
 _UNSUPPORTED = (  # (field, default, why): refused by both paths
-    ("logprobs", None, "logprobs are not produced by dLLM decoding yet"),
-    ("presence_penalty", 0.0, "penalties are not applied by dLLM decoding yet"),
-    ("frequency_penalty", 0.0, "penalties are not applied by dLLM decoding yet"),
-    ("repetition_penalty", 1.0, "penalties are not applied by dLLM decoding yet"),
     ("structured_outputs", None, "structured outputs need left-to-right decoding (a grammar constrains the next "
                                  "token given the ones before it), and a dLLM commits positions in any order; "
                                  "dLLM decoding does not support them"),
 )
 _RULES = (  # what the dLLM path applies to its logits (model_executor/decoding/logits_rules.py) and PRESTO not
+    ("logprobs", None, "logprobs are not produced by dLLM decoding"),
     ("min_tokens", 0, "min_tokens is not supported by dLLM decoding"),
     ("logit_bias", None, "logit_bias is not supported by dLLM decoding"),
     ("allowed_token_ids", None, "allowed_token_ids is not supported by dLLM decoding"),
     ("bad_words", None, "bad_words is not supported by dLLM decoding"),
+    ("presence_penalty", 0.0, "penalties are not applied by dLLM decoding"),
+    ("frequency_penalty", 0.0, "penalties are not applied by dLLM decoding"),
+    ("repetition_penalty", 1.0, "penalties are not applied by dLLM decoding"),
 )
+_PENALTIES = _RULES[-3:]
+assert [n for n, _, _ in _PENALTIES] == ["presence_penalty", "frequency_penalty", "repetition_penalty"]
 
 
 def step_tokens(cfg: PSDSpeculativeConfig, prompt_len: int, max_tokens: int) -> int:
@@ -79,6 +81,10 @@ def check(vllm_config, params, prompt_len: int) -> None:
             f"temperature={params.temperature}: decoding {cfg.decoding!r} is greedy (its acceptance tests "
             "compare argmax tokens); use temperature 0, or decoding static | confidence | localleap",
             parameter="temperature", value=params.temperature)
+    if cfg.decoding in GREEDY_ONLY:  # drafting methods: their drafts would see the counts out of date
+        _check_supported(params, f"decoding {cfg.decoding!r} (penalties count the tokens committed so far, which "
+                                 "its draft canvases would see out of date; use decoding static | confidence | "
+                                 "localleap)", _PENALTIES)
     if params.bad_words and any(len(ids) > 1 for ids in (params.bad_words_token_ids or [])):
         raise VLLMValidationError(
             f"bad_words {params.bad_words!r}: a word of several tokens cannot be kept out of an answer whose "
