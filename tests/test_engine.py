@@ -187,3 +187,45 @@ def test_penalties_follow_vllms_rules_on_the_tokens_committed_so_far(engine64, m
     with pytest.raises(ValueError, match="penalties with method 'psd'.*static, confidence, localleap"):
         engine64.generate(prompts, rules=LogitsRules(presence_penalty=1.0), max_tokens=16, block_size=8,
                           method="psd")
+
+
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_first_sampled_token_follows_the_models_softmax(tiny_checkpoints, top_k):
+    """Temperature 0.15 (and top_k 3): over 3000 seeded requests the one-token answer's histogram matches a
+    random model's softmax at that position, restricted and renormalised; the mask token is never drawn."""
+    engine64 = ReferenceEngine.from_pretrained(tiny_checkpoints["llada"], dtype=torch.float64)
+    prompt = [1, 3, 17, 45, 99]
+    n, T = 3000, 0.15
+    out = engine64.generate([prompt] * n, max_tokens=1, block_size=1, method="static", temperature=T, top_k=top_k,
+                            seed=11, cache="none", batch_size=1000)
+    counts = torch.bincount(torch.tensor([r.token_ids[0] for r in out]), minlength=engine64.spec.vocab_size)
+    with torch.no_grad():
+        logits = engine64.model(torch.tensor([prompt + [engine64.spec.mask_token_id]]))[0, -1].double()
+    logits[engine64.spec.mask_token_id] = float("-inf")
+    p = torch.softmax(logits / T, -1)
+    if top_k:
+        p = torch.where(p >= p.topk(top_k).values[-1], p, 0.0)
+        p /= p.sum()
+    freq = counts.double() / n
+    assert counts[engine64.spec.mask_token_id] == 0 and (freq[p == 0] == 0).all()
+    assert (freq - p).abs().max() < 0.025, (freq.topk(4), p.topk(4))
+    assert (p > 0.05).sum() >= 3  # a distribution worth testing: several likely tokens
+
+
+@pytest.mark.parametrize("policy", ["static", "confidence"])
+def test_spiffy_sampling_is_its_base_policys_sample(engine64, mixed_prompts, policy):
+    """Spiffy Alg. 1 under sampling (appendix A.1): with the same seeds, Spiffy's tokens are the base policy's
+    sampled tokens, token for token, on a mixed batch, in fewer forwards; another seed gives other tokens."""
+    from model_executor.decoding import load_graph
+    from psd_plugin import default_graph
+
+    graph = load_graph(default_graph(DEFAULT_DLLM, policy))
+    kw = dict(max_tokens=24, block_size=8, temperature=0.9, top_k=20, seed=4)
+    base = engine64.generate(mixed_prompts, method=policy, **kw)
+    fast = engine64.generate(mixed_prompts, method="spiffy", policy=policy, graph=graph, **kw)
+    assert [r.token_ids for r in fast] == [r.token_ids for r in base]
+    assert sum(r.nfe for r in fast) < sum(r.nfe for r in base)
+    other = engine64.generate(mixed_prompts, method=policy, **{**kw, "seed": 5})
+    assert [r.token_ids for r in other] != [r.token_ids for r in base]
+    greedy = engine64.generate(mixed_prompts, method=policy, max_tokens=24, block_size=8)
+    assert [r.token_ids for r in greedy] != [r.token_ids for r in base]  # it did sample

@@ -446,3 +446,23 @@ def test_logprobs_equal_the_reference_engine(heldout_prompts, method):
             assert all(abs(got[t].logprob - ref[t]) < 1e-4 for t in ref)
             if method == "confidence":
                 assert got[tok].rank == 1
+
+
+def test_spiffy_samples_its_base_policys_tokens_in_vllm(heldout_prompts):
+    """Spiffy under sampling in vLLM: per-request seeds give the static policy's sampled tokens, token for
+    token, in fewer forwards."""
+    from vllm import SamplingParams
+
+    prompts = [{"prompt_token_ids": p} for p in heldout_prompts]
+    runs = {}
+    for method, knobs in (("static", {}), ("spiffy", _knobs(DEFAULT_DLLM, "spiffy"))):
+        llm = _llm(DEFAULT_DLLM, decoding=method, **knobs)
+        try:
+            outs = llm.generate(prompts, [SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=100 + i)
+                                          for i in range(len(prompts))], use_tqdm=False)
+            stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+            runs[method] = ([list(o.outputs[0].token_ids) for o in outs], sum(stats[o.request_id]["nfe"] for o in outs))
+        finally:
+            del llm
+    assert runs["spiffy"][0] == runs["static"][0]
+    assert runs["spiffy"][1] < runs["static"][1]

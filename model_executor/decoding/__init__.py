@@ -16,7 +16,7 @@ from .psd import DraftDAG, PSDDecoder
 from .spiffy import DraftGraph, SpiffyDecoder, load_graph
 
 METHODS = ("static", "confidence", "localleap", "lopa", "freedave", "spiffy", "psd")
-GREEDY_ONLY = ("lopa", "freedave", "spiffy", "psd")
+GREEDY_ONLY = ("lopa", "freedave", "psd")  # their acceptance compares argmax tokens; Spiffy samples losslessly
 
 
 def base_step(policy: str, threshold: float = 0.9):
@@ -48,7 +48,8 @@ def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: f
         if graph is None:
             raise ValueError("method 'spiffy' needs a draft graph (config field 'graph': a path from psd calibrate)")
         return SpiffyDecoder(block, mask_id, base_step(policy, threshold), graph, budget=budget,
-                             max_commit=1 if policy == "static" else None)
+                             max_commit=1 if policy == "static" else None, temperature=temperature,
+                             generator=generator, sample_filter=(top_k if top_k > 0 else 0, top_p, min_p))
     if method == "lopa":
         return LoPADecoder(block, mask_id, make_policy(policy, **knobs), branches=branches)
     return PSDDecoder(block, mask_id, make_policy(policy, **knobs), dag or DraftDAG.nested(depth))

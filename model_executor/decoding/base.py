@@ -121,7 +121,13 @@ def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: in
         else:
             tokens = lg.argmax(-1)
         probs = torch.softmax(lg, -1)
-        pred = Prediction(tokens, probs.gather(-1, tokens[:, None])[:, 0], probs if keep_probs else None)
+        conf = probs.gather(-1, tokens[:, None])[:, 0]
+        top_ids = top_probs = None
+        if topk > 0:  # Spiffy's draft formulas: rank 1 is the token this sample commits, then the likeliest
+            top = probs.topk(topk, dim=-1)
+            top_ids, top_probs = top.indices.clone(), top.values.clone()
+            top_ids[:, 0], top_probs[:, 0] = tokens, conf
+        pred = Prediction(tokens, conf, probs if keep_probs else None, top_ids, top_probs)
     else:
         if rows is None or rows.topk < topk:
             rows = predict_rows(logits, topk)

@@ -128,8 +128,13 @@ def _extends(draft: torch.Tensor, state: torch.Tensor, mask_id: int) -> bool:
 
 class SpiffyDecoder(BlockDecoder):
     def __init__(self, block, mask_id, next_state: Callable[[torch.Tensor, Prediction], torch.Tensor],
-                 graph: DraftGraph, budget: int = 3, max_commit: int | None = None):
+                 graph: DraftGraph, budget: int = 3, max_commit: int | None = None, temperature: float = 0.0,
+                 generator: torch.Generator | None = None, sample_filter: tuple[int, float, float] = (0, 1.0, 0.0)):
         super().__init__(block, mask_id)
+        # sampling (Alg. 1 is lossless under it, appendix A.1): each Next draws from the request's generator in
+        # the order the base policy would, the state's prediction first and an accepted draft's only when it is
+        # accepted, so the decoded tokens are the base policy's sample for the same seed, token for token
+        self.sampling = dict(temperature=temperature, generator=generator, sample_filter=sample_filter)
         self.next_state, self.graph, self.budget = next_state, graph, budget
         self.max_commit = max_commit  # most positions one base step commits (static: 1; None: unbounded)
         self.kids = graph.children()
@@ -183,9 +188,8 @@ class SpiffyDecoder(BlockDecoder):
         return [self.state] + self.drafts
 
     def update(self, logits):
-        it = iter(logits)
-        pred = predict(next(it), self.state, self.mask_id, topk=self.topk)
-        preds = [predict(next(it), d, self.mask_id, topk=self.topk) for d in self.drafts]
+        rows = list(logits)
+        pred = predict(rows[0], self.state, self.mask_id, topk=self.topk, **self.sampling)
         pending = set(range(len(self.drafts)))
         while True:  # Alg. 1: commit from the state's exact prediction, then reuse an equal draft's
             new = self.next_state(self.state, pred)
@@ -199,7 +203,7 @@ class SpiffyDecoder(BlockDecoder):
             pending.discard(hit)
             self.accepted += 1
             self.node_accepted[self.draft_nodes[hit]] += 1
-            pred = preds[hit]
+            pred = predict(rows[1 + hit], self.drafts[hit], self.mask_id, topk=self.topk, **self.sampling)
         self.iterations += 1
 
     def stats(self):

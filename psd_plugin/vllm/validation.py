@@ -15,6 +15,7 @@ from __future__ import annotations
 from vllm.exceptions import VLLMValidationError
 
 from model_executor.decoding import GREEDY_ONLY
+from model_executor.decoding.policies import SPATIAL_POLICIES
 
 from . import compat
 from .config import PSDSpeculativeConfig, from_vllm_config
@@ -79,9 +80,9 @@ def check(vllm_config, params, prompt_len: int) -> None:
     if params.temperature > 0 and cfg.decoding in GREEDY_ONLY:
         raise VLLMValidationError(
             f"temperature={params.temperature}: decoding {cfg.decoding!r} is greedy (its acceptance tests "
-            "compare argmax tokens); use temperature 0, or decoding static | confidence | localleap",
-            parameter="temperature", value=params.temperature)
-    if cfg.decoding in GREEDY_ONLY:  # drafting methods: their drafts would see the counts out of date
+            "compare argmax tokens); use temperature 0, or decoding static | confidence | localleap | spiffy "
+            "(lossless under sampling)", parameter="temperature", value=params.temperature)
+    if cfg.decoding not in SPATIAL_POLICIES:  # drafting methods: their drafts would see the counts out of date
         _check_supported(params, f"decoding {cfg.decoding!r} (penalties count the tokens committed so far, which "
                                  "its draft canvases would see out of date; use decoding static | confidence | "
                                  "localleap)", _PENALTIES)
