@@ -55,8 +55,12 @@ class LoPADecoder(BlockDecoder):
             self.pred = predict(logits[0], self.state, self.mask_id)
         else:
             preds = [predict(lg, b, self.mask_id) for lg, b in zip(logits, self.branches)]
-            scores = [p.conf[b == self.mask_id].mean().item() for p, b in zip(preds, self.branches)]  # Eq. 2
-            j = max(range(len(scores)), key=lambda i: (scores[i], -i))
+            # Eq. 2: each branch's mean confidence over its masked positions, all branches in one reduction;
+            # the first best branch on ties (argmax)
+            conf = torch.stack([p.conf for p in preds])
+            masked = torch.stack(self.branches).to(conf.device) == self.mask_id
+            scores = torch.where(masked, conf, torch.zeros_like(conf)).sum(-1) / masked.sum(-1)
+            j = int(scores.argmax())
             self.chosen[j] += 1
             self.state, self.pred = self.branches[j], preds[j]
         self._explore(self.pred)
