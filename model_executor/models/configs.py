@@ -265,8 +265,8 @@ class ArchSpec:
         if mask is None and model_type == "sdar":
             mask = sdar_mask_from_tokenizer(get("_name_or_path"))
         if model_type == "llada2_moe":
-            defaulted = {k: _llada2_default(str(get("_name_or_path") or "?"), k)
-                         for k in LLADA2_DEFAULTS if get(k) is None}
+            defaulted = {k: _published_default(str(get("_name_or_path") or "?"), k, v, "LLaDA2's published")
+                         for k, v in LLADA2_DEFAULTS.items() if get(k) is None}
             get = _with_defaults(get, defaulted)
             mask = get("mask_token_id")
         if mask is None:
@@ -308,7 +308,8 @@ class ArchSpec:
             return cls._llada2(common, get)
         block = get("block_size")
         if block is None:
-            block = _sdar_default_block(str(get("_name_or_path") or "?"))
+            block = _published_default(str(get("_name_or_path") or "?"), "block_size", SDAR_BLOCK_SIZE,
+                                       "SDAR's published block size")
         if not isinstance(block, int) or isinstance(block, bool) or block < 1:
             raise ValueError(f"config.json: block_size {json.dumps(block)}; an SDAR block size is a positive integer")
         return cls("sdar", **common, qkv_bias=False, qk_norm=True, shift_logits=False,
@@ -361,10 +362,11 @@ class ArchSpec:
 
 
 @functools.lru_cache(maxsize=None)
-def _sdar_default_block(model: str) -> int:
-    logger.warning("%s: config.json has no block_size; using SDAR's published block size %d (set it with "
-                   "--hf-overrides '{\"block_size\": N}')", model, SDAR_BLOCK_SIZE)
-    return SDAR_BLOCK_SIZE
+def _published_default(model: str, field: str, value, label: str):
+    """``value`` for a ``field`` a config lacks, logged once per model and field."""
+    logger.warning("%s: config.json has no %s; using %s %s (set it with --hf-overrides '{\"%s\": N}')",
+                   model, field, label, value, field)
+    return value
 
 
 @functools.lru_cache(maxsize=None)
@@ -398,10 +400,3 @@ def sdar_mask_from_tokenizer(model_dir: str | None) -> int | None:
 
 def _with_defaults(get, defaults: dict):
     return lambda k, d=None: defaults[k] if k in defaults else get(k, d)
-
-
-@functools.lru_cache(maxsize=None)
-def _llada2_default(model: str, field: str):
-    logger.warning("%s: config.json has no %s; using LLaDA2's published %s (set it with --hf-overrides "
-                   "'{\"%s\": N}')", model, field, LLADA2_DEFAULTS[field], field)
-    return LLADA2_DEFAULTS[field]

@@ -95,6 +95,7 @@ DATA_FIELDS = {
     "vllm.v1.utils:CpuGpuBuffer": ("np",),
     "vllm.v1.engine:EngineCoreRequest": ("sampling_params", "prompt_token_ids"),
     "vllm.v1.engine.input_processor:InputProcessor": ("vllm_config",),
+    "vllm.v1.outputs:LogprobsTensors": ("logprob_token_ids", "logprobs", "selected_token_ranks"),
     "vllm.sampling_params:SamplingParams": ("all_stop_token_ids", "bad_words_token_ids", "logit_bias", "min_p",
                                             "allowed_token_ids", "min_tokens", "_validate_spec_decode"),
     "vllm.v1.attention.backend:CommonAttentionMetadata": ("num_reqs", "query_start_loc_cpu", "seq_lens",

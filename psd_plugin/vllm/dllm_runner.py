@@ -70,7 +70,7 @@ def _logprobs_tensors(lps: dict[int, list], want: dict[int, int], width: int, ro
             if top:
                 ids[r, 1: 1 + len(top)] = torch.tensor([t for t, _ in top], dtype=torch.int32)
                 vals[r, 1: 1 + len(top)] = torch.tensor([v for _, v in top], dtype=torch.float32)
-    return LogprobsTensors(ids, vals, ranks)
+    return LogprobsTensors(logprob_token_ids=ids, logprobs=vals, selected_token_ranks=ranks)
 
 
 def request_rules(sp) -> LogitsRules | None:
