@@ -9,7 +9,7 @@ script builds the logits of every canvas of every request (``[rows, vocab]`` flo
 region): Gaussian noise plus one peaked token per block position whose height, fixed per position, gives
 confidences from ~0.1 to ~0.99, so policies commit several positions and drafts get accepted. Timed: the
 decoders' ``canvases()`` and their updates for all requests; in ``batched`` mode as the engines do it: one
-:func:`~model_executor.decoding.base.predict_rows` pass over all rows and
+:func:`~model_executor.decoding.base.predict_rows` pass over the rows of masked canvas positions and
 :func:`~model_executor.decoding.base.update_all` (greedy policy decoders in one batched update); ``canvas``
 mode hands each decoder its canvases' bare logits, one decoder at a time, as the engines did before. Writes ``decode_step_<mode>.json`` into ``--out``.
 """
@@ -70,7 +70,8 @@ def main() -> None:
             logits = base[idx]  # the step's logits (not timed)
             t0 = time.perf_counter()
             if args.mode == "batched":
-                preds = predict_rows(logits, max(d.topk for d in live), mask_id=mask)
+                need = torch.cat([(torch.stack(c) == mask).flatten() for c in cans])  # masked canvas rows
+                preds = predict_rows(logits, max(d.topk for d in live), mask_id=mask, need=need)
             else:
                 preds = logits
             if args.mode == "batched":  # as the engines do: greedy policy decoders in one batched update

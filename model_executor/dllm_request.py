@@ -61,6 +61,12 @@ class DLLMStep:
     def block_len(self) -> int:
         return self.b1 - self.b0
 
+    def masked_rows(self, mask_id: int) -> torch.Tensor:
+        """``[K * block_len]`` bool, in logits-row order (canvas by canvas): the block positions each canvas
+        leaves masked, the only rows a decoder reads a prediction of (:func:`~model_executor.decoding.predict_rows`)."""
+        b = self.b0 - self.w0
+        return (self.tokens[:, b: b + self.block_len] == mask_id).flatten()
+
     @property
     def reads_suffix(self) -> int:
         """How many kept-suffix positions this step reads from the cache (0 unless it is after the window)."""

@@ -66,32 +66,47 @@ def exclude_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     return logits
 
 
-def predict_rows(logits: torch.Tensor, topk: int = 0, mask_id: int | None = None) -> RowPredictions:
+def predict_rows(logits: torch.Tensor, topk: int = 0, mask_id: int | None = None,
+                 need: torch.Tensor | None = None) -> RowPredictions:
     """Argmax, its probability and (``topk > 0``) the top-k tokens with their probabilities, of every row of
     ``logits [N, V]``, in the logits' dtype, without materialising a softmax: per row the max (first index
     on ties, as ``argmax``) and ``sum(exp(x - max))``. On CPU the rows go in chunks of about 16 MB, so the
     second pass over a chunk reads it from cache (at a 126k vocabulary a whole batch is gigabytes).
-    ``mask_id``: the mask token is excluded first, in place (:func:`exclude_mask_token`); the engines pass it."""
+    ``mask_id``: the mask token is excluded first, in place (:func:`exclude_mask_token`); the engines pass it.
+    ``need [N]`` (bool): only these rows are computed; the others get token -1, confidence -inf (a decoded
+    position) and top-k ids -1. The engines pass the rows of masked canvas positions
+    (:meth:`~model_executor.dllm_request.DLLMStep.masked_rows`): no decoder reads a prediction elsewhere."""
     if mask_id is not None:
         exclude_mask_token(logits, mask_id)
     N, V = logits.shape
-    tokens = torch.empty(N, dtype=torch.long, device=logits.device)
-    conf = torch.empty(N, dtype=logits.dtype, device=logits.device)
+    dev = logits.device
     k = min(topk, V)
-    top_ids = torch.empty(N, k, dtype=torch.long, device=logits.device) if k > 0 else None
-    top_probs = torch.empty(N, k, dtype=logits.dtype, device=logits.device) if k > 0 else None
-    chunk = max(1, (16 << 20) // max(1, V * logits.element_size())) if logits.device.type == "cpu" else max(N, 1)
-    work = torch.empty(min(chunk, N), V, dtype=logits.dtype, device=logits.device)  # reused: no fresh pages
-    for a in range(0, N, chunk):
-        x = logits[a: a + chunk]
+    sel = None if need is None or bool(need.all()) else need.to(dev).nonzero().flatten()
+    fill = (lambda *shape, dtype, v: torch.full(shape, v, dtype=dtype, device=dev)) if sel is not None else \
+        (lambda *shape, dtype, v: torch.empty(shape, dtype=dtype, device=dev))
+    tokens = fill(N, dtype=torch.long, v=-1)
+    conf = fill(N, dtype=logits.dtype, v=float("-inf"))
+    top_ids = fill(N, k, dtype=torch.long, v=-1) if k > 0 else None
+    top_probs = fill(N, k, dtype=logits.dtype, v=0.0) if k > 0 else None
+    n = N if sel is None else sel.numel()
+    chunk = max(1, (16 << 20) // max(1, V * logits.element_size())) if dev.type == "cpu" else max(n, 1)
+    work = torch.empty(min(chunk, n), V, dtype=logits.dtype, device=dev)  # reused: no fresh pages
+    for a in range(0, n, chunk):
+        if sel is None:
+            at = slice(a, a + chunk)
+            x = logits[at]
+        else:  # the needed rows, gathered into the work buffer
+            at = sel[a: a + chunk]
+            x = torch.index_select(logits, 0, at, out=work[: at.numel()])
         best, idx = x.max(-1)
-        w = torch.sub(x, best[:, None], out=work[: x.shape[0]]).exp_()
-        z = w.sum(-1)  # >= 1: the max contributes exp(0)
-        tokens[a: a + chunk], conf[a: a + chunk] = idx, 1.0 / z
         if k > 0:
             top = x.topk(k, dim=-1)
-            top_ids[a: a + chunk] = top.indices
-            top_probs[a: a + chunk] = torch.exp(top.values - best[:, None]) / z[:, None]
+        w = torch.sub(x, best[:, None], out=work[: x.shape[0]]).exp_()
+        z = w.sum(-1)  # >= 1: the max contributes exp(0)
+        tokens[at], conf[at] = idx, 1.0 / z
+        if k > 0:
+            top_ids[at] = top.indices
+            top_probs[at] = torch.exp(top.values - best[:, None]) / z[:, None]
     return RowPredictions(logits, tokens, conf, top_ids, top_probs)
 
 

@@ -258,8 +258,14 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         if ruled:  # the request's logit bias, allowed / banned tokens and min_tokens, as the reference engine
             apply_rules(logits, [(s.rules, rows[0], s.step.num_canvases, s.step.block_len,
                                   s.step.b0 - s.req.prompt_len, s.req.history) for s, rows in ruled])
-        preds = predict_rows(logits, topk, mask_id=self.spec.mask_token_id)  # once for every canvas of every request
         decoding = [i for i in self._logit_rows if not self._served(req_ids[i]).rebuild]
+        mask = self.spec.mask_token_id  # once for every canvas of every request, where the canvas is masked
+        need = []
+        for i, first in self._logit_rows.items():  # a rebuild's logits are not for the decoder
+            s = self._served(req_ids[i])
+            need.append(torch.zeros(len(first) * s.step.block_len, dtype=torch.bool) if s.rebuild
+                        else s.step.masked_rows(mask))
+        preds = predict_rows(logits, topk, mask_id=mask, need=torch.cat(need) if need else None)
         want_lp = {i: k for i in decoding if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
         before = {i: self._served(req_ids[i]).req.dec.state.clone() for i in want_lp}
         update_all([self._served(req_ids[i]).req.dec for i in decoding], preds,
