@@ -38,7 +38,8 @@ from attention_backends.paged_kv_cache import PagedKVCache
 from attention_backends.prefix_attention import AttentionPlan, make_backend
 
 from .block_schedule import CACHE_MODES
-from .decoding import METHODS, BlockDecoder, LogitsRules, apply_rules, make_decoder, predict_rows, update_all
+from .decoding import (METHODS, BlockDecoder, LogitsRules, apply_rules, make_decoder, predict_rows, propose_all,
+                       update_all)
 from .decoding.policies import SPATIAL_POLICIES
 from .dllm_request import DLLMRequest, DLLMStep
 from .models.reference import ReferenceDLLM
@@ -148,6 +149,7 @@ class ReferenceEngine:
               logprobs: int | None = None) -> None:
         """One forward for every live request (``(sequence in the batch's cache, request)``)."""
         shift = int(self.spec.shift_logits)
+        propose_all([r.dec for _, r in live])  # every decoder's canvases, a method at a time
         steps = [r.next_step(cache, shift, self.spec.block_size or 1) for _, r in live]
         t0 = time.perf_counter()
         logits = self._forward([(seq, st) for (seq, _), st in zip(live, steps)])
@@ -165,7 +167,7 @@ class ReferenceEngine:
         preds = predict_rows(logits, max(r.dec.topk for _, r in live), mask_id=mask,
                              need=torch.cat([st.masked_rows(mask) for st in steps]))
         before = [r.dec.state.clone() for _, r in live] if logprobs is not None else None
-        update_all([r.dec for _, r in live], preds, firsts)  # greedy policy decoders together
+        update_all([r.dec for _, r in live], preds, firsts)  # a method at a time
         for j, ((_, r), st) in enumerate(zip(live, steps)):
             if before is not None:  # under the state canvas's distribution (rules applied, mask excluded)
                 r.record_logprobs(before[j], logits[firsts[j][0]: firsts[j][0] + st.block_len], logprobs)

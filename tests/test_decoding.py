@@ -259,3 +259,83 @@ def test_sampled_tokens_follow_the_filtered_softmax(temperature, flt):
     assert counts[mask] == 0 and (counts[~keep] == 0).all()
     assert (counts - want).abs().max() < 0.012, (counts, want)
     assert keep.sum() < V - 1 or flt == (0, 1.0, 0.0)  # the filter removed something
+
+
+def _toy_model(V: int, seed: int):
+    """Deterministic bidirectional logits ``[L, V]`` (float64) of a canvas: every row depends on the whole
+    canvas, so a draft's prediction differs from its parent's."""
+    g = torch.Generator().manual_seed(seed)
+    E, P = torch.randn(V, 16, generator=g, dtype=torch.float64), torch.randn(64, 16, generator=g, dtype=torch.float64)
+    A, B = torch.randn(16, 16, generator=g, dtype=torch.float64), torch.randn(16, 16, generator=g, dtype=torch.float64)
+    O = torch.randn(16, V, generator=g, dtype=torch.float64) * 3
+
+    def model(canvas: torch.Tensor) -> torch.Tensor:
+        h = E[canvas] + P[: canvas.numel()]
+        return torch.tanh(h @ A + h.mean(0) @ B) @ O
+    return model
+
+
+@pytest.mark.parametrize("method,knobs", [
+    ("psd", [dict(policy="confidence", depth=3), dict(policy="static", depth=2), dict(policy="localleap", depth=3)]),
+    ("psd", [dict(policy="confidence", dag=DraftDAG((frozenset(), frozenset({0}), frozenset({1}), frozenset({0, 1}),
+                                                    frozenset({0, 1, 2, 3, 4, 5, 6, 7, 8, 9})),
+                                                   ((), (0,), (0,), (1, 2), (3,)))),
+             dict(policy="confidence", dag=DraftDAG((frozenset(), frozenset({0}), frozenset({1})),
+                                                                   ((), (0,), (0,))))]),
+    ("lopa", [dict(policy="confidence", branches=3), dict(policy="static", branches=2), dict(policy="localleap",
+                                                                                          branches=12)]),
+    ("freedave", [dict(steps=4), dict(steps=1), dict(steps=9)]),
+])
+def test_drafting_decoders_step_together_as_they_do_alone(method, knobs, monkeypatch):
+    """The batched step (:func:`propose_all`, one :func:`predict_rows` pass, :func:`update_all`) of many decoders
+    of one method, with different knobs, block lengths and progress, gives every decoder the canvases, states,
+    NFE and counters of the method run alone (``propose``/``update`` per decoder), until every block is done;
+    and the verify steps really ran batched (groups of several decoders)."""
+    from model_executor.decoding import predict_rows, propose_all, update_all
+
+    cls = type(make_decoder(method, torch.tensor([1, 2]), 0, **knobs[0]))
+    sizes = []
+    batched = cls.update_batch.__func__
+    monkeypatch.setattr(cls, "update_batch", classmethod(
+        lambda c, decs, *a: (sizes.append((len(decs), decs[0].pred is not None)), batched(c, decs, *a))[1]))
+    V, M = 9, 8  # the mask is the last token; the toy model never predicts it (excluded as the engines do)
+    model = _toy_model(V, seed=3)
+    g = torch.Generator().manual_seed(7)
+    blocks = []
+    for i in range(12):
+        b = torch.randint(0, M, (int(torch.randint(3, 13, (1,), generator=g)),), generator=g)
+        b[torch.rand(b.numel(), generator=g) < 0.8] = M
+        b[0] = M  # something to decode
+        blocks.append(b)
+    alone = [make_decoder(method, b, M, **knobs[i % len(knobs)]) for i, b in enumerate(blocks)]
+    together = [make_decoder(method, b, M, **knobs[i % len(knobs)]) for i, b in enumerate(blocks)]
+    nfe = [0] * len(blocks)
+    while True:
+        live = [i for i, d in enumerate(alone) if not d.done]
+        assert live == [i for i, d in enumerate(together) if not d.done]
+        if not live:
+            break
+        propose_all([together[i] for i in live])
+        rows, firsts, need = [], [], []
+        for i in live:
+            ca, cb = alone[i].canvases(), together[i].canvases()
+            assert len(ca) == len(cb) and all(torch.equal(a, b) for a, b in zip(ca, cb)), (i, nfe[i])
+            firsts.append([sum(r.shape[0] for r in rows) + k * ca[0].numel() for k in range(len(ca))])
+            logits = [model(c) for c in ca]
+            need.append((torch.stack(cb) == M).flatten())
+            rows.extend(logits)
+            alone[i].update([lg.clone() for lg in logits])
+            nfe[i] += 1
+        # as the engines: predictions only at masked canvas positions
+        update_all([together[i] for i in live], predict_rows(torch.cat(rows), mask_id=M, need=torch.cat(need)),
+                   firsts)
+        for i in live:
+            assert torch.equal(alone[i].state, together[i].state), (i, nfe[i])
+    assert [d.stats() for d in alone] == [d.stats() for d in together]
+    assert max(nfe) > 2 and any(n > 1 and verify for n, verify in sizes)
+    st = [d.stats() for d in together]  # drafts were accepted (and rejected): the acceptance rule was exercised
+    got = {"psd": lambda s: (sum(s["node_accepted"]), sum(s["node_tried"])),
+           "lopa": lambda s: (sum(s["branch_chosen"][1:]), sum(s["branch_chosen"])),
+           "freedave": lambda s: (s["accepted_drafts"], 2 * s["accepted_drafts"] + 1)}[method]
+    acc, tried = map(sum, zip(*(got(x) for x in st)))
+    assert 0 < acc < tried

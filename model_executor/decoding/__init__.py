@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, RowPredictions, commit, merge_stats, predict_rows, update_all
+from .base import BlockDecoder, RowPredictions, commit, merge_stats, predict_rows, propose_all, update_all
 from .logits_rules import LogitsRules, apply_rules
 from .freedave import FreeDaveDecoder
 from .lopa import LoPADecoder
@@ -56,4 +56,5 @@ def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: f
 
 
 __all__ = ["METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "LogitsRules", "RowPredictions", "apply_rules",
-           "base_step", "load_graph", "make_decoder", "merge_stats", "predict_rows", "update_all"]
+           "base_step", "load_graph", "make_decoder", "merge_stats", "predict_rows", "propose_all",
+           "update_all"]

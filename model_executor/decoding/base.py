@@ -158,11 +158,16 @@ def commit(state: torch.Tensor, pred: Prediction, positions: torch.Tensor) -> to
 
 
 class BlockDecoder:
-    """Base class: state handling shared by every method. Subclasses implement ``canvases``/``update``.
+    """Base class: state handling shared by every method. Subclasses implement ``propose``/``update``.
 
     ``update`` takes one item per canvas: its logits ``[L, V]`` or its slice of the step's
-    :class:`RowPredictions` (what the engines pass). ``topk`` is how many top tokens per position the decoder
-    reads (the engines compute that many in the batched step)."""
+    :class:`RowPredictions`. ``topk`` is how many top tokens per position the decoder reads (the engines
+    compute that many in the batched step).
+
+    A method may also step many decoders at once (what the engines do, :func:`propose_all` and
+    :func:`update_all`): decoders with equal, non-None :meth:`batch_key` are proposed by :meth:`propose_batch`
+    and updated by :meth:`update_batch` in a handful of tensor ops for all of them. ``propose``/``update`` are the
+    method written for one block, as its paper states it; the tests hold the batched step equal to them."""
 
     topk = 0
 
@@ -170,6 +175,7 @@ class BlockDecoder:
         self.state = block.clone()
         self.mask_id = mask_id
         self.forwards = 0  # model calls this block took
+        self._proposed: list[torch.Tensor] | None = None  # canvases :meth:`propose_batch` made for this step
 
     @property
     def masked(self) -> torch.Tensor:
@@ -180,6 +186,11 @@ class BlockDecoder:
         return not bool(self.masked.any())
 
     def canvases(self) -> list[torch.Tensor]:
+        """The versions of the block to forward this step: the batched proposal's, else :meth:`propose`'s."""
+        c, self._proposed = self._proposed, None
+        return c if c is not None else self.propose()
+
+    def propose(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
     def update(self, logits: list[torch.Tensor]) -> None:
@@ -190,35 +201,81 @@ class BlockDecoder:
         return {}
 
     def batch_key(self):
-        """Decoders of one step with equal, non-None keys are updated together by :meth:`update_batch`
-        (:func:`update_all`); None: this decoder updates alone."""
+        """Decoders of one step with equal, non-None keys are proposed and updated together
+        (:func:`propose_all`, :func:`update_all`); None: this decoder steps alone."""
         return None
 
     @classmethod
+    def propose_batch(cls, decoders: list["BlockDecoder"]) -> None:
+        """The canvases of every decoder of the group, stored for :meth:`canvases`; by default each its own."""
+        for d in decoders:
+            d._proposed = d.propose()
+
+    @classmethod
     def update_batch(cls, decoders: list["BlockDecoder"], preds: RowPredictions, rows: torch.Tensor) -> None:
-        """One step of several decoders of this class whose only canvas is their state: ``rows [R, L]`` are
-        the rows of ``preds`` holding each one's block predictions (-1 past a shorter block). A class whose
+        """One step of several decoders of this class: ``rows [R, K, L]`` are the rows of ``preds`` holding
+        decoder ``r``'s canvas ``k`` (-1 past its canvases, or past a shorter block). A class whose
         :meth:`batch_key` is not None implements it."""
         raise NotImplementedError(f"{cls.__name__} has a batch_key but no update_batch")
 
 
-def update_all(decoders: list[BlockDecoder], preds: RowPredictions, canvas_rows: list[list[int]]) -> None:
-    """One decoder step of every decoder of a forward from its batched predictions: ``canvas_rows[i]`` lists
-    the first row (in ``preds``) of each canvas of decoder ``i``, a block's length of rows each. Decoders that
-    forwarded their state alone and share a :meth:`BlockDecoder.batch_key` update together."""
+def _groups(decoders: list[BlockDecoder]) -> tuple[dict, list[int]]:
     groups: dict = {}
+    alone = []
     for i, d in enumerate(decoders):
-        key = d.batch_key() if len(canvas_rows[i]) == 1 else None
+        key = d.batch_key()
         if key is None:
-            d.update([preds[a: a + d.state.numel()] for a in canvas_rows[i]])
+            alone.append(i)
         else:
             groups.setdefault((type(d), key), []).append(i)
+    return groups, alone
+
+
+def propose_all(decoders: list[BlockDecoder]) -> None:
+    """Propose the next canvases of every decoder about to step, a group of equal batch keys at a time; the
+    engines call it before asking each request for its step (:meth:`BlockDecoder.canvases`)."""
+    groups, _ = _groups(decoders)
+    for (cls, _), idx in groups.items():
+        cls.propose_batch([decoders[i] for i in idx])
+
+
+def update_all(decoders: list[BlockDecoder], preds: RowPredictions, canvas_rows: list[list[int]]) -> None:
+    """One decoder step of every decoder of a forward from its batched predictions: ``canvas_rows[i]`` lists
+    the first row (in ``preds``) of each canvas of decoder ``i``, a block's length of rows each. Decoders
+    with equal batch keys update together (:meth:`BlockDecoder.update_batch`), the others alone."""
+    groups, alone = _groups(decoders)
+    for i in alone:
+        d = decoders[i]
+        d.update([preds[a: a + d.state.numel()] for a in canvas_rows[i]])
     for (cls, _), idx in groups.items():
         group = [decoders[i] for i in idx]
-        start = torch.tensor([canvas_rows[i][0] for i in idx])
+        starts = pad_rows([torch.tensor(canvas_rows[i], dtype=torch.long) for i in idx], -1)  # [R, K]
         lens = torch.tensor([d.state.numel() for d in group])
         j = torch.arange(int(lens.max()))
-        cls.update_batch(group, preds, torch.where(j < lens[:, None], start[:, None] + j, -1))
+        ok = (starts[..., None] >= 0) & (j < lens[:, None, None])
+        cls.update_batch(group, preds, torch.where(ok, starts[..., None] + j, -1))
+
+
+def pad_rows(tensors: list[torch.Tensor], value) -> torch.Tensor:
+    """``[R, n_max, ...]``: the tensors stacked, each padded with ``value`` along its first dimension."""
+    return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
+
+
+def canvas_predictions(preds: RowPredictions, rows: torch.Tensor, canvases: torch.Tensor, mask_id: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and confidences ``[..., L]`` of the canvases ``[..., L]`` whose predictions are at ``rows`` of
+    ``preds`` (-1: none), as :func:`predict` gives them: confidence -inf where the canvas is not masked or has
+    no row. On the canvases' device."""
+    r = rows.clamp(min=0).to(preds.tokens.device)
+    tok, conf = preds.tokens[r].to(canvases.device), preds.conf[r].to(canvases.device)
+    return tok, conf.masked_fill_(~((canvases == mask_id) & (rows >= 0)), float("-inf"))
+
+
+def onehot_first_max(conf: torch.Tensor) -> torch.Tensor:
+    """The most confident position of each row of ``conf [..., L]`` (first on ties), none in a row of -inf:
+    the static scheduler's one commit."""
+    out = torch.zeros_like(conf, dtype=torch.bool).scatter_(-1, conf.argmax(-1, keepdim=True), True)
+    return out & torch.isfinite(conf).any(-1, keepdim=True)
 
 
 def merge_stats(all_stats) -> dict:

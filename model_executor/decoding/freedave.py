@@ -26,15 +26,16 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, Prediction, commit, predict
+from .base import BlockDecoder, Prediction, canvas_predictions, commit, onehot_first_max, pad_rows, predict
 
 
 def topk_jump(state: torch.Tensor, pred: Prediction, k: int) -> torch.Tensor:
-    """``state`` with the ``k`` most confident masked positions of ``pred`` filled (static scheduler, k steps)."""
+    """``state`` with the ``k`` most confident masked positions of ``pred`` filled (static scheduler, k steps;
+    ties: the lower position first, as the static policy's argmax)."""
     k = min(k, int(torch.isfinite(pred.conf).sum()))
     pos = torch.zeros_like(state, dtype=torch.bool)
     if k > 0:
-        pos[pred.conf.topk(k).indices] = True
+        pos[torch.sort(pred.conf, descending=True, stable=True).indices[:k]] = True
     return commit(state, pred, pos)
 
 
@@ -45,12 +46,15 @@ class FreeDaveDecoder(BlockDecoder):
         self.pred: Prediction | None = None
         self.drafts: list[torch.Tensor] = []
         self.accepted = self.iterations = 0
+        self._batch: tuple[torch.Tensor, int] | None = None  # (d drafts [d, L], how many are forwarded)
 
-    def canvases(self):
+    def propose(self):
         if self.pred is None:
             return [self.state]
         n = int(self.masked.sum())
         self.drafts = [topk_jump(self.state, self.pred, k) for k in range(1, min(self.steps, n - 1) + 1)]
+        unused = [self.state] * (self.steps - len(self.drafts))  # never forwarded (update_batch's layout)
+        self._batch = (torch.stack(self.drafts + unused), len(self.drafts))
         return self.drafts
 
     def update(self, logits):
@@ -69,3 +73,58 @@ class FreeDaveDecoder(BlockDecoder):
 
     def stats(self):
         return {"accepted_drafts": self.accepted, "verify_iterations": self.iterations}
+
+    # ------------------------------------------------------------------ every request of a step at once
+    def batch_key(self):
+        return ("first" if self.pred is None else "verify"), self.mask_id, self.steps
+
+    @classmethod
+    def propose_batch(cls, decoders):
+        """L5-13 for every decoder: draft ``k`` fills the masked positions of confidence rank < ``k``."""
+        if decoders[0].pred is None:
+            for d in decoders:
+                d._proposed = [d.state]
+            return
+        mask, steps = decoders[0].mask_id, decoders[0].steps
+        S = pad_rows([d.state for d in decoders], -1)
+        T = pad_rows([d.pred.tokens for d in decoders], -1).to(S.device)
+        C = pad_rows([d.pred.conf for d in decoders], float("-inf")).to(S.device)
+        C = C.masked_fill(S != mask, float("-inf"))
+        R, L = S.shape
+        order = torch.sort(C, dim=-1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(L, device=S.device).expand(R, L))
+        fill = (rank[:, None, :] < torch.arange(1, steps + 1, device=S.device)[:, None]) & torch.isfinite(C)[:, None]
+        D = torch.where(fill, T[:, None], S[:, None])  # [R, d, L]
+        n_fwd = ((S == mask).sum(-1) - 1).clamp(0, steps).tolist()
+        for d, drafts, nf in zip(decoders, D, n_fwd):
+            L_d = d.state.numel()
+            d._batch = (drafts[:, :L_d], nf)
+            d._proposed = list(drafts[:nf, :L_d])
+
+    @classmethod
+    def update_batch(cls, decoders, preds, rows):
+        """L18-37 for every decoder: the longest run of drafts each equal to one static step of the one
+        before (``m``), the jump to draft ``m`` with its prediction, and L14-17."""
+        mask = decoders[0].mask_id
+        R, ar = len(decoders), torch.arange(len(decoders))
+        if decoders[0].pred is None:
+            D = pad_rows([d.state for d in decoders], -1)[:, None]  # [R, 1, L]
+            n_fwd = torch.ones(R, dtype=torch.long)
+        else:
+            D = pad_rows([d._batch[0].T for d in decoders], -1).transpose(1, 2)  # [R, d, L]
+            n_fwd = torch.tensor([d._batch[1] for d in decoders])
+        K = D.shape[1]
+        rows = torch.cat([rows, rows.new_full((R, K - rows.shape[1], rows.shape[2]), -1)], 1)[:, :K]
+        tok, conf = canvas_predictions(preds, rows, D, mask)
+        jump = torch.where(onehot_first_max(conf), tok, D)  # one static step from each draft's own prediction
+        same = (jump[:, :-1] == D[:, 1:]).all(-1) & (torch.arange(1, K) < n_fwd[:, None])
+        m = same.long().cumprod(-1).sum(-1)  # the accepted run: drafts 1..m each equal the step before
+        state, tok_m, conf_m = D[ar, m], tok[ar, m], conf[ar, m]
+        state = torch.where(((state == mask).sum(-1) == 1)[:, None], jump[ar, m], state)  # L14-17
+        first = decoders[0].pred is None
+        for d, s, t, c, mm in zip(decoders, state, tok_m, conf_m, m.tolist()):
+            L_d = d.state.numel()
+            d.state, d.pred, d._batch = s[:L_d], Prediction(t[:L_d], c[:L_d]), None
+            if not first:
+                d.accepted += mm
+                d.iterations += 1

@@ -17,16 +17,14 @@ from typing import Callable
 
 import torch
 
-from .base import BlockDecoder, commit, predict
+from .base import BlockDecoder, commit, onehot_first_max, pad_rows, predict
 
 Policy = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _top1(conf: torch.Tensor) -> torch.Tensor:
     """The most confident masked position of each row (first on ties); none in a row without one."""
-    out = torch.zeros_like(conf, dtype=torch.bool)
-    out.scatter_(-1, conf.argmax(-1, keepdim=True), True)
-    return out & torch.isfinite(conf).any(-1, keepdim=True)
+    return onehot_first_max(conf)
 
 
 def static_policy(conf: torch.Tensor) -> torch.Tensor:
@@ -56,6 +54,11 @@ def localleap_policy(conf: torch.Tensor, threshold: float = 0.9, relaxed_thresho
 SPATIAL_POLICIES = ("static", "confidence", "localleap")
 
 
+def policy_key(policy: Policy) -> tuple:
+    """What makes two bound policies the same rule (their function and knobs): part of a batch key."""
+    return getattr(policy, "func", policy), tuple(sorted(getattr(policy, "keywords", {}).items()))
+
+
 def make_policy(name: str, threshold: float = 0.9, relaxed_threshold: float = 0.75, radius: int = 4) -> Policy:
     """The named spatial policy with its knobs bound."""
     if name == "static":
@@ -76,7 +79,7 @@ class PolicyDecoder(BlockDecoder):
         self.policy, self.temperature, self.generator = policy, temperature, generator
         self.sample_filter = sample_filter  # (top_k, top_p, min_p) when sampling
 
-    def canvases(self):
+    def propose(self):
         return [self.state]
 
     def update(self, logits):
@@ -88,16 +91,16 @@ class PolicyDecoder(BlockDecoder):
         # sampling draws from each request's own generator; a subclass may do more in update (calibration)
         if self.temperature > 0 or type(self).update is not PolicyDecoder.update:
             return None
-        p = self.policy
-        return getattr(p, "func", p), tuple(sorted(getattr(p, "keywords", {}).items())), self.mask_id
+        return policy_key(self.policy), self.mask_id
 
     @classmethod
     def update_batch(cls, decoders, preds, rows):
         """Every decoder's step at once: states ``[R, L]`` (padded with -1, never the mask), the predictions at
-        ``rows``, the policy over all rows, one commit; each decoder keeps a view of its row."""
+        ``rows[:, 0]`` (the state is the only canvas), the policy over all rows, one commit; each decoder keeps
+        a view of its row."""
         lens = [d.state.numel() for d in decoders]
-        state = torch.nn.utils.rnn.pad_sequence([d.state for d in decoders], batch_first=True, padding_value=-1)
-        r = rows.clamp(min=0).to(preds.tokens.device)
+        state = pad_rows([d.state for d in decoders], -1)
+        r = rows[:, 0].clamp(min=0).to(preds.tokens.device)
         masked = state == decoders[0].mask_id
         conf = preds.conf[r].masked_fill_(~masked, float("-inf"))  # the gather is a copy: fill in place
         new = torch.where(decoders[0].policy(conf) & masked, preds.tokens[r], state)

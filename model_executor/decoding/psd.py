@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BlockDecoder, Prediction, commit, predict
-from .policies import Policy
+from .base import BlockDecoder, Prediction, canvas_predictions, commit, pad_rows, predict
+from .policies import Policy, policy_key
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,14 @@ class PSDDecoder(BlockDecoder):
         self.accepted_depth = self.iterations = 0
         self.node_tried = [0] * len(dag.sets)
         self.node_accepted = [0] * len(dag.sets)
+        self._batch: tuple | None = None  # (every node's draft [N, L], exists [N], forwarded [N], σ order [L])
 
     def _stage1(self, pred: Prediction) -> None:
         """L6-8 (and L26): commit π on a prediction of the current state, remember it for drafting."""
         self.pred = pred
         self.state = commit(self.state, pred, self.policy(pred.conf) & self.masked)
 
-    def canvases(self):
+    def propose(self):
         if self.pred is None:
             return [self.state]
         masked = self.masked
@@ -96,7 +97,16 @@ class PSDDecoder(BlockDecoder):
             self.nodes.append(k)
             self.drafts.append(commit(self.state, self.pred, pos))
         # drafts that fill the block need no forward of their own
-        return [d for d in self.drafts if (d == self.mask_id).any()]
+        fwd = [bool((d == self.mask_id).any()) for d in self.drafts]
+        exists = torch.zeros(len(self.dag.sets), dtype=torch.bool)
+        exists[self.nodes] = True
+        every = [self.state] * len(self.dag.sets)  # update_batch's layout: every node, the state where none
+        for k, d in zip(self.nodes, self.drafts):
+            every[k] = d
+        forwarded = exists.clone()
+        forwarded[self.nodes] = torch.tensor(fwd)
+        self._batch = (torch.stack(every), exists, forwarded, order)
+        return [d for d, f in zip(self.drafts, fwd) if f]
 
     def update(self, logits):
         if self.pred is None:
@@ -128,3 +138,98 @@ class PSDDecoder(BlockDecoder):
     def stats(self):
         return {"accepted_positions": self.accepted_depth, "verify_iterations": self.iterations,
                 "node_tried": self.node_tried, "node_accepted": self.node_accepted}
+
+    # ------------------------------------------------------------------ every request of a step at once
+    def batch_key(self):
+        return ("first" if self.pred is None else "verify"), policy_key(self.policy), self.mask_id, self.dag
+
+    @classmethod
+    def propose_batch(cls, decoders):
+        """L13-15 for every decoder: σ from one sort, each DAG node's draft for all requests at once."""
+        if decoders[0].pred is None:
+            for d in decoders:
+                d._proposed = [d.state]
+            return
+        mask, dag = decoders[0].mask_id, decoders[0].dag
+        S = pad_rows([d.state for d in decoders], -1)
+        T = pad_rows([d.pred.tokens for d in decoders], -1).to(S.device)
+        masked = S == mask
+        C = pad_rows([d.pred.conf for d in decoders], float("-inf")).to(S.device).masked_fill(~masked, float("-inf"))
+        R, L = S.shape
+        order = torch.sort(C, dim=-1, descending=True, stable=True).indices  # σ: the masked positions first
+        n = masked.sum(-1)
+        drafts, exists = [], []
+        for s in dag.sets:
+            ranks = sorted(s)
+            if not ranks:
+                drafts.append(S)
+                exists.append(torch.ones(R, dtype=torch.bool))
+            elif ranks[-1] >= L:  # asks for more ranks than any block of the step has
+                drafts.append(S)
+                exists.append(torch.zeros(R, dtype=torch.bool))
+            else:
+                pos = torch.zeros_like(masked).scatter_(1, order[:, ranks], True)
+                drafts.append(torch.where(pos, T, S))
+                exists.append(n > ranks[-1])
+        D, E = torch.stack(drafts, 1), torch.stack(exists, 1)  # [R, N, L], [R, N]
+        F = E & (D == mask).any(-1)  # a draft that fills the block needs no forward
+        for d, dr, e, f, o, fl in zip(decoders, D, E, F, order, F.tolist()):
+            L_d = d.state.numel()
+            d._batch = (dr[:, :L_d], e, f, o[:L_d])
+            d._proposed = [dr[k, :L_d] for k, fwd in enumerate(fl) if fwd]
+
+    @classmethod
+    def update_batch(cls, decoders, preds, rows):
+        """L18-26 for every decoder: each node's verification under π, hierarchical acceptance node by node
+        in topological order (all requests at once), the deepest accepted draft and Stage 1 on it."""
+        first = decoders[0]
+        mask, policy, verify = first.mask_id, first.policy, first.pred is not None
+        R, ar = len(decoders), torch.arange(len(decoders))
+        if not verify:  # the block's first forward: Stage 1 on the state's prediction
+            D = pad_rows([d.state for d in decoders], -1)[:, None]  # [R, 1, L]
+            E = F = torch.ones(R, 1, dtype=torch.bool)
+            node_rows = rows[:, :1]
+        else:
+            D = pad_rows([d._batch[0].T for d in decoders], -1).transpose(1, 2)  # [R, N, L]
+            E = torch.stack([d._batch[1] for d in decoders])
+            F = torch.stack([d._batch[2] for d in decoders])
+            sigma = pad_rows([d._batch[3] for d in decoders], 0)
+            # forwarded node k of request r is its canvas (number of forwarded nodes before k)
+            canvas = (F.long().cumsum(-1) - 1).clamp(min=0)
+            node_rows = rows.gather(1, canvas[..., None].expand(-1, -1, rows.shape[-1]))
+            node_rows = node_rows.masked_fill(~F[..., None], -1)
+        tok, conf = canvas_predictions(preds, node_rows, D, mask)
+        commits = policy(conf)  # what π commits from each node's verification output
+        N = D.shape[1]
+        acc = torch.zeros(R, N, dtype=torch.bool)
+        acc[:, 0] = True
+        if verify:
+            dag = first.dag
+            for k in range(1, N):  # L20-22: a parent accepted, verified, and π agreeing on every new position
+                ok = torch.zeros(R, dtype=torch.bool)
+                for p in dag.parents[k]:
+                    new = sorted(dag.sets[k] - dag.sets[p])
+                    if new[-1] >= sigma.shape[1]:  # node k exists in no block of the step
+                        continue
+                    pos = torch.zeros_like(commits[:, p]).scatter_(1, sigma[:, new], True)
+                    agree = commits[:, p] & (tok[:, p] == D[:, k])
+                    ok |= acc[:, p] & F[:, p] & ~(pos & ~agree).any(-1)
+                acc[:, k] = ok & E[:, k]
+            size = torch.tensor([len(s) for s in dag.sets])
+            best = torch.where(acc, size * (N + 1) + N - torch.arange(N), -1).argmax(-1)  # L25: deepest, earliest
+        else:
+            size, best = torch.zeros(1, dtype=torch.long), torch.zeros(R, dtype=torch.long)
+        fb = F[ar, best]
+        state = torch.where(commits[ar, best] & fb[:, None], tok[ar, best], D[ar, best])  # L26 on k*'s output
+        tried, accepted = (E & (torch.arange(N) > 0)).tolist(), (acc & (torch.arange(N) > 0)).tolist()
+        for r, (d, s, t, c, f, depth) in enumerate(zip(decoders, state, tok[ar, best], conf[ar, best], fb.tolist(),
+                                                        size[best].tolist())):
+            L_d = d.state.numel()
+            d.state, d._batch = s[:L_d], None
+            if f:
+                d.pred = Prediction(t[:L_d], c[:L_d])
+            if verify:
+                d.accepted_depth += depth
+                d.iterations += 1
+                d.node_tried = [a + b for a, b in zip(d.node_tried, tried[r])]
+                d.node_accepted = [a + b for a, b in zip(d.node_accepted, accepted[r])]

@@ -178,7 +178,7 @@ class SpiffyDecoder(BlockDecoder):
                 admitted.add(k)
         return chosen
 
-    def canvases(self):
+    def propose(self):
         self.drafts, self.draft_nodes = [], []
         if self.q is not None:
             for k, d, _ in self._draft_candidates():

@@ -37,7 +37,8 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from attention_backends.vllm_backend import StepLayout
-from model_executor.decoding import LogitsRules, apply_rules, make_decoder, merge_stats, predict_rows, update_all
+from model_executor.decoding import (LogitsRules, apply_rules, make_decoder, merge_stats, predict_rows, propose_all,
+                                     update_all)
 from model_executor.dllm_request import DLLMRequest, DLLMStep
 from model_executor.models.configs import ArchSpec
 
@@ -269,7 +270,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         want_lp = {i: k for i in decoding if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
         before = {i: self._served(req_ids[i]).req.dec.state.clone() for i in want_lp}
         update_all([self._served(req_ids[i]).req.dec for i in decoding], preds,
-                   [self._logit_rows[i] for i in decoding])  # greedy policy decoders together
+                   [self._logit_rows[i] for i in decoding])  # a method at a time
         for i, k in want_lp.items():  # under the state canvas's distribution, as the reference engine
             s, first = self._served(req_ids[i]), self._logit_rows[i][0]
             s.req.record_logprobs(before[i], logits[first: first + s.step.block_len], max(k, 0))
@@ -306,6 +307,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         """Each running request's next canvas (module docstring)."""
         req_ids, _, _ = compat.batch_rows(self)
         drafts, rfs, extras = [], [], []
+        propose_all([s.req.dec for rid in req_ids if not (s := self._served(rid)).req.done and s.step is None
+                     and s.pending is None])  # the canvases of every request about to step, a method at a time
         for rid in req_ids:
             s = self._served(rid)
             if not s.req.done and s.step is None:
