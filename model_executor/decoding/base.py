@@ -271,6 +271,16 @@ def canvas_predictions(preds: RowPredictions, rows: torch.Tensor, canvases: torc
     return tok, conf.masked_fill_(~((canvases == mask_id) & (rows >= 0)), float("-inf"))
 
 
+def stacked_predictions(decoders: list[BlockDecoder]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """States ``[R, L]`` (padded with -1) and the tokens and confidences of each decoder's current prediction
+    (``decoder.pred``), the confidences -inf wherever the state is not masked: what a batched proposal drafts
+    from."""
+    S = pad_rows([d.state for d in decoders], -1)
+    T = pad_rows([d.pred.tokens for d in decoders], -1).to(S.device)
+    C = pad_rows([d.pred.conf for d in decoders], float("-inf")).to(S.device)
+    return S, T, C.masked_fill_(S != decoders[0].mask_id, float("-inf"))
+
+
 def onehot_first_max(conf: torch.Tensor) -> torch.Tensor:
     """The most confident position of each row of ``conf [..., L]`` (first on ties), none in a row of -inf:
     the static scheduler's one commit."""

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, Prediction, canvas_predictions, commit, onehot_first_max, pad_rows, predict
+from .base import (BlockDecoder, Prediction, canvas_predictions, commit, onehot_first_max, pad_rows, predict,
+                   stacked_predictions)
 
 
 def topk_jump(state: torch.Tensor, pred: Prediction, k: int) -> torch.Tensor:
@@ -81,15 +82,10 @@ class FreeDaveDecoder(BlockDecoder):
     @classmethod
     def propose_batch(cls, decoders):
         """L5-13 for every decoder: draft ``k`` fills the masked positions of confidence rank < ``k``."""
-        if decoders[0].pred is None:
-            for d in decoders:
-                d._proposed = [d.state]
-            return
+        if decoders[0].pred is None:  # the block's first step forwards the state
+            return super().propose_batch(decoders)
         mask, steps = decoders[0].mask_id, decoders[0].steps
-        S = pad_rows([d.state for d in decoders], -1)
-        T = pad_rows([d.pred.tokens for d in decoders], -1).to(S.device)
-        C = pad_rows([d.pred.conf for d in decoders], float("-inf")).to(S.device)
-        C = C.masked_fill(S != mask, float("-inf"))
+        S, T, C = stacked_predictions(decoders)
         R, L = S.shape
         order = torch.sort(C, dim=-1, descending=True, stable=True).indices
         rank = torch.empty_like(order).scatter_(1, order, torch.arange(L, device=S.device).expand(R, L))

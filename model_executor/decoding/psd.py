@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BlockDecoder, Prediction, canvas_predictions, commit, pad_rows, predict
+from .base import BlockDecoder, Prediction, canvas_predictions, commit, pad_rows, predict, stacked_predictions
 from .policies import Policy, policy_key
 
 
@@ -146,15 +146,11 @@ class PSDDecoder(BlockDecoder):
     @classmethod
     def propose_batch(cls, decoders):
         """L13-15 for every decoder: σ from one sort, each DAG node's draft for all requests at once."""
-        if decoders[0].pred is None:
-            for d in decoders:
-                d._proposed = [d.state]
-            return
+        if decoders[0].pred is None:  # the block's first step forwards the state
+            return super().propose_batch(decoders)
         mask, dag = decoders[0].mask_id, decoders[0].dag
-        S = pad_rows([d.state for d in decoders], -1)
-        T = pad_rows([d.pred.tokens for d in decoders], -1).to(S.device)
+        S, T, C = stacked_predictions(decoders)
         masked = S == mask
-        C = pad_rows([d.pred.conf for d in decoders], float("-inf")).to(S.device).masked_fill(~masked, float("-inf"))
         R, L = S.shape
         order = torch.sort(C, dim=-1, descending=True, stable=True).indices  # σ: the masked positions first
         n = masked.sum(-1)
