@@ -302,7 +302,8 @@ def step_inputs(layer_name: str, input_ids: torch.Tensor | None, positions: torc
     if md.extra_ids is not None:
         if x.shape[0] != md.num_tokens:
             raise RuntimeError(f"psd attention backend: {x.shape[0]} input rows for {md.num_tokens} scheduled "
-                               "tokens; extra draft rows need an unpadded batch (eager mode, no data parallelism)")
+                               "tokens; extra draft rows need an unpadded batch (no CUDA-graph padding, no data "
+                               "parallelism)")
         x = torch.cat([x, embed(md.extra_ids)])
     if md.positions is not None:
         positions = md.positions.to(positions.dtype)

@@ -11,8 +11,7 @@ confidences from ~0.1 to ~0.99, so policies commit several positions and drafts 
 decoders' ``canvases()`` and their updates for all requests; in ``batched`` mode as the engines do it: one
 :func:`~model_executor.decoding.base.predict_rows` pass over the rows of masked canvas positions and
 :func:`~model_executor.decoding.base.propose_all` and :func:`~model_executor.decoding.base.update_all` (the
-decoders of a method stepped together, Spiffy's one at a time); ``canvas``
-mode hands each decoder its canvases' bare logits, one decoder at a time, as the engines did before. Per step
+decoders of a method stepped together); ``canvas`` mode hands each decoder its canvases' bare logits, one decoder at a time, as the engines did before. Per step
 the time of the predictions (``predict_rows``) and of the decoders' own work (canvases, acceptance, commits:
 ``decoder_ms_per_step``) are reported apart. Writes ``decode_step_<mode>.json`` into ``--out``.
 """
@@ -76,7 +75,7 @@ def main() -> None:
             t0 = time.perf_counter()
             if args.mode == "batched":
                 need = torch.cat([(torch.stack(c) == mask).flatten() for c in cans])  # masked canvas rows
-                preds = predict_rows(logits, max(d.topk for d in live), mask_id=mask, need=need)
+                preds = predict_rows(logits, mask_id=mask, need=need)
             else:
                 preds = logits
             t_pred = time.perf_counter() - t0

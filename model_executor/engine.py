@@ -164,8 +164,7 @@ class ReferenceEngine:
                                  for f, st, (_, r) in zip(firsts, steps, live)])
         # once for every canvas of every request; the mask token is never a prediction
         mask = self.spec.mask_token_id  # predictions only where a canvas is masked
-        preds = predict_rows(logits, max(r.dec.topk for _, r in live), mask_id=mask,
-                             need=torch.cat([st.masked_rows(mask) for st in steps]))
+        preds = predict_rows(logits, mask_id=mask, need=torch.cat([st.masked_rows(mask) for st in steps]))
         before = [r.dec.state.clone() for _, r in live] if logprobs is not None else None
         update_all([r.dec for _, r in live], preds, firsts)  # a method at a time
         for j, ((_, r), st) in enumerate(zip(live, steps)):

@@ -155,26 +155,28 @@ def test_graph_file_errors(tmp_path, shipped_graph):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_batched_predictions_equal_the_softmax_per_canvas(dtype):
-    """The engines' one batched pass (argmax, its probability, top-k) equals a softmax per canvas, and each
-    canvas's slice gives the prediction its bare logits would."""
-    from model_executor.decoding.base import predict, predict_rows
+    """The engines' one batched pass (argmax and its probability) and the top-k at a few rows equal a softmax,
+    and each canvas's slice gives the prediction its bare logits would."""
+    from model_executor.decoding.base import predict, predict_rows, top_tokens
 
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(24, 1000, generator=g) * 4).to(dtype)
-    rows = predict_rows(logits, topk=5, mask_id=7)  # the engines' call: the mask token (7) excluded in place
+    rows = predict_rows(logits, mask_id=7)  # the engines' call: the mask token (7) excluded in place
     assert (logits[:, 7] == float("-inf")).all()
     probs = torch.softmax(logits.double(), -1)
     assert torch.equal(rows.tokens, logits.argmax(-1))
     assert rows.conf.dtype == dtype
     assert torch.allclose(rows.conf.double(), probs.max(-1).values, rtol=1e-5 if dtype == torch.float32 else 1e-12)
-    assert torch.equal(rows.top_ids, probs.topk(5, -1).indices)
-    assert torch.allclose(rows.top_probs.double(), probs.topk(5, -1).values, rtol=1e-5)
+    at = torch.tensor([3, 9, 4, 20])
+    ids, p = top_tokens(logits, at, rows.tokens[at], rows.conf[at], 5)  # what Spiffy asks at a few rows
+    assert torch.equal(ids, probs[at].topk(5, -1).indices) and p.dtype == torch.float64
+    assert torch.allclose(p, probs[at].topk(5, -1).values, rtol=1e-5 if dtype == torch.float32 else 1e-12)
     state = torch.full((8,), 7)
     state[[1, 4]] = 3  # decoded positions
     for a in (0, 8, 16):
-        got, want = predict(rows[a: a + 8], state, 7, topk=3), predict(logits[a: a + 8], state, 7, topk=3)
+        got, want = predict(rows[a: a + 8], state, 7), predict(logits[a: a + 8], state, 7)
         assert torch.equal(got.tokens, want.tokens) and torch.equal(got.conf, want.conf)
-        assert torch.equal(got.top_ids, rows.top_ids[a: a + 8, :3])
+        assert got.logits.data_ptr() == logits[a].data_ptr()  # the canvas's rows, not a copy
         assert got.conf[1] == float("-inf") and got.conf[4] == float("-inf") and bool((got.conf[[0, 2]] > 0).all())
 
 
@@ -275,6 +277,24 @@ def _toy_model(V: int, seed: int):
     return model
 
 
+def _toy_graph(formulas, parents):
+    from model_executor.decoding.spiffy import DraftGraph, GraphNode
+
+    nodes = [GraphNode(formula=f, level=len(f), parents=p) for f, p in zip(formulas, parents)]
+    return DraftGraph(format_version=1, model="toy", block_size=12, base_policy="confidence", threshold=0.9,
+                      lookahead=3, nodes=nodes)
+
+
+# level-1 and level-2 roots, deeper nodes with one or two parents, a second token rank, a formula naming one
+# position twice (never applies), one written twice in another order (the same draft: deduplicated), and a
+# child that often outscores its parent (11 over 10: under the static base it may enter only after it)
+_TOY_GRAPH = _toy_graph([[(1, 1)], [(1, 1), (2, 1)], [(1, 2)], [(2, 1)], [(1, 1), (2, 1), (3, 1)], [(1, 1), (3, 1)],
+                         [(1, 1), (1, 2)], [(1, 1), (2, 2)], [(1, 1), (2, 1), (3, 1), (4, 1)], [(2, 1), (1, 1)],
+                         [(1, 1), (4, 1)], [(1, 1), (2, 1), (4, 1)]],
+                        [[], [0, 3], [], [], [1, 5], [0], [], [0], [4], [0], [0], [10]])
+_TOY_GRAPH_SMALL = _toy_graph([[(1, 1)], [(1, 1), (2, 1)], [(2, 1), (3, 2)]], [[], [0], []])
+
+
 @pytest.mark.parametrize("method,knobs", [
     ("psd", [dict(policy="confidence", depth=3), dict(policy="static", depth=2), dict(policy="localleap", depth=3)]),
     ("psd", [dict(policy="confidence", dag=DraftDAG((frozenset(), frozenset({0}), frozenset({1}), frozenset({0, 1}),
@@ -285,6 +305,8 @@ def _toy_model(V: int, seed: int):
     ("lopa", [dict(policy="confidence", branches=3), dict(policy="static", branches=2), dict(policy="localleap",
                                                                                           branches=12)]),
     ("freedave", [dict(steps=4), dict(steps=1), dict(steps=9)]),
+    ("spiffy", [dict(policy="confidence", graph=_TOY_GRAPH, budget=3), dict(policy="static", graph=_TOY_GRAPH, budget=2),
+                dict(policy="confidence", graph=_TOY_GRAPH_SMALL, budget=5)]),
 ])
 def test_drafting_decoders_step_together_as_they_do_alone(method, knobs, monkeypatch):
     """The batched step (:func:`propose_all`, one :func:`predict_rows` pass, :func:`update_all`) of many decoders
@@ -297,7 +319,8 @@ def test_drafting_decoders_step_together_as_they_do_alone(method, knobs, monkeyp
     sizes = []
     batched = cls.update_batch.__func__
     monkeypatch.setattr(cls, "update_batch", classmethod(
-        lambda c, decs, *a: (sizes.append((len(decs), decs[0].pred is not None)), batched(c, decs, *a))[1]))
+        lambda c, decs, *a: (sizes.append((len(decs), getattr(decs[0], "pred", getattr(decs[0], "q", None))
+                                           is not None)), batched(c, decs, *a))[1]))
     V, M = 9, 8  # the mask is the last token; the toy model never predicts it (excluded as the engines do)
     model = _toy_model(V, seed=3)
     g = torch.Generator().manual_seed(7)
@@ -336,6 +359,7 @@ def test_drafting_decoders_step_together_as_they_do_alone(method, knobs, monkeyp
     st = [d.stats() for d in together]  # drafts were accepted (and rejected): the acceptance rule was exercised
     got = {"psd": lambda s: (sum(s["node_accepted"]), sum(s["node_tried"])),
            "lopa": lambda s: (sum(s["branch_chosen"][1:]), sum(s["branch_chosen"])),
-           "freedave": lambda s: (s["accepted_drafts"], 2 * s["accepted_drafts"] + 1)}[method]
+           "freedave": lambda s: (s["accepted_drafts"], 2 * s["accepted_drafts"] + 1),
+           "spiffy": lambda s: (s["accepted_drafts"], sum(s["node_tried"]))}[method]
     acc, tried = map(sum, zip(*(got(x) for x in st)))
     assert 0 < acc < tried

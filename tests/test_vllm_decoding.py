@@ -40,10 +40,10 @@ def random_prompts():
     return [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (3, 9, 17, 30, 41)]
 
 
-def _llm(path, **spec):
+def _llm(path, eager=True, **spec):
     from vllm import LLM
 
-    return LLM(model=str(path), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+    return LLM(model=str(path), dtype="float32", enforce_eager=eager, seed=0, max_model_len=512,
                speculative_config={"method": "psd", **spec})
 
 
@@ -88,7 +88,7 @@ def _graph(path):
     return _GRAPHS[path]
 
 
-def _check_parity(path, prompts, method, max_tokens=32, cache=None):
+def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True):
     knobs = _knobs(path, method)
     if cache is not None:
         knobs["cache"] = cache
@@ -100,7 +100,7 @@ def _check_parity(path, prompts, method, max_tokens=32, cache=None):
 
         ref_knobs["graph"] = load_graph(knobs["graph"])
     ref = ref_engine.generate(prompts, max_tokens=max_tokens, block_size=block, method=method, **ref_knobs)
-    llm = _llm(path, decoding=method, **knobs)
+    llm = _llm(path, eager=eager, decoding=method, **knobs)
     try:
         tokens, nfe = _generate(llm, prompts, max_tokens)
     finally:
@@ -114,6 +114,19 @@ def _check_parity(path, prompts, method, max_tokens=32, cache=None):
 @pytest.mark.parametrize("method", METHODS)
 def test_embedded_llada_matches_reference(heldout_prompts, method, cache):
     _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache=cache)
+
+
+def test_compiled_model_matches_reference(heldout_prompts):
+    """vLLM's default on CPU compiles the model's decoder layers (one Dynamo trace, Inductor, guards dropped):
+    PSD's extra draft rows and the dual cache's kept suffix go through that one traced graph, and the outputs
+    are still the reference engine's, forward for forward."""
+    from vllm.compilation.counter import compilation_counter
+
+    before = compilation_counter.clone()
+    _check_parity(DEFAULT_DLLM, heldout_prompts, "psd", cache="dual", eager=False)
+    assert compilation_counter.num_models_seen > before.num_models_seen  # the decoder was set up to compile
+    assert (compilation_counter.num_aot_compiles + compilation_counter.num_aot_artifacts_loaded
+            > before.num_aot_compiles + before.num_aot_artifacts_loaded)  # and ran compiled (fresh or cached)
 
 
 @pytest.mark.parametrize("method", ("confidence", "psd", "lopa", "freedave", "spiffy"))

@@ -24,10 +24,10 @@ PROMPTS = [[1, 3, 17, 45, 99, 120, 7, 8, 9, 300, 301, 2, 2, 5, 60, 61, 62],  # s
 pytestmark = pytest.mark.usefixtures("in_process_vllm")
 
 
-def _engine_rows(path, prompts, dtype="float32", **llm_kw):
+def _engine_rows(path, prompts, dtype="float32", eager=True, **llm_kw):
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(path), dtype=dtype, max_logprobs=-1, max_model_len=256, enforce_eager=True,
+    llm = LLM(model=str(path), dtype=dtype, max_logprobs=-1, max_model_len=256, enforce_eager=eager,
               gpu_memory_utilization=0.5, seed=0, **llm_kw)
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -60,6 +60,26 @@ def test_vllm_class_matches_reference(tiny_checkpoints, family, dtype):
             want = torch.log_softmax(ref(torch.tensor([p])).float()[0, :-1], -1)
         err = (got - want).abs().max().item()
         assert err < (1e-4 if dtype == "float32" else 0.06), f"{family} {dtype}: max |logprob diff| {err}"
+
+
+@pytest.mark.parametrize("family", ["llada", "sdar", "llada2"])
+def test_compiled_class_matches_reference(tiny_checkpoints, family):
+    """Without ``enforce_eager`` vLLM compiles the decoder layers (its CPU default: one Dynamo trace, Inductor,
+    the attention an opaque op): the same logits, for bidirectional, block-causal and expert layers."""
+    from vllm.compilation.counter import compilation_counter
+
+    before = compilation_counter.clone()
+    path = tiny_checkpoints[family]
+    ref = ReferenceDLLM.from_pretrained(path)
+    rows = _engine_rows(path, PROMPTS, eager=False)
+    assert compilation_counter.num_models_seen > before.num_models_seen
+    assert (compilation_counter.num_aot_compiles + compilation_counter.num_aot_artifacts_loaded
+            > before.num_aot_compiles + before.num_aot_artifacts_loaded)
+    for p, got in zip(PROMPTS, rows):
+        with torch.no_grad():
+            want = torch.log_softmax(ref(torch.tensor([p])).float()[0, :-1], -1)
+        err = (got - want).abs().max().item()
+        assert err < 1e-4, f"{family} compiled: max |logprob diff| {err}"
 
 
 def test_sdar_config_fields_from_hf_overrides(tiny_checkpoints, tmp_path):

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, RowPredictions, commit, merge_stats, predict_rows, propose_all, update_all
+from .base import BlockDecoder, RowPredictions, merge_stats, predict_rows, propose_all, update_all
 from .logits_rules import LogitsRules, apply_rules
 from .freedave import FreeDaveDecoder
 from .lopa import LoPADecoder
 from .policies import SPATIAL_POLICIES, PolicyDecoder, make_policy
 from .psd import DraftDAG, PSDDecoder
-from .spiffy import DraftGraph, SpiffyDecoder, load_graph
+from .spiffy import BaseStep, DraftGraph, SpiffyDecoder, load_graph
 
 METHODS = ("static", "confidence", "localleap", "lopa", "freedave", "spiffy", "psd")
 GREEDY_ONLY = ("lopa", "freedave", "psd")  # their acceptance compares argmax tokens; Spiffy samples losslessly
@@ -23,8 +23,7 @@ def base_step(policy: str, threshold: float = 0.9):
     """The base policy as a state transition ``Next(state, prediction)`` (Spiffy's lossless reference)."""
     if policy not in ("static", "confidence"):
         raise ValueError(f"spiffy base policy {policy!r}; allowed: static, confidence")
-    rule = make_policy(policy, threshold=threshold)
-    return lambda state, pred: commit(state, pred, rule(pred.conf) & torch.isfinite(pred.conf))
+    return BaseStep(make_policy(policy, threshold=threshold))
 
 
 def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: float = 0.9,

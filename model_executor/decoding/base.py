@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 
 from .logits_rules import filter_logits
@@ -30,13 +32,14 @@ class Prediction:
     tokens: torch.Tensor  # [L] argmax (or sampled) token per position
     conf: torch.Tensor  # [L] probability of that token; -inf at positions already decoded
     probs: torch.Tensor | None = None  # [L, V] full distribution (calibration only)
-    top_ids: torch.Tensor | None = None  # [L, k] the k most likely tokens (Spiffy's ranks), when asked for
+    top_ids: torch.Tensor | None = None  # [L, k] the k most likely tokens (sampled predictions, when asked for)
     top_probs: torch.Tensor | None = None  # [L, k] their probabilities
+    logits: torch.Tensor | None = None  # [L, V] the canvas's logits (greedy; mask token excluded): :func:`top_tokens`
 
 
 @dataclass
 class RowPredictions:
-    """Top-1 (and top-k) of every logits row of one forward, computed once, batched, in the logits' dtype.
+    """Top-1 of every logits row of one forward, computed once, batched, in the logits' dtype.
 
     An engine computes it over all rows of all requests (:func:`predict_rows`) and hands each decoder the
     slice of each of its canvases (``rows[a:b]``); :func:`predict` then only masks decoded positions. The
@@ -46,16 +49,9 @@ class RowPredictions:
     logits: torch.Tensor  # [N, V]
     tokens: torch.Tensor  # [N] argmax
     conf: torch.Tensor  # [N] softmax probability of the argmax
-    top_ids: torch.Tensor | None = None  # [N, k]
-    top_probs: torch.Tensor | None = None  # [N, k]
 
     def __getitem__(self, rows: slice) -> "RowPredictions":
-        top = (self.top_ids[rows], self.top_probs[rows]) if self.top_ids is not None else (None, None)
-        return RowPredictions(self.logits[rows], self.tokens[rows], self.conf[rows], *top)
-
-    @property
-    def topk(self) -> int:
-        return 0 if self.top_ids is None else self.top_ids.shape[-1]
+        return RowPredictions(self.logits[rows], self.tokens[rows], self.conf[rows])
 
 
 def exclude_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
@@ -66,28 +62,24 @@ def exclude_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     return logits
 
 
-def predict_rows(logits: torch.Tensor, topk: int = 0, mask_id: int | None = None,
-                 need: torch.Tensor | None = None) -> RowPredictions:
-    """Argmax, its probability and (``topk > 0``) the top-k tokens with their probabilities, of every row of
-    ``logits [N, V]``, in the logits' dtype, without materialising a softmax: per row the max (first index
-    on ties, as ``argmax``) and ``sum(exp(x - max))``. On CPU the rows go in chunks of about 16 MB, so the
+def predict_rows(logits: torch.Tensor, mask_id: int | None = None, need: torch.Tensor | None = None
+                 ) -> RowPredictions:
+    """Argmax and its probability of every row of ``logits [N, V]``, in the logits' dtype, without
+    materialising a softmax: per row the max (first index on ties, as ``argmax``) and ``sum(exp(x - max))``. On CPU the rows go in chunks of about 16 MB, so the
     second pass over a chunk reads it from cache (at a 126k vocabulary a whole batch is gigabytes).
     ``mask_id``: the mask token is excluded first, in place (:func:`exclude_mask_token`); the engines pass it.
-    ``need [N]`` (bool): only these rows are computed; the others get token -1, confidence -inf (a decoded
-    position) and top-k ids -1. The engines pass the rows of masked canvas positions
+    ``need [N]`` (bool): only these rows are computed; the others get token -1 and confidence -inf (a decoded
+    position). The engines pass the rows of masked canvas positions
     (:meth:`~model_executor.dllm_request.DLLMStep.masked_rows`): no decoder reads a prediction elsewhere."""
     if mask_id is not None:
         exclude_mask_token(logits, mask_id)
     N, V = logits.shape
     dev = logits.device
-    k = min(topk, V)
     sel = None if need is None or bool(need.all()) else need.to(dev).nonzero().flatten()
     fill = (lambda *shape, dtype, v: torch.full(shape, v, dtype=dtype, device=dev)) if sel is not None else \
         (lambda *shape, dtype, v: torch.empty(shape, dtype=dtype, device=dev))
     tokens = fill(N, dtype=torch.long, v=-1)
     conf = fill(N, dtype=logits.dtype, v=float("-inf"))
-    top_ids = fill(N, k, dtype=torch.long, v=-1) if k > 0 else None
-    top_probs = fill(N, k, dtype=logits.dtype, v=0.0) if k > 0 else None
     n = N if sel is None else sel.numel()
     chunk = max(1, (16 << 20) // max(1, V * logits.element_size())) if dev.type == "cpu" else max(n, 1)
     work = torch.empty(min(chunk, n), V, dtype=logits.dtype, device=dev)  # reused: no fresh pages
@@ -99,15 +91,36 @@ def predict_rows(logits: torch.Tensor, topk: int = 0, mask_id: int | None = None
             at = sel[a: a + chunk]
             x = torch.index_select(logits, 0, at, out=work[: at.numel()])
         best, idx = x.max(-1)
-        if k > 0:
-            top = x.topk(k, dim=-1)
         w = torch.sub(x, best[:, None], out=work[: x.shape[0]]).exp_()
         z = w.sum(-1)  # >= 1: the max contributes exp(0)
         tokens[at], conf[at] = idx, 1.0 / z
-        if k > 0:
-            top_ids[at] = top.indices
-            top_probs[at] = torch.exp(top.values - best[:, None]) / z[:, None]
-    return RowPredictions(logits, tokens, conf, top_ids, top_probs)
+    return RowPredictions(logits, tokens, conf)
+
+
+def top_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, conf: torch.Tensor, k: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` likeliest tokens of the rows ``rows [n]`` of ``logits [N, V]`` and their probabilities ``[n, k]``
+    (float64, on the CPU): rank 1 is the row's prediction ``tokens`` with its probability ``conf``, rank ``j`` has
+    ``conf * exp(logit_j - logit_1)``. Only for the rows a decoder reads (Spiffy: a few per request), never a
+    whole step's; on CPU they are gathered in chunks of about 16 MB into one reused buffer, as
+    :func:`predict_rows` does. The exponentials are Python's, so equal inputs give equal outputs wherever a row
+    sits in a batch (a vectorised kernel may round a batch's tail differently)."""
+    n, V = rows.numel(), logits.shape[1]
+    ids = torch.zeros(n, k, dtype=torch.long)
+    gaps = torch.zeros(n, k, dtype=torch.float64)
+    if n:
+        rows = rows.to(logits.device)
+        chunk = max(1, (16 << 20) // max(1, V * logits.element_size())) if logits.device.type == "cpu" else n
+        work = torch.empty(min(chunk, n), V, dtype=logits.dtype, device=logits.device)
+        for a in range(0, n, chunk):
+            x = torch.index_select(logits, 0, rows[a: a + chunk], out=work[: min(chunk, n - a)])
+            top = x.topk(k, dim=-1)
+            ids[a: a + chunk] = top.indices.cpu()
+            gaps[a: a + chunk] = (top.values - top.values[:, :1]).double().cpu()
+        ids[:, 0] = tokens.cpu()
+    probs = torch.tensor([[c * math.exp(g) for g in row] for c, row in zip(conf.double().cpu().tolist(),
+                                                                           gaps.tolist())], dtype=torch.float64)
+    return ids, probs.view(n, k)
 
 
 def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: int, keep_probs: bool = False,
@@ -117,9 +130,10 @@ def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: in
     one canvas, from its logits ``[L, V]`` or its slice of the step's :class:`RowPredictions`.
 
     Greedy predictions come from the batched rows (computed here when given bare logits), in the logits'
-    dtype, so a float64 model gives float64 confidences (the exactness path). Sampling and ``keep_probs``
-    (full distributions, for calibration) work on the logits in float64; ``topk`` applies to greedy
-    predictions (Spiffy, which is greedy only). ``sample_filter = (top_k, top_p, min_p)`` restricts sampling
+    dtype, so a float64 model gives float64 confidences (the exactness path), and keep the canvas's logits
+    (``Prediction.logits``) for a decoder that ranks tokens at a few positions (:func:`top_tokens`). Sampling
+    and ``keep_probs`` (full distributions, for calibration) work on the logits in float64; ``topk`` gives a
+    sampled prediction its ``k`` likeliest tokens (Spiffy's ranks), rank 1 being the sampled one. ``sample_filter = (top_k, top_p, min_p)`` restricts sampling
     (:func:`~model_executor.decoding.logits_rules.filter_logits`, after temperature); a confidence is still the
     model's probability of the chosen token."""
     rows = out if isinstance(out, RowPredictions) else None
@@ -144,10 +158,9 @@ def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: in
             top_ids[:, 0], top_probs[:, 0] = tokens, conf
         pred = Prediction(tokens, conf, probs if keep_probs else None, top_ids, top_probs)
     else:
-        if rows is None or rows.topk < topk:
-            rows = predict_rows(logits, topk)
-        pred = Prediction(rows.tokens, rows.conf, None, rows.top_ids[:, :topk] if topk > 0 else None,
-                          rows.top_probs[:, :topk] if topk > 0 else None)
+        if rows is None:
+            rows = predict_rows(logits)
+        pred = Prediction(rows.tokens, rows.conf, logits=rows.logits)
     pred.conf = torch.where(state.to(pred.conf.device) == mask_id, pred.conf, torch.full_like(pred.conf, float("-inf")))
     return pred
 
@@ -161,15 +174,12 @@ class BlockDecoder:
     """Base class: state handling shared by every method. Subclasses implement ``propose``/``update``.
 
     ``update`` takes one item per canvas: its logits ``[L, V]`` or its slice of the step's
-    :class:`RowPredictions`. ``topk`` is how many top tokens per position the decoder reads (the engines
-    compute that many in the batched step).
+    :class:`RowPredictions`.
 
     A method may also step many decoders at once (what the engines do, :func:`propose_all` and
     :func:`update_all`): decoders with equal, non-None :meth:`batch_key` are proposed by :meth:`propose_batch`
     and updated by :meth:`update_batch` in a handful of tensor ops for all of them. ``propose``/``update`` are the
     method written for one block, as its paper states it; the tests hold the batched step equal to them."""
-
-    topk = 0
 
     def __init__(self, block: torch.Tensor, mask_id: int):
         self.state = block.clone()

@@ -24,6 +24,13 @@ Spiffy §4 (docs/paper-notes-spiffy-freedave.md):
   (9 nodes, static base) often forwarded deep drafts without their parents (TPF 0.96 instead of 1.41).
   For the confidence base any draft may be the very next state, so nothing is skipped.
 
+The engines step the greedy Spiffy decoders of one graph and knob set together
+(:meth:`SpiffyDecoder.propose_batch`, :meth:`SpiffyDecoder.update_batch`): formulas instantiated for all
+requests by gathers, scores and the connected top-D* a graph node at a time, Alg. 1 one accepted draft at a
+time for all requests. Only the ``max_i`` most confident positions of the last commit's prediction get their
+top tokens (:func:`~.base.top_tokens`: no formula reads further), not every row of the step. The logarithms
+and exponentials of the scores are Python's, so both ways rank the drafts identically, bit for bit.
+
 Choices the paper leaves open, made here: a draft must extend the current state (agree on every decoded
 position, decode more); drafts that fill the whole block are kept for acceptance but need no forward;
 invalid instantiations (rank beyond the masked count, two pairs on one position) are dropped; the first
@@ -35,6 +42,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -42,7 +50,8 @@ import msgspec
 import torch
 
 from ..typed_files import read_typed
-from .base import BlockDecoder, Prediction, predict
+from .base import BlockDecoder, Prediction, canvas_predictions, commit, pad_rows, predict, top_tokens
+from .policies import policy_key
 
 GRAPH_FORMAT_VERSION = 1
 
@@ -96,28 +105,52 @@ def save_graph(graph: DraftGraph, path: str | Path) -> None:
 
 
 # ------------------------------------------------------------------------------------- formulas
-def ranks(pred: Prediction, max_j: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Eqs. 8-9: masked positions by confidence (descending, stable) and their top-``max_j`` tokens/probs."""
+@dataclass
+class Ranked:
+    """What the drafts of the next step are built from: the state ``Y_q`` of the last commit and, from its
+    prediction ``q``, the masked positions by confidence and the likeliest tokens at the first few of them."""
+
+    state: torch.Tensor  # [L] Y_q
+    order: torch.Tensor  # [n] masked positions of Y_q, most confident first (ties: lower position)
+    top_tok: torch.Tensor  # [min(n, max_i), max_j] token of rank j at the position of rank i
+    logp: torch.Tensor  # [min(n, max_i), max_j] float64: log of its probability (floored at 1e-300)
+
+
+def _log(p: float) -> float:
+    return math.log(max(p, 1e-300))
+
+
+def _elementwise(fn: Callable[[float], float], t: torch.Tensor) -> torch.Tensor:
+    """``fn`` (Python's libm) on every element of a float64 tensor: the same result for the same input wherever
+    it sits in a batch, so the batched step ranks drafts exactly as the one-block step does."""
+    return torch.tensor([fn(x) for x in t.flatten().tolist()], dtype=torch.float64).view(t.shape)
+
+
+def ranks(state_q: torch.Tensor, pred: Prediction, max_i: int, max_j: int) -> Ranked:
+    """Eqs. 8-9 for ``pred`` (the prediction of ``state_q``): the masked positions by confidence, and the
+    top-``max_j`` tokens with their probabilities at the ``max_i`` most confident (no formula reads further)."""
     masked = torch.isfinite(pred.conf)
     order = torch.sort(pred.conf, descending=True, stable=True).indices[: int(masked.sum())]
-    if pred.top_ids is not None and pred.top_ids.shape[-1] >= max_j:
-        return order, pred.top_ids[order, :max_j], pred.top_probs[order, :max_j]
-    top = pred.probs[order].topk(max_j, dim=-1)
-    return order, top.indices, top.values
+    at = order[:max_i]
+    if pred.top_ids is not None:  # a sampled prediction ranks its own distribution
+        top_tok, top_p = pred.top_ids[at, :max_j].cpu(), pred.top_probs[at, :max_j].double().cpu()
+    else:
+        top_tok, top_p = top_tokens(pred.logits, at, pred.tokens[at], pred.conf[at], max_j)
+    return Ranked(state_q, order.cpu(), top_tok, _elementwise(_log, top_p))
 
 
-def instantiate(state_q: torch.Tensor, formula, order, top_tok, top_p) -> tuple[torch.Tensor, float] | None:
-    """The draft of ``formula`` on ``state_q`` and its localScore (Eq. 12), or None if it does not apply."""
-    if any(i > order.numel() or j > top_tok.shape[1] for i, j in formula):
+def instantiate(formula, q: Ranked) -> tuple[torch.Tensor, float] | None:
+    """The draft of ``formula`` on ``Y_q`` and its localScore (Eq. 12), or None if it does not apply."""
+    if any(i > q.order.numel() for i, _ in formula):
         return None
-    pos = [int(order[i - 1]) for i, _ in formula]
+    pos = [int(q.order[i - 1]) for i, _ in formula]
     if len(set(pos)) != len(pos):
         return None
-    draft = state_q.clone()
+    draft = q.state.clone()
     logp = 0.0
     for (i, j), p in zip(formula, pos):
-        draft[p] = top_tok[i - 1, j - 1]
-        logp += math.log(max(float(top_p[i - 1, j - 1]), 1e-300))
+        draft[p] = q.top_tok[i - 1, j - 1]
+        logp += float(q.logp[i - 1, j - 1])
     return draft, math.exp(logp / len(formula))
 
 
@@ -126,10 +159,21 @@ def _extends(draft: torch.Tensor, state: torch.Tensor, mask_id: int) -> bool:
     return bool((draft[known] == state[known]).all()) and int((draft != mask_id).sum()) > int(known.sum())
 
 
+class BaseStep:
+    """A base policy as a state transition ``Next(state, prediction)``: Spiffy's lossless reference. ``rule``
+    is the spatial policy (:mod:`.policies`), which the batched step applies to all requests at once."""
+
+    def __init__(self, rule: Callable[[torch.Tensor], torch.Tensor]):
+        self.rule = rule
+
+    def __call__(self, state: torch.Tensor, pred: Prediction) -> torch.Tensor:
+        return commit(state, pred, self.rule(pred.conf) & torch.isfinite(pred.conf))
+
+
 class SpiffyDecoder(BlockDecoder):
-    def __init__(self, block, mask_id, next_state: Callable[[torch.Tensor, Prediction], torch.Tensor],
-                 graph: DraftGraph, budget: int = 3, max_commit: int | None = None, temperature: float = 0.0,
-                 generator: torch.Generator | None = None, sample_filter: tuple[int, float, float] = (0, 1.0, 0.0)):
+    def __init__(self, block, mask_id, next_state: BaseStep, graph: DraftGraph, budget: int = 3,
+                 max_commit: int | None = None, temperature: float = 0.0, generator: torch.Generator | None = None,
+                 sample_filter: tuple[int, float, float] = (0, 1.0, 0.0)):
         super().__init__(block, mask_id)
         # sampling (Alg. 1 is lossless under it, appendix A.1): each Next draws from the request's generator in
         # the order the base policy would, the state's prediction first and an accepted draft's only when it is
@@ -138,8 +182,9 @@ class SpiffyDecoder(BlockDecoder):
         self.next_state, self.graph, self.budget = next_state, graph, budget
         self.max_commit = max_commit  # most positions one base step commits (static: 1; None: unbounded)
         self.kids = graph.children()
-        self.topk = max(j for n in graph.nodes for _, j in n.formula)  # the deepest token rank a formula reads
-        self.q: tuple[torch.Tensor, Prediction] | None = None  # (Y_q, q): the last commit's state and prediction
+        self.max_i = max(i for n in graph.nodes for i, _ in n.formula)  # the deepest position rank a formula reads
+        self.max_j = max(j for n in graph.nodes for _, j in n.formula)  # the deepest token rank
+        self.q: Ranked | None = None  # from the last commit's state and prediction
         self.drafts: list[torch.Tensor] = []
         self.accepted = self.iterations = 0
         self.node_tried = [0] * len(graph.nodes)
@@ -147,11 +192,9 @@ class SpiffyDecoder(BlockDecoder):
         self.draft_nodes: list[int] = []
 
     def _draft_candidates(self) -> list[tuple[int, torch.Tensor, float]]:
-        y_q, q = self.q
-        order, top_tok, top_p = ranks(q, self.topk)
         inst: dict[int, tuple[torch.Tensor, float]] = {}
         for k, node in enumerate(self.graph.nodes):
-            got = instantiate(y_q, node.formula, order, top_tok, top_p)
+            got = instantiate(node.formula, self.q)
             # a draft must extend the state and keep a mask: a complete next state ends the block anyway
             if got is not None and _extends(got[0], self.state, self.mask_id) and (got[0] == self.mask_id).any():
                 inst[k] = got
@@ -189,11 +232,11 @@ class SpiffyDecoder(BlockDecoder):
 
     def update(self, logits):
         rows = list(logits)
-        pred = predict(rows[0], self.state, self.mask_id, topk=self.topk, **self.sampling)
+        pred = predict(rows[0], self.state, self.mask_id, topk=self.max_j, **self.sampling)
         pending = set(range(len(self.drafts)))
         while True:  # Alg. 1: commit from the state's exact prediction, then reuse an equal draft's
             new = self.next_state(self.state, pred)
-            self.q = (self.state, pred)
+            y_q, q = self.state, pred
             self.state = new
             if self.done:
                 break
@@ -203,12 +246,148 @@ class SpiffyDecoder(BlockDecoder):
             pending.discard(hit)
             self.accepted += 1
             self.node_accepted[self.draft_nodes[hit]] += 1
-            pred = predict(rows[1 + hit], self.drafts[hit], self.mask_id, topk=self.topk, **self.sampling)
+            pred = predict(rows[1 + hit], self.drafts[hit], self.mask_id, topk=self.max_j, **self.sampling)
+        self.q = None if self.done else ranks(y_q, q, self.max_i, self.max_j)
         self.iterations += 1
 
     def stats(self):
         return {"accepted_drafts": self.accepted, "verify_iterations": self.iterations,
                 "node_tried": self.node_tried, "node_accepted": self.node_accepted}
+
+    # ------------------------------------------------------------------ every request of a step at once
+    def batch_key(self):
+        if self.sampling["temperature"] > 0:  # each request draws from its own generator, in its own order
+            return None
+        return (id(self.graph), self.budget, self.max_commit, policy_key(self.next_state.rule), self.mask_id,
+                self.q is None)
+
+    @classmethod
+    def propose_batch(cls, decoders):
+        """§4.4 for every decoder: each graph node instantiated on each request's ``Y_q`` (one gather per
+        formula pair), the drafts that extend the state kept and deduplicated, Eqs. 12-14 scored, and the
+        top-D* taken in score order keeping the pruned graph connected, a graph node at a time."""
+        d0 = decoders[0]
+        if d0.q is None:  # the block's first forward carries no drafts
+            return super().propose_batch(decoders)
+        mask, nodes, R = d0.mask_id, d0.graph.nodes, len(decoders)
+        N, F = len(nodes), max(len(n.formula) for n in nodes)
+        fi = torch.tensor([[i for i, _ in n.formula] + [1] * (F - len(n.formula)) for n in nodes]) - 1  # [N, F]
+        fj = torch.tensor([[j for _, j in n.formula] + [1] * (F - len(n.formula)) for n in nodes]) - 1
+        flen = torch.tensor([len(n.formula) for n in nodes])
+        pair = torch.arange(F) < flen[:, None]  # [N, F]
+        distinct = torch.tensor([len({i for i, _ in n.formula}) == len(n.formula) for n in nodes])
+        S = pad_rows([d.state for d in decoders], -1)  # [R, L]
+        Y = pad_rows([d.q.state for d in decoders], -1)
+        order = pad_rows([d.q.order for d in decoders], 0)  # [R, n_max]
+        n_q = torch.tensor([d.q.order.numel() for d in decoders])
+        top = torch.zeros(R, d0.max_i, d0.max_j, dtype=torch.long)
+        logp = torch.zeros(R, d0.max_i, d0.max_j, dtype=torch.float64)
+        for r, d in enumerate(decoders):
+            top[r, : d.q.top_tok.shape[0]], logp[r, : d.q.logp.shape[0]] = d.q.top_tok, d.q.logp
+        ar = torch.arange(R)[:, None, None]
+        order = torch.cat([order, order.new_zeros(R, max(0, d0.max_i - order.shape[1]))], 1)
+        pos = order[ar, fi]  # [R, N, F]
+        tok = top[ar, fi, fj]
+        lp = torch.zeros(R, N, dtype=torch.float64)
+        for m in range(F):  # in formula order, as instantiate sums (exact IEEE additions)
+            lp = lp + torch.where(pair[:, m], logp[ar[:, :, 0], fi[:, m], fj[:, m]], 0.0)
+        applies = (fi < n_q[:, None, None]).logical_or(~pair).all(-1) & distinct  # [R, N]
+        D = Y[:, None].repeat(1, N, 1)
+        D.scatter_(2, torch.where(pair, pos, pos[..., :1]), torch.where(pair, tok, tok[..., :1]))
+        known = S != mask
+        extends = ((D == S[:, None]) | ~known[:, None]).all(-1) & ((D != mask).sum(-1) > known.sum(-1)[:, None])
+        ok = applies & extends & (D == mask).any(-1)  # instantiated (inst in _draft_candidates)
+        local = _elementwise(math.exp, lp / flen)  # Eq. 12
+        same = (D[:, :, None] == D[:, None, :]).all(-1) & ok[:, None, :]  # [R, N, N]
+        dup = (same & (torch.arange(N)[None, :] < torch.arange(N)[:, None])).any(-1)  # equals an earlier draft
+        log_local = _elementwise(math.log, torch.where(ok, local, 1.0))
+        score = torch.full((R, N), float("-inf"), dtype=torch.float64)
+        for k in range(N):  # Eqs. 13-14, children in graph order as _draft_candidates sums them
+            acc, cnt = torch.zeros(R, dtype=torch.float64), torch.zeros(R, dtype=torch.long)
+            for c in d0.kids[k]:
+                acc = acc + torch.where(ok[:, c], log_local[:, c], 0.0)
+                cnt = cnt + ok[:, c]
+            child = torch.where(cnt > 0, _elementwise(math.exp, acc / cnt.clamp(min=1)), local[:, k])
+            score[:, k] = torch.where(ok[:, k] & ~dup[:, k], torch.sqrt(local[:, k] * child), float("-inf"))
+        rank = torch.sort(score, dim=1, descending=True, stable=True).indices  # ties: the lower node first
+        added = (D != mask).sum(-1) - known.sum(-1)[:, None]
+        direct = torch.ones(R, N, dtype=torch.bool) if d0.max_commit is None else added <= d0.max_commit
+        parents = torch.zeros(N, N, dtype=torch.bool)
+        for k, n in enumerate(nodes):
+            parents[k, n.parents] = True
+        admitted = torch.zeros(R, N, dtype=torch.bool)
+        taken = torch.zeros(R, dtype=torch.long)
+        picks = torch.full((R, N), -1, dtype=torch.long)  # the chosen nodes, in score order
+        rr = torch.arange(R)
+        for t in range(N):  # top-D* by score, a draft only with a parent in when it cannot be the next state
+            k = rank[:, t]
+            take = torch.isfinite(score[rr, k]) & (taken < d0.budget) & \
+                (direct[rr, k] | (admitted & parents[k]).any(-1))
+            picks[rr, taken.clamp(max=N - 1)] = torch.where(take, k, picks[rr, taken.clamp(max=N - 1)])
+            admitted[rr, k] |= take
+            taken += take
+        for d, row, drafts in zip(decoders, picks.tolist(), D):
+            L_d = d.state.numel()
+            d.draft_nodes = [k for k in row if k >= 0]
+            d.drafts = [drafts[k, :L_d] for k in d.draft_nodes]
+            for k in d.draft_nodes:
+                d.node_tried[k] += 1
+            d._proposed = [d.state] + d.drafts
+
+    @classmethod
+    def update_batch(cls, decoders, preds, rows):
+        """Alg. 1 for every decoder: commit one base step from the state's prediction; while the new state
+        equals a forwarded draft, reuse that draft's prediction for the next step (one pass per accepted
+        draft, all requests at once); then Eqs. 8-9 at the last commit for the next proposal."""
+        d0 = decoders[0]
+        mask, R, rr = d0.mask_id, len(decoders), torch.arange(len(decoders))
+        S = pad_rows([d.state for d in decoders], -1)  # [R, L]
+        L = S.shape[1]
+        K = max(len(d.drafts) for d in decoders)
+        D = torch.full((R, max(K, 1), L), -2, dtype=S.dtype)  # -2: no draft (never equals a state)
+        for r, d in enumerate(decoders):
+            for n, x in enumerate(d.drafts):
+                D[r, n, : x.numel()], D[r, n, x.numel():] = x, -1
+        rows = rows.to(S.device)
+        cur = torch.zeros(R, dtype=torch.long)  # the canvas whose prediction commits next (0: the state)
+        live = torch.ones(R, dtype=torch.bool)
+        Yq, q_rows = S.clone(), rows[:, 0].clone()
+        for _ in range(K + 1):
+            r_cur = rows[rr, cur]  # [R, L]
+            tok, conf = canvas_predictions(preds, r_cur, S, mask)
+            new = torch.where(d0.next_state.rule(conf) & torch.isfinite(conf), tok, S)
+            Yq = torch.where(live[:, None], S, Yq)
+            q_rows = torch.where(live[:, None], r_cur, q_rows)
+            S = torch.where(live[:, None], new, S)
+            eq = (D == S[:, None]).all(-1)  # [R, K]
+            hit = live & (S == mask).any(-1) & eq.any(-1)
+            n_hit = eq.long().argmax(-1)
+            for r in hit.nonzero().flatten().tolist():
+                decoders[r].accepted += 1
+                decoders[r].node_accepted[decoders[r].draft_nodes[int(n_hit[r])]] += 1
+            cur = torch.where(hit, n_hit + 1, cur)
+            live = hit
+            if not bool(live.any()):
+                break
+        # Eqs. 8-9 at each request's last commit: positions by confidence, top tokens at the first few
+        tok_q, conf_q = canvas_predictions(preds, q_rows, Yq, mask)
+        n_q = torch.isfinite(conf_q).sum(-1)
+        order = torch.sort(conf_q, dim=-1, descending=True, stable=True).indices
+        need = order[:, : d0.max_i]
+        ok = torch.arange(need.shape[1]) < n_q[:, None]
+        sel_rows = q_rows[rr[:, None], need][ok]
+        top_tok, top_p = top_tokens(preds.logits, sel_rows, tok_q.gather(1, need)[ok], conf_q.gather(1, need)[ok],
+                                    d0.max_j)
+        logp = _elementwise(_log, top_p)
+        counts = ok.sum(-1).tolist()
+        at = 0
+        for d, s, y, o, n, c in zip(decoders, S, Yq, order, n_q.tolist(), counts):
+            L_d = d.state.numel()
+            d.state = s[:L_d]
+            d.q = None if d.done else Ranked(y[:L_d], o[:n], top_tok[at: at + c], logp[at: at + c])
+            at += c
+            d.iterations += 1
+            d.drafts, d.draft_nodes = [], []
 
 
 # ---------------------------------------------------------------------------------- calibration

@@ -13,6 +13,13 @@ Every attention layer runs the project's backend (:mod:`attention_backends.vllm_
 blocks and PRESTO's token trees on any platform. A forward may carry more rows than vLLM scheduled: the
 step's extra draft canvases, which :func:`~attention_backends.vllm_backend.step_inputs` appends.
 
+vLLM compiles the decoder layers and the final norm (:class:`DLLMDecoder`, ``@support_torch_compile``) as it
+compiles its own models: on CPU by default one Dynamo trace with Inductor and no guards, the attention an
+opaque op that reads the step's metadata at run time; ``enforce_eager=True`` turns it off. The embedding,
+:func:`~attention_backends.vllm_backend.step_inputs` (which appends the extra rows, a shape only the step
+knows) and the LM head stay eager, so the traced graph has no branch that depends on the step: any number of
+rows, any canvases, trees or kept suffix run through the same compiled code.
+
 Why PRESTO's target is a class of the project rather than vLLM's ``LlamaForCausalLM``: tree verification
 needs ancestor masks and node positions in the attention metadata, and vLLM's Llama takes its backend
 from the platform (on CPU always its own kernel, which has no masks). The PRESTO config selects this class
@@ -30,6 +37,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
@@ -129,6 +137,25 @@ class SwiGLU(nn.Module):
         return self.down(self.act(self.gate_up(x)[0]))[0]
 
 
+@support_torch_compile(dynamic_arg_dims={"x": 0, "positions": 0})
+class DLLMDecoder(nn.Module):
+    """The decoder layers and the final norm: the part vLLM compiles (its CPU default: one Dynamo trace,
+    Inductor, guards dropped), with the attention an opaque op. Its inputs are already the step's rows,
+    extra draft rows included (:func:`~attention_backends.vllm_backend.step_inputs` runs before it, eagerly),
+    so the traced code has no branch on the step."""
+
+    def __init__(self, *, vllm_config: VllmConfig, spec: ArchSpec, prefix: str = ""):
+        super().__init__()
+        self.layers = nn.ModuleList(DLLMDecoderLayer(spec, vllm_config, i, prefix=maybe_prefix(prefix, f"layers.{i}"))
+                                    for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(positions, x)
+        return self.norm(x)
+
+
 class DLLMForVLLM(nn.Module):
     """A dLLM in vLLM: embedding, decoder layers over the paged KV cache, final norm, LM head."""
 
@@ -137,9 +164,7 @@ class DLLMForVLLM(nn.Module):
         self.spec = spec = self.arch_spec(vllm_config.model_config.hf_config)
         self.config = vllm_config.model_config.hf_config
         self.embed = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, prefix=maybe_prefix(prefix, "embed"))
-        self.layers = nn.ModuleList(DLLMDecoderLayer(spec, vllm_config, i, prefix=maybe_prefix(prefix, f"layers.{i}"))
-                                    for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        self.model = DLLMDecoder(vllm_config=vllm_config, spec=spec, prefix=maybe_prefix(prefix, "model"))
         if spec.tie_embeddings:
             self.lm_head = self.embed
         else:
@@ -156,10 +181,9 @@ class DLLMForVLLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Hidden states of vLLM's rows, then of the step's extra rows (module docstring)."""
-        x, positions = step_inputs(self.layers[0].attn.layer_name, input_ids, positions, self.embed, inputs_embeds)
-        for layer in self.layers:
-            x = layer(positions, x)
-        return self.norm(x)
+        x, positions = step_inputs(self.model.layers[0].attn.layer_name, input_ids, positions, self.embed,
+                                   inputs_embeds)
+        return self.model(x, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
@@ -188,24 +212,25 @@ class DLLMForVLLM(nn.Module):
             base = canon.removesuffix(".bias")
             leaf = base.rsplit(".", 1)[-1]
             suffix = ".bias" if is_bias else ".weight"
+            owner = "model." if base.startswith("layers.") or base == "norm" else ""  # inside the compiled decoder
             layer, _, rest = base.removeprefix("layers.").partition(".")
             if rest.startswith("experts."):  # LLaDA2 expert e's gate/up/down -> vLLM's stacked expert weights
                 _, e, part = rest.split(".")
-                runner = self.layers[int(layer)].experts
+                runner = self.model.layers[int(layer)].experts
                 for p in runner.load_weights([(f"{e}.{self._EXPERT[part]}.weight", tensor)]):
-                    loaded.add(f"layers.{layer}.experts.{p}")
+                    loaded.add(f"model.layers.{layer}.experts.{p}")
                 continue
             if rest == "router" and is_bias:  # LLaDA2's expert bias (selection only)
-                pname = f"layers.{layer}.expert_bias"
+                pname = f"model.layers.{layer}.expert_bias"
                 default_weight_loader(params[pname], tensor)
                 loaded.add(pname)
                 continue
             if base.startswith("layers.") and leaf in self._STACKED:
                 target, shard = self._STACKED[leaf]
-                pname = base[: -len(leaf)] + target + suffix
+                pname = owner + base[: -len(leaf)] + target + suffix
                 params[pname].weight_loader(params[pname], tensor, shard)
             else:
-                pname = base + suffix
+                pname = owner + base + suffix
                 param = params[pname]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(pname)

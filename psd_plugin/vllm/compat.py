@@ -60,8 +60,8 @@ LAYER_HOOKS = {
     "get_kv_cache_spec": ("self", "vllm_config"),
 }
 
-# Keyword arguments of vLLM's model-building layers that the model classes pass and that are not stable across
-# releases (the layers themselves are vLLM's model API): LLaDA2's experts through vLLM's fused MoE layer with
+# Keyword arguments of vLLM's model-building layers (and of its compile decorator) that the model classes pass
+# and that are not stable across releases (the layers themselves are vLLM's model API): LLaDA2's experts through vLLM's fused MoE layer with
 # its grouped sigmoid router, and RoPE with a float32 table (LLaDA) or on part of a head (LLaDA2,
 # ``rope_parameters["rope_dim"]``). ``tests/test_vllm_contract.py`` checks each is still a parameter; what vLLM
 # does with them (the ``rope_dim`` key, the router's rule) is checked by the LLaDA2 vLLM-vs-reference logits test.
@@ -74,6 +74,8 @@ LAYER_KWARGS = {
                                                              "rope_parameters", "dtype"),
     "vllm.model_executor.layers.linear:ReplicatedLinear": ("input_size", "output_size", "bias", "params_dtype",
                                                            "prefix"),
+    # the decorator every vLLM model compiles through; the dLLM decoder declares its dynamic dims (rows)
+    "vllm.compilation.decorators:support_torch_compile": ("dynamic_arg_dims",),
 }
 
 # Fields, properties and methods of vLLM's data structures the plugin reads, writes or builds, per class

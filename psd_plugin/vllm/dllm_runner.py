@@ -252,8 +252,6 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             self._forward_t0 = None
         self.step_layout = None
         req_ids, _, _ = compat.batch_rows(self)
-        decs = (self._served(req_ids[i]).req.dec for i in self._logit_rows)
-        topk = max((d.topk for d in decs if d is not None), default=0)
         ruled = [(s, self._logit_rows[i]) for i in self._logit_rows
                  if (s := self._served(req_ids[i])).rules is not None and not s.rebuild]
         if ruled:  # the request's logit bias, allowed / banned tokens and min_tokens, as the reference engine
@@ -266,7 +264,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             s = self._served(req_ids[i])
             need.append(torch.zeros(len(first) * s.step.block_len, dtype=torch.bool) if s.rebuild
                         else s.step.masked_rows(mask))
-        preds = predict_rows(logits, topk, mask_id=mask, need=torch.cat(need) if need else None)
+        preds = predict_rows(logits, mask_id=mask, need=torch.cat(need) if need else None)
         want_lp = {i: k for i in decoding if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
         before = {i: self._served(req_ids[i]).req.dec.state.clone() for i in want_lp}
         update_all([self._served(req_ids[i]).req.dec for i in decoding], preds,

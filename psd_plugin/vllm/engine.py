@@ -27,7 +27,8 @@ class VLLMEngine:
         self.path = str(path)
         self.dtype = dtype
         self.spec = ArchSpec.from_hf_config(read_config(path))
-        self.llm_kwargs = {"max_model_len": min(self.spec.max_position, 4096), "enforce_eager": True, **llm_kwargs}
+        # vLLM's defaults otherwise: on CPU the model's decoder layers are compiled (``enforce_eager=True`` to skip)
+        self.llm_kwargs = {"max_model_len": min(self.spec.max_position, 4096), **llm_kwargs}
         self._llm = None
         self._key = None
 
