@@ -37,6 +37,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="--engine reference: torch device (cpu, cuda, cuda:1 ...)")
     p.add_argument("--attention-backend", choices=["auto", "torch", "flashinfer"], default="auto",
                    help="--engine reference: draft-verification attention (auto: FlashInfer on CUDA with bfloat16)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="--engine vllm: run the model eagerly, as vLLM's flag does (a faster start without the "
+                        "model compilation; slower steps)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -141,7 +144,8 @@ def _setup(args):
 
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout is the command's output
-        engine, tok = VLLMEngine(model, args.dtype), AutoTokenizer.from_pretrained(str(model))
+        engine = VLLMEngine(model, args.dtype, enforce_eager=args.enforce_eager)
+        tok = AutoTokenizer.from_pretrained(str(model))
     elif method in ("linear", "presto"):
         engine, tok = _presto(model, cfg, args)
     else:

@@ -10,7 +10,10 @@ from psd_plugin import DEFAULT_AR, DEFAULT_DLLM
 
 
 def psd(*args, input=None):
-    return subprocess.run([sys.executable, "-m", "psd_plugin.cli", *args], capture_output=True, text=True,
+    """The command; decoding verbs run the model eagerly (``--enforce-eager``: no compilation at every start,
+    which the vLLM and server tests cover)."""
+    eager = ["--enforce-eager"] if args and args[0] in ("generate", "eval", "demo") and "--help" not in args else []
+    return subprocess.run([sys.executable, "-m", "psd_plugin.cli", *args, *eager], capture_output=True, text=True,
                           input=input, timeout=600)
 
 
