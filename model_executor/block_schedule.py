@@ -42,6 +42,14 @@ def window(cache: str, block: tuple[int, int], total: int, *, fresh: bool, cache
     return cached, b1
 
 
+def first_window_end(cache: str, prompt_len: int, max_tokens: int, block_size: int, aligned: bool) -> int:
+    """Where a request's first step ends (``w1`` of its first block's first window, nothing cached yet): the
+    positions ``[prompt_len, w1)`` are its first canvas, all masks. vLLM's scheduler forwards them with the
+    prompt (:class:`psd_plugin.vllm.scheduler.DLLMScheduler`)."""
+    blocks = plan_blocks(prompt_len, max_tokens, block_size, aligned)
+    return window(cache, blocks[0], prompt_len + max_tokens, fresh=True, cached=0, shift=0)[1]
+
+
 def cached_after_step(cache: str, block: tuple[int, int], w0: int, *, fresh: bool, cached: int, shift: int,
                       model_block: int) -> int:
     """Length of the exact K/V prefix after a step that forwarded from ``w0``.

@@ -54,7 +54,11 @@ def _generate(llm, prompts, max_tokens=32, **kw):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     # the runner sees vLLM's internal request ids: "<request_id>-<random suffix>"
     stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
-    return [list(o.outputs[0].token_ids) for o in outs], [stats[o.request_id]["nfe"] for o in outs]
+    calls = [stats[o.request_id]["model_calls"] for o in outs]
+    nfe = [stats[o.request_id]["nfe"] for o in outs]
+    if not kw.get("prompt_logprobs"):  # the first canvas rode with the prompt: no forward beyond the decoding ones
+        assert calls == nfe, f"model calls {calls} != decoding forwards {nfe}"
+    return [list(o.outputs[0].token_ids) for o in outs], nfe
 
 
 def _knobs(path, method):
@@ -146,6 +150,40 @@ def test_random_llada2_matches_reference(tiny_checkpoints, random_prompts, metho
 def test_random_dream_with_the_dual_cache_matches_reference(tiny_checkpoints, random_prompts, method):
     """Dream's shifted logits: the block's later steps forward from b0 - 1 against the kept suffix."""
     _check_parity(tiny_checkpoints["dream"], random_prompts, method, max_tokens=20, cache="dual")
+
+
+@pytest.mark.parametrize("cache", ("prefix", "dual"))
+def test_plain_prefill_where_the_first_canvas_cannot_ride_with_it(heldout_prompts, cache):
+    """The scheduler keeps vLLM's prompt-only prefill for a request asking for prompt logprobs, and for one whose
+    first canvas does not fit what the step's token budget has left; that canvas then follows in its own step.
+    Tokens and NFE are the reference engine's either way."""
+    from vllm import LLM, SamplingParams
+
+    ref = ReferenceEngine.from_pretrained(DEFAULT_DLLM).generate(heldout_prompts, max_tokens=32,
+                                                                 method="confidence", cache=cache)
+    # two requests a step in a budget of 100 rows (102 less one per running request): two prompts of 18 and 20
+    # tokens leave room for the first one's 32 masks only
+    llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_model_len=512,
+              max_num_batched_tokens=102, max_num_seqs=2,
+              speculative_config={"method": "psd", "decoding": "confidence", "cache": cache})
+    try:
+        params = [SamplingParams(max_tokens=32, temperature=0, prompt_logprobs=0 if i % 3 == 2 else None)
+                  for i in range(len(heldout_prompts))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts], params, use_tqdm=False)
+        stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+    finally:
+        del llm
+    kinds = set()
+    for i, (p, o, r) in enumerate(zip(heldout_prompts, outs, ref)):
+        st = stats[o.request_id]
+        assert list(o.outputs[0].token_ids) == r.token_ids and st["nfe"] == r.nfe, f"prompt {i}"
+        if i % 3 == 2:
+            assert st["model_calls"] == st["nfe"] + 1, f"prompt {i}: prompt logprobs need the plain prefill"
+            assert len(o.prompt_logprobs) == len(p)
+        else:
+            assert st["model_calls"] - st["nfe"] in (0, 1)
+            kinds.add(st["model_calls"] - st["nfe"])
+    assert kinds == {0, 1}  # some first canvases rode with their prompt, some had no room
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3])

@@ -53,7 +53,8 @@ RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups"
 INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators")
 WORKER_ATTRIBUTES = ("model_runner",)
 SCHEDULER_ATTRIBUTES = ("running", "requests", "max_num_scheduled_tokens", "max_num_running_reqs", "max_num_active_reqs",
-                        "num_sampled_tokens_per_step", "num_spec_tokens", "log_stats")
+                        "num_sampled_tokens_per_step", "num_spec_tokens", "log_stats", "kv_cache_manager",
+                        "vllm_config")
 
 # Methods of vLLM's ``Attention`` layer the project's layer overrides (``attention_backends.vllm_backend``).
 LAYER_HOOKS = {
@@ -88,8 +89,12 @@ DATA_FIELDS = {
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("cu_num_sampled_tokens",),
     "vllm.v1.spec_decode.metrics:SpecDecodingStats": ("new", "observe_draft"),
     "vllm.v1.request:Request": ("request_id", "spec_token_ids", "num_computed_tokens", "num_tokens_with_spec",
-                                "is_finished"),
-    "vllm.v1.core.sched.output:SchedulerOutput": ("scheduled_spec_decode_tokens", "scheduled_cached_reqs"),
+                                "is_finished", "num_tokens", "num_in_flight_tokens", "sampling_params"),
+    "vllm.v1.core.sched.output:SchedulerOutput": ("scheduled_spec_decode_tokens", "scheduled_cached_reqs",
+                                                  "scheduled_new_reqs", "num_scheduled_tokens",
+                                                  "total_num_scheduled_tokens"),
+    "vllm.v1.core.sched.output:NewRequestData": ("req_id", "block_ids", "num_computed_tokens"),
+    "vllm.v1.core.kv_cache_manager:KVCacheManager": ("allocate_slots", "get_block_ids"),
     "vllm.v1.core.sched.output:CachedRequestData": ("resumed_req_ids",),
     "vllm.v1.worker.gpu_input_batch:CachedRequestState": ("prompt_token_ids", "output_token_ids",
                                                           "sampling_params"),
@@ -202,6 +207,29 @@ def scheduling_only(scheduler, running: list, token_budget: int):
     finally:
         scheduler.max_num_scheduled_tokens, scheduler.max_num_active_reqs = saved
         scheduler.running = held + scheduler.running
+
+
+def new_requests(scheduler_output) -> list:
+    """The requests vLLM admitted in this step (``NewRequestData``)."""
+    return list(scheduler_output.scheduled_new_reqs)
+
+
+def schedule_drafts_with_prefill(scheduler, scheduler_output, new_req, drafts: list[int]) -> bool:
+    """Append ``drafts`` to the prefill of ``new_req``, a request ``scheduler.schedule`` has just admitted with
+    its whole prompt: KV slots for them, the step's token counts, and the draft tokens (as a running request's
+    drafts travel); vLLM's own accounting then rolls the rejected ones back after the step. False (nothing
+    changed) when the KV cache has no room for them."""
+    request = scheduler.requests[new_req.req_id]
+    n = len(drafts)
+    if scheduler.kv_cache_manager.allocate_slots(request, n) is None:
+        return False
+    new_req.block_ids = scheduler.kv_cache_manager.get_block_ids(request.request_id)
+    scheduler_output.num_scheduled_tokens[request.request_id] += n
+    scheduler_output.total_num_scheduled_tokens += n
+    scheduler_output.scheduled_spec_decode_tokens[request.request_id] = list(drafts)
+    request.num_computed_tokens += n  # as ``_update_after_schedule`` counts scheduled drafts
+    request.num_in_flight_tokens += n
+    return True
 
 
 # ------------------------------------------------------------------------------------------------ worker

@@ -18,9 +18,11 @@ drives too); this runner only decides how a step's rows reach vLLM (:mod:`.runne
   sampled tokens (so streaming emits a block when it commits, and vLLM's stop checks truncate at EOS /
   ``max_tokens`` / stop strings).
 
-Choices: the first forward of a request is vLLM's prompt prefill (no canvas yet; counted in ``model_calls``,
-not in NFE, as the PSD paper counts decoding forwards). For block-causal models (SDAR) its K/V of the
-prompt's finished attention blocks is exact and reused. After a preemption vLLM re-prefills the prompt and
+Choices: a request's first canvas is scheduled with its prompt (:class:`~.scheduler.DLLMScheduler`), so its
+prompt prefill is its first decoding forward. Where the scheduler keeps vLLM's plain prefill (prompt logprobs,
+a chunked prompt, no room in the step) that prefill has no canvas (counted in ``model_calls``, not in NFE, as
+the PSD paper counts decoding forwards); for block-causal models (SDAR) its K/V of the prompt's finished
+attention blocks is exact and reused. After a preemption vLLM re-prefills the prompt and
 committed tokens and the block's decoder continues where it was; with the prefix (or dual) cache the block's
 first forward is run once more first (:meth:`DLLMRunnerMixin._rebuild_step`; it restores the kept suffix
 too), so the outputs stay those of an uninterrupted run.
@@ -212,6 +214,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             q0, q1 = int(qsl[i]), int(qsl[i + 1])
             s = self._served(rid)
             s.model_calls += 1
+            if s.step is None and s.req.nfe == 0 and s.pending is None and compat.scheduled_drafts(scheduler_output, rid):
+                self._propose(s)  # the first canvas, scheduled with the prompt (DLLMScheduler)
             st = s.step
             order.append(torch.arange(q0, q1))
             if st is None or int(computed[i]) != st.w0 or compat.scheduled_drafts(scheduler_output, rid) != s.drafts \

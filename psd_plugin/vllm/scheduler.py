@@ -14,6 +14,12 @@ everything from there is recomputed in the forward that reads it, so no stale dr
   they count against the step's token budget (``max_num_batched_tokens``);
 - all or nothing: a running request whose canvases do not fit the step's budget waits for the next step
   instead of being cut (a cut canvas would waste a forward);
+- a request's first canvas rides with its prompt: when vLLM admits a request and prefills its whole prompt
+  in this step, the masks of its first window (``[P, w1)``, :func:`~model_executor.block_schedule.first_window_end`)
+  are appended to it as draft tokens, with KV slots, when the step's budget has room. The prompt prefill is
+  then the request's first decoding forward (every first window starts at position 0, so a prompt-only
+  prefill would be recomputed by it anyway). A request asking for prompt logprobs (of the prompt alone), one
+  whose prompt is chunked, or one that does not fit keeps vLLM's plain prefill; its first canvas follows;
 - spec-decode metrics in dLLM terms (as vLLM's own diffusion logging reads them): one *draft* = one decoding
   forward of a request, its *draft tokens* = the block's positions, *accepted tokens* = the tokens it
   committed; so ``vllm:spec_decode_num_accepted_tokens / vllm:spec_decode_num_drafts`` is TPF.
@@ -26,7 +32,11 @@ from __future__ import annotations
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
+from model_executor.block_schedule import first_window_end
+from model_executor.models.configs import ArchSpec
+
 from . import compat
+from .config import from_vllm_config
 
 
 def apply_draft_updates(scheduler: Scheduler, draft_token_ids) -> None:
@@ -50,6 +60,8 @@ class DLLMScheduler(Scheduler):
         # drafts only (no recomputed token), so keep one row per request free in its buffers
         self.max_num_scheduled_tokens = max(1, self.max_num_scheduled_tokens - self.max_num_running_reqs)
         self.extra_rows: dict[str, int] = {}  # per request: rows its next step adds beyond its scheduled tokens
+        psd, spec = from_vllm_config(self.vllm_config), ArchSpec.from_hf_config(self.vllm_config.model_config.hf_config)
+        self._first = (psd.cache, psd.block_size, spec.attention == "block_causal", spec.mask_token_id)
 
     def schedule(self, throttle_prefills: bool = False):
         self.extra_rows = {k: v for k, v in self.extra_rows.items() if k in self.requests}
@@ -64,9 +76,26 @@ class DLLMScheduler(Scheduler):
             budget -= max(0, need) + more
             extra += more
         if len(kept) == len(self.running) and not extra:
-            return super().schedule(throttle_prefills)
-        with compat.scheduling_only(self, kept, max(1, self.max_num_scheduled_tokens - extra)):
-            return super().schedule(throttle_prefills)
+            out = super().schedule(throttle_prefills)
+        else:
+            with compat.scheduling_only(self, kept, max(1, self.max_num_scheduled_tokens - extra)):
+                out = super().schedule(throttle_prefills)
+        self._first_canvases(out, self.max_num_scheduled_tokens - extra - out.total_num_scheduled_tokens)
+        return out
+
+    def _first_canvases(self, out, room: int) -> None:
+        """Append each newly admitted request's first canvas to its prompt prefill (module docstring)."""
+        cache, block_size, aligned, mask = self._first
+        for new in compat.new_requests(out):
+            r = self.requests[new.req_id]
+            sp = r.sampling_params
+            if new.num_computed_tokens or r.num_computed_tokens != r.num_tokens or sp is None \
+                    or sp.prompt_logprobs is not None:
+                continue  # a prefix-cache hit, a chunked prompt, or prompt logprobs: vLLM's plain prefill
+            P = r.num_tokens
+            n = first_window_end(cache, P, sp.max_tokens, block_size, aligned) - P
+            if 0 < n <= room and compat.schedule_drafts_with_prefill(self, out, new, [mask] * n):
+                room -= n
 
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
                                  num_invalid_spec_tokens, request_id):
