@@ -66,7 +66,8 @@ class TorchPrefixAttention:
         i = torch.arange(Lq)
         q_ok = i < n[:, None]
         q_plan = torch.where(q_ok, ptr[:-1, None] + i, torch.zeros_like(i))
-        self.q_idx = torch.where(q_ok, model_row[q_plan.clamp(max=last)] if T else q_plan, 0).to(dev)
+        self.q_idx = torch.where(q_ok, model_row[q_plan.clamp(max=last)] if T else q_plan, 0).flatten().to(dev)
+        self.shape = (R, Lq, Lk)
         # keys [R, Lk] index the run's source rows: the T new rows, then every prefix slot request by request
         slots = plan.cached_slots()
         p_slots = slots[torch.arange(slots.shape[1]) < P[:, None]]
@@ -80,8 +81,8 @@ class TorchPrefixAttention:
         k_idx = torch.where(is_new, new_row, k_idx)  # padding: source row 0, a real key
         self.k_slots = None
         if cached is not None and T and bool((cached >= 0).all()):  # source rows as cache slots
-            self.k_slots = torch.cat([cached.long().cpu(), p_slots])[k_idx].to(dev)
-        self.k_idx = k_idx.to(dev)
+            self.k_slots = torch.cat([cached.long().cpu(), p_slots])[k_idx].flatten().to(dev)
+        self.k_idx = k_idx.flatten().to(dev)
         # visibility [R, Lq, Lk]: the prefix, and the new rows of the row's own segment under the mask kind
         seg_of = torch.repeat_interleave(torch.arange(seg_lens.numel()), seg_lens)  # plan row -> segment
         seg = seg_of[q_plan] if T else q_plan
@@ -110,7 +111,7 @@ class TorchPrefixAttention:
         o_ent, o_pos = torch.empty(T, dtype=torch.long), torch.empty(T, dtype=torch.long)
         o_ent[model_row] = ent_of_row
         o_pos[model_row] = torch.arange(T) - ptr[ent_of_row]
-        self.o_ent, self.o_pos = o_ent.to(dev), o_pos.to(dev)
+        self.o_idx = (o_ent * Lq + o_pos).to(dev)  # into the output's [R * Lq] query rows
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor) -> torch.Tensor:
@@ -120,20 +121,27 @@ class TorchPrefixAttention:
         if self.T == 0:
             return q.new_empty(0, H, D)
         acc = self.acc
+        R, Lq, Lk = self.shape
         # [R, Lk, Hkv, D]: each entry's keys, its prefix read once (flat slots: views of the reference engine's
-        # caches and of vLLM's NHD K|V pages alike)
+        # caches and of vLLM's NHD K|V pages alike); flat index_select gathers, the cheapest on CPU
+        joint = _joint_pages(k_cache, v_cache)
         if self.k_slots is not None:  # every key is in the cache
-            joint = _joint_pages(k_cache, v_cache)
             if joint is not None:  # K and V side by side: one gather
-                kvs = joint[self.k_slots].to(acc)
+                kvs = joint.index_select(0, self.k_slots).view(R, Lk, Hkv, 2 * D).to(acc)
                 ks, vs = kvs[..., :D], kvs[..., D:]
             else:
-                ks = k_cache.flatten(0, 1)[self.k_slots].to(acc)
-                vs = v_cache.flatten(0, 1)[self.k_slots].to(acc)
+                ks = k_cache.flatten(0, 1).index_select(0, self.k_slots).view(R, Lk, Hkv, D).to(acc)
+                vs = v_cache.flatten(0, 1).index_select(0, self.k_slots).view(R, Lk, Hkv, D).to(acc)
+        elif joint is not None:  # the new rows' K|V, then the cached prefix's: one source, one gather
+            src = torch.cat([torch.cat([k, v], -1).to(acc), joint.index_select(0, self.p_slots).to(acc)])
+            kvs = src.index_select(0, self.k_idx).view(R, Lk, Hkv, 2 * D)
+            ks, vs = kvs[..., :D], kvs[..., D:]
         else:
-            ks = torch.cat([k.to(acc), k_cache.flatten(0, 1)[self.p_slots].to(acc)])[self.k_idx]
-            vs = torch.cat([v.to(acc), v_cache.flatten(0, 1)[self.p_slots].to(acc)])[self.k_idx]
-        qs = q.to(acc)[self.q_idx]  # [R, Lq, H, D]
+            ks = torch.cat([k.to(acc), k_cache.flatten(0, 1).index_select(0, self.p_slots).to(acc)]) \
+                .index_select(0, self.k_idx).view(R, Lk, Hkv, D)
+            vs = torch.cat([v.to(acc), v_cache.flatten(0, 1).index_select(0, self.p_slots).to(acc)]) \
+                .index_select(0, self.k_idx).view(R, Lk, Hkv, D)
+        qs = q.to(acc).index_select(0, self.q_idx).view(R, Lq, H, D)
         qh, kh, vh = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
         if self.fused:
             o, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -142,7 +150,8 @@ class TorchPrefixAttention:
             G = H // Hkv
             s = qh @ kh.repeat_interleave(G, 1).transpose(2, 3) * self.scale + self.bias
             o = torch.softmax(s, -1).masked_fill(~self.seen, 0.0) @ vh.repeat_interleave(G, 1)
-        return o.transpose(1, 2)[self.o_ent, self.o_pos].to(q.dtype)  # [T, H, D] in input row order
+        # [T, H, D] in input row order
+        return o.transpose(1, 2).reshape(R * Lq, H, D).index_select(0, self.o_idx).to(q.dtype)
 
 
 def _joint_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
