@@ -7,8 +7,8 @@ The same held-out prompts (``--limit`` per task), greedy, block 8, max_tokens 32
 ``--concurrency`` requests (a wave finishes before the next starts). Per method, engine and concurrency:
 steps, wall time per step, model-forward time per step and the non-model share ``1 - forward / wall``; TPF
 and tokens/s. Then the cost model of PSD against confidence at each concurrency: tokens/s ratio = (tokens
-per step ratio) / (time per step ratio), every factor measured (a vLLM step count includes the prompt
-prefills, which TPF does not).
+per step ratio) / (time per step ratio), every factor measured (a request's prompt prefill is its first
+decoding forward in both engines, so a step count is NFE's, summed over a wave's requests per step).
 
 - vLLM path (in-process engine): *forward* is the runner's wall time from the end of input preparation to
   the logits reaching the decoders (the model with its attention metadata); *wall* is the time of the
