@@ -186,6 +186,7 @@ class BlockDecoder:
         self.mask_id = mask_id
         self.forwards = 0  # model calls this block took
         self._proposed: list[torch.Tensor] | None = None  # canvases :meth:`propose_batch` made for this step
+        self._alone = False  # proposed with :meth:`propose` by :func:`propose_all`: updates with :meth:`update`
 
     @property
     def masked(self) -> torch.Tensor:
@@ -230,38 +231,44 @@ class BlockDecoder:
 
 
 def _groups(decoders: list[BlockDecoder]) -> tuple[dict, list[int]]:
-    """Decoders that step together (equal batch keys, two or more) and those that step alone: a group of one
-    gains nothing from the batched step, whose tensor ops cost more than the one-block method for a single
-    request (Spiffy at concurrency 1: about 3x its decoder time); the two give the same result."""
+    """Decoders that step together (equal batch keys) and those that step alone (no key, or proposed alone)."""
     groups: dict = {}
     alone = []
     for i, d in enumerate(decoders):
         key = d.batch_key()
-        if key is None:
+        if key is None or d._alone:
             alone.append(i)
         else:
             groups.setdefault((type(d), key), []).append(i)
-    for g in [g for g, idx in groups.items() if len(idx) == 1]:
-        alone += groups.pop(g)
-    return groups, sorted(alone)
+    return groups, alone
 
 
 def propose_all(decoders: list[BlockDecoder]) -> None:
     """Propose the next canvases of every decoder about to step, a group of equal batch keys at a time; the
-    engines call it before asking each request for its step (:meth:`BlockDecoder.canvases`)."""
+    engines call it before asking each request for its step (:meth:`BlockDecoder.canvases`).
+
+    A group of one is proposed, and then updated, with the one-block method: the batched step's tensor ops cost
+    more than that for a single request (Spiffy at concurrency 1: about 3x its decoder time), and the two give
+    the same result. The choice is remembered until the decoder's update, because the requests that step
+    together need not be those proposed together (a request may wait a step for room in the batch)."""
     groups, _ = _groups(decoders)
     for (cls, _), idx in groups.items():
-        cls.propose_batch([decoders[i] for i in idx])
+        if len(idx) == 1:
+            decoders[idx[0]]._alone = True  # :meth:`BlockDecoder.canvases` proposes it
+        else:
+            cls.propose_batch([decoders[i] for i in idx])
 
 
 def update_all(decoders: list[BlockDecoder], preds: RowPredictions, canvas_rows: list[list[int]]) -> None:
     """One decoder step of every decoder of a forward from its batched predictions: ``canvas_rows[i]`` lists
     the first row (in ``preds``) of each canvas of decoder ``i``, a block's length of rows each. Decoders
-    with equal batch keys update together (:meth:`BlockDecoder.update_batch`), the others alone."""
+    with equal batch keys update together (:meth:`BlockDecoder.update_batch`), the others (and those
+    :func:`propose_all` proposed alone) alone."""
     groups, alone = _groups(decoders)
     for i in alone:
         d = decoders[i]
         d.update([preds[a: a + d.state.numel()] for a in canvas_rows[i]])
+        d._alone = False
     for (cls, _), idx in groups.items():
         group = [decoders[i] for i in idx]
         starts = pad_rows([torch.tensor(canvas_rows[i], dtype=torch.long) for i in idx], -1)  # [R, K]
