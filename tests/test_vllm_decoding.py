@@ -47,7 +47,7 @@ def _llm(path, eager=True, **spec):
                speculative_config={"method": "psd", **spec})
 
 
-def _generate(llm, prompts, max_tokens=32, **kw):
+def _generate(llm, prompts, max_tokens=32, merged=True, **kw):
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
@@ -56,7 +56,7 @@ def _generate(llm, prompts, max_tokens=32, **kw):
     stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
     calls = [stats[o.request_id]["model_calls"] for o in outs]
     nfe = [stats[o.request_id]["nfe"] for o in outs]
-    if not kw.get("prompt_logprobs"):  # the first canvas rode with the prompt: no forward beyond the decoding ones
+    if merged and not kw.get("prompt_logprobs"):  # the first canvas rode with the prompt: only decoding forwards
         assert calls == nfe, f"model calls {calls} != decoding forwards {nfe}"
     return [list(o.outputs[0].token_ids) for o in outs], nfe
 
@@ -184,6 +184,30 @@ def test_plain_prefill_where_the_first_canvas_cannot_ride_with_it(heldout_prompt
             assert st["model_calls"] - st["nfe"] in (0, 1)
             kinds.add(st["model_calls"] - st["nfe"])
     assert kinds == {0, 1}  # some first canvases rode with their prompt, some had no room
+
+
+@pytest.mark.parametrize("method", ("lopa", "freedave", "spiffy", "psd"))
+def test_requests_waiting_for_room_keep_their_drafts(heldout_prompts, method):
+    """Every request at once in a token budget that holds a few of their steps: requests proposed together
+    step in different forwards (a request waits, whole, for room), so a drafting decoder proposed in a group
+    is updated in a smaller one or alone; tokens and NFE stay the reference engine's."""
+    from vllm import LLM
+
+    from model_executor.decoding import load_graph
+
+    knobs = _knobs(DEFAULT_DLLM, method)
+    ref_knobs = {**knobs, "graph": load_graph(knobs["graph"])} if "graph" in knobs else knobs
+    ref = ReferenceEngine.from_pretrained(DEFAULT_DLLM).generate(heldout_prompts, max_tokens=32, method=method,
+                                                                 cache="dual", **ref_knobs)
+
+    llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_model_len=512,
+              max_num_batched_tokens=200, max_num_seqs=len(heldout_prompts),
+              speculative_config={"method": "psd", "decoding": method, "cache": "dual", **knobs})
+    try:
+        tokens, nfe = _generate(llm, heldout_prompts, merged=False)  # some prefills find no room for a canvas
+    finally:
+        del llm
+    assert tokens == [r.token_ids for r in ref] and nfe == [r.nfe for r in ref]
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
