@@ -40,11 +40,17 @@ def random_prompts():
     return [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (3, 9, 17, 30, 41)]
 
 
-def _llm(path, eager=True, **spec):
+def _llm(path, eager=True, llm_kw=None, **spec):
     from vllm import LLM
 
     return LLM(model=str(path), dtype="float32", enforce_eager=eager, seed=0, max_model_len=512,
-               speculative_config={"method": "psd", **spec})
+               speculative_config={"method": "psd", **spec}, **(llm_kw or {}))
+
+
+def _request_stats(llm) -> dict:
+    """The runner's figures per request, keyed by vLLM's request id (the runner sees vLLM's internal ids:
+    "<request_id>-<random suffix>")."""
+    return {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
 
 
 def _generate(llm, prompts, max_tokens=32, merged=True, **kw):
@@ -52,8 +58,7 @@ def _generate(llm, prompts, max_tokens=32, merged=True, **kw):
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    # the runner sees vLLM's internal request ids: "<request_id>-<random suffix>"
-    stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+    stats = _request_stats(llm)
     calls = [stats[o.request_id]["model_calls"] for o in outs]
     nfe = [stats[o.request_id]["nfe"] for o in outs]
     if merged and not kw.get("prompt_logprobs"):  # the first canvas rode with the prompt: only decoding forwards
@@ -92,7 +97,7 @@ def _graph(path):
     return _GRAPHS[path]
 
 
-def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True):
+def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True, merged=True, llm_kw=None):
     knobs = _knobs(path, method)
     if cache is not None:
         knobs["cache"] = cache
@@ -104,9 +109,9 @@ def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True):
 
         ref_knobs["graph"] = load_graph(knobs["graph"])
     ref = ref_engine.generate(prompts, max_tokens=max_tokens, block_size=block, method=method, **ref_knobs)
-    llm = _llm(path, eager=eager, decoding=method, **knobs)
+    llm = _llm(path, eager=eager, llm_kw=llm_kw, decoding=method, **knobs)
     try:
-        tokens, nfe = _generate(llm, prompts, max_tokens)
+        tokens, nfe = _generate(llm, prompts, max_tokens, merged=merged)
     finally:
         del llm
     for i, (t, n, r) in enumerate(zip(tokens, nfe, ref)):
@@ -170,7 +175,7 @@ def test_plain_prefill_where_the_first_canvas_cannot_ride_with_it(heldout_prompt
         params = [SamplingParams(max_tokens=32, temperature=0, prompt_logprobs=0 if i % 3 == 2 else None)
                   for i in range(len(heldout_prompts))]
         outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts], params, use_tqdm=False)
-        stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+        stats = _request_stats(llm)
     finally:
         del llm
     kinds = set()
@@ -191,23 +196,8 @@ def test_requests_waiting_for_room_keep_their_drafts(heldout_prompts, method):
     """Every request at once in a token budget that holds a few of their steps: requests proposed together
     step in different forwards (a request waits, whole, for room), so a drafting decoder proposed in a group
     is updated in a smaller one or alone; tokens and NFE stay the reference engine's."""
-    from vllm import LLM
-
-    from model_executor.decoding import load_graph
-
-    knobs = _knobs(DEFAULT_DLLM, method)
-    ref_knobs = {**knobs, "graph": load_graph(knobs["graph"])} if "graph" in knobs else knobs
-    ref = ReferenceEngine.from_pretrained(DEFAULT_DLLM).generate(heldout_prompts, max_tokens=32, method=method,
-                                                                 cache="dual", **ref_knobs)
-
-    llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_model_len=512,
-              max_num_batched_tokens=200, max_num_seqs=len(heldout_prompts),
-              speculative_config={"method": "psd", "decoding": method, "cache": "dual", **knobs})
-    try:
-        tokens, nfe = _generate(llm, heldout_prompts, merged=False)  # some prefills find no room for a canvas
-    finally:
-        del llm
-    assert tokens == [r.token_ids for r in ref] and nfe == [r.nfe for r in ref]
+    _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache="dual", merged=False,  # some prefills find no room
+                  llm_kw=dict(max_num_batched_tokens=200, max_num_seqs=len(heldout_prompts)))
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
@@ -535,7 +525,7 @@ def test_spiffy_samples_its_base_policys_tokens_in_vllm(heldout_prompts):
         try:
             outs = llm.generate(prompts, [SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=100 + i)
                                           for i in range(len(prompts))], use_tqdm=False)
-            stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+            stats = _request_stats(llm)
             runs[method] = ([list(o.outputs[0].token_ids) for o in outs], sum(stats[o.request_id]["nfe"] for o in outs))
         finally:
             del llm

@@ -214,11 +214,12 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             q0, q1 = int(qsl[i]), int(qsl[i + 1])
             s = self._served(rid)
             s.model_calls += 1
-            if s.step is None and s.req.nfe == 0 and s.pending is None and compat.scheduled_drafts(scheduler_output, rid):
+            drafts = compat.scheduled_drafts(scheduler_output, rid)
+            if s.step is None and s.req.nfe == 0 and s.pending is None and drafts:
                 self._propose(s)  # the first canvas, scheduled with the prompt (DLLMScheduler)
             st = s.step
             order.append(torch.arange(q0, q1))
-            if st is None or int(computed[i]) != st.w0 or compat.scheduled_drafts(scheduler_output, rid) != s.drafts \
+            if st is None or int(computed[i]) != st.w0 or drafts != s.drafts \
                     or q1 - q0 != st.seg_len:
                 seg.append(seg[-1] + q1 - q0)  # prefill, or a step cut short: one segment, no decoding
                 qo.append(qo[-1] + q1 - q0)
