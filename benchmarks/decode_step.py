@@ -67,8 +67,10 @@ def main() -> None:
                 break
             t0 = time.perf_counter()
             if args.mode == "batched":  # as the engines do: every decoder's canvases, a method at a time
-                propose_all(live)
-            cans = [d.canvases() for d in live]
+                props = propose_all(live)
+                cans = [p.canvases for p in props]
+            else:
+                cans = [d.canvases() for d in live]
             t_canvas = time.perf_counter() - t0
             idx = torch.cat([rows_of[r, : len(c)].flatten() for r, c in enumerate(cans)])
             logits = base[idx]  # the step's logits (not timed)
@@ -84,7 +86,7 @@ def main() -> None:
                 for c in cans:
                     firsts.append([i + k * L for k in range(len(c))])
                     i += len(c) * L
-                update_all(live, preds, firsts)
+                update_all(live, props, preds, firsts)
             else:
                 i = 0
                 for d, c in zip(live, cans):

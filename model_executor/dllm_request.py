@@ -3,8 +3,8 @@
 A request decodes the answer region ``[P, P + max_tokens)`` in blocks (:mod:`.block_schedule`). Each step
 the engine asks :meth:`DLLMRequest.next_step` what to forward (the window ``[w0, w1)``, one row of tokens
 per canvas of the block's decoder, and how much K/V becomes exact), runs one forward for all its requests,
-and hands each request its block rows' logits with :meth:`DLLMRequest.apply` (or updates every decoder at
-once with :func:`~model_executor.decoding.update_all` and then calls :meth:`DLLMRequest.stepped`). That
+updates every decoder at once with :func:`~model_executor.decoding.update_all` and then calls
+:meth:`DLLMRequest.stepped`. That
 commits positions through the decoder; when a block is complete its tokens are committed to the request, and the request
 either starts the next block or finishes (the block holding the first EOS, or the last block).
 
@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from .block_schedule import cached_after_step, kept_suffix, plan_blocks, window
-from .decoding import BlockDecoder, merge_stats
+from .decoding import BlockDecoder, Proposal, merge_stats
 
 
 @dataclass
@@ -43,6 +43,7 @@ class DLLMStep:
     keep: int
     shift: int
     suffix: tuple[int, int] = (0, 0)
+    proposal: Proposal | None = None  # the decoder's proposal these canvases are (None: a rebuild step)
 
     @property
     def num_canvases(self) -> int:
@@ -134,10 +135,11 @@ class DLLMRequest:
         self.dec = self.make_decoder(self.tokens[b0:b1])
         self.fresh = True
 
-    def next_step(self, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
-        """The rows of this request's next forward (module docstring)."""
+    def next_step(self, proposal: Proposal, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
+        """The rows of this request's next forward: the canvases of its decoder's ``proposal``
+        (:func:`~model_executor.decoding.propose_all`) over the step's window (module docstring)."""
         b0, b1 = self.block
-        canvases = self.dec.canvases()
+        canvases = proposal.canvases
         if self.fresh and cache in ("prefix", "dual") and len(canvases) != 1:
             raise RuntimeError("a decoder must forward only its state on the first step of a block")
         w0, w1 = window(cache, (b0, b1), self.total, fresh=self.fresh, cached=self.cached, shift=shift)
@@ -147,7 +149,7 @@ class DLLMRequest:
                                  model_block=model_block)
         rows = self.tokens[w0:w1].repeat(len(canvases), 1)
         rows[:, b0 - w0: b1 - w0] = torch.stack(canvases).to(rows.device)
-        return DLLMStep(w0, w1, b0, b1, rows, keep, shift, kept_suffix(cache, (b0, b1), self.total))
+        return DLLMStep(w0, w1, b0, b1, rows, keep, shift, kept_suffix(cache, (b0, b1), self.total), proposal)
 
     def first_step(self, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
         """The current block's first step again (the block all masks, as it was then). Forwarding it restores
@@ -160,14 +162,8 @@ class DLLMRequest:
         return DLLMStep(w0, w1, b0, b1, self.tokens[w0:w1][None].clone(), keep, shift,
                         kept_suffix(cache, (b0, b1), self.total))
 
-    def apply(self, step: DLLMStep, logits: list[torch.Tensor]) -> list[int]:
-        """Update the decoder with one ``[block_len, V]`` logits tensor per canvas; returns the block's tokens
-        if this step completed it (else ``[]``)."""
-        self.dec.update(logits)
-        return self.stepped(step)
-
     def stepped(self, step: DLLMStep) -> list[int]:
-        """Bookkeeping after the decoder took ``step``'s predictions (:meth:`apply`, or the engine's batched
+        """Bookkeeping after the decoder took ``step``'s predictions (the engine's batched
         :func:`~model_executor.decoding.update_all`); returns the block's tokens if the step completed it."""
         self.nfe += 1
         self.cached = step.keep

@@ -149,8 +149,8 @@ class ReferenceEngine:
               logprobs: int | None = None) -> None:
         """One forward for every live request (``(sequence in the batch's cache, request)``)."""
         shift = int(self.spec.shift_logits)
-        propose_all([r.dec for _, r in live])  # every decoder's canvases, a method at a time
-        steps = [r.next_step(cache, shift, self.spec.block_size or 1) for _, r in live]
+        proposals = propose_all([r.dec for _, r in live])  # every decoder's canvases, a method at a time
+        steps = [r.next_step(p, cache, shift, self.spec.block_size or 1) for p, (_, r) in zip(proposals, live)]
         t0 = time.perf_counter()
         logits = self._forward([(seq, st) for (seq, _), st in zip(live, steps)])
         self.step_time["forward_seconds"] += time.perf_counter() - t0
@@ -166,7 +166,7 @@ class ReferenceEngine:
         mask = self.spec.mask_token_id  # predictions only where a canvas is masked
         preds = predict_rows(logits, mask_id=mask, need=torch.cat([st.masked_rows(mask) for st in steps]))
         before = [r.dec.state.clone() for _, r in live] if logprobs is not None else None
-        update_all([r.dec for _, r in live], preds, firsts)  # a method at a time
+        update_all([r.dec for _, r in live], proposals, preds, firsts)  # a method at a time
         for j, ((_, r), st) in enumerate(zip(live, steps)):
             if before is not None:  # under the state canvas's distribution (rules applied, mask excluded)
                 r.record_logprobs(before[j], logits[firsts[j][0]: firsts[j][0] + st.block_len], logprobs)

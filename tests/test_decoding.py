@@ -196,7 +196,7 @@ def test_policies_over_a_batch_of_blocks_equal_them_block_by_block(name):
 def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
     """:func:`update_all`: greedy policy decoders of blocks of different lengths, states and policies, updated
     in one batched step per policy, equal each decoder updated alone; a sampling one updates alone."""
-    from model_executor.decoding import predict_rows, update_all
+    from model_executor.decoding import predict_rows, propose_all, update_all
     from model_executor.decoding.policies import PolicyDecoder
 
     batches = []
@@ -219,7 +219,7 @@ def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
     kw = dict(threshold=0.5, relaxed_threshold=0.3, radius=2)
     together = [make_decoder(m, b, M, **kw) for m, b in zip(methods, blocks)]
     together.append(make_decoder("static", blocks[0], M, temperature=1.0, generator=torch.Generator().manual_seed(1)))
-    update_all(together, preds, [[a] for a in starts] + [[starts[0]]])
+    update_all(together, propose_all(together), preds, [[a] for a in starts] + [[starts[0]]])
     for dec, m, b, a in zip(together, methods, blocks, starts):
         alone = make_decoder(m, b, M, **kw)
         alone.update([logits[a: a + b.numel()]])
@@ -228,7 +228,7 @@ def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
     sampled = make_decoder("static", blocks[0], M, temperature=1.0, generator=torch.Generator().manual_seed(1))
     sampled.update([logits[: lens[0]]])
     assert torch.equal(together[-1].state, sampled.state)
-    assert sorted(batches) == [1, 2, 2]  # confidence x2, static x2 (the sampling one apart), localleap
+    assert sorted(batches) == [2, 2]  # confidence x2, static x2 (the sampling one apart; localleap alone)
 
 
 @pytest.mark.parametrize("temperature,flt", [(1.0, (0, 1.0, 0.0)), (0.7, (3, 1.0, 0.0)), (1.3, (0, 0.8, 0.0)),
@@ -342,19 +342,20 @@ def test_drafting_decoders_step_together_as_they_do_alone(method, knobs, monkeyp
         if not live:
             break
         fresh = [i for i in live if i not in proposed]
-        propose_all([together[i] for i in fresh])
-        for i in fresh:
-            ca, cb = alone[i].canvases(), together[i].canvases()
+        for i, prop in zip(fresh, propose_all([together[i] for i in fresh])):
+            ca, cb = alone[i].canvases(), prop.canvases
             assert len(ca) == len(cb) and all(torch.equal(a, b) for a, b in zip(ca, cb)), (i, nfe[i])
-            proposed[i] = (ca, cb)
+            proposed[i] = (ca, prop)
         # as in the engines, a proposed request may wait a step (no room in the batch): every third step one
         # does, so decoders proposed in a group step in a smaller one, and one proposed alone steps with a group
         wait = live[t % len(live)] if t % 3 == 1 and len(live) > 1 else None
         t += 1
         step = [i for i in live if i != wait]
-        rows, firsts, need = [], [], []
+        rows, firsts, need, props = [], [], [], []
         for i in step:
-            ca, cb = proposed.pop(i)
+            ca, prop = proposed.pop(i)
+            cb = prop.canvases
+            props.append(prop)
             firsts.append([sum(r.shape[0] for r in rows) + k * ca[0].numel() for k in range(len(ca))])
             logits = [model(c) for c in ca]
             need.append((torch.stack(cb) == M).flatten())
@@ -362,8 +363,8 @@ def test_drafting_decoders_step_together_as_they_do_alone(method, knobs, monkeyp
             alone[i].update([lg.clone() for lg in logits])
             nfe[i] += 1
         # as the engines: predictions only at masked canvas positions
-        update_all([together[i] for i in step], predict_rows(torch.cat(rows), mask_id=M, need=torch.cat(need)),
-                   firsts)
+        update_all([together[i] for i in step], props,
+                   predict_rows(torch.cat(rows), mask_id=M, need=torch.cat(need)), firsts)
         for i in step:
             assert torch.equal(alone[i].state, together[i].state), (i, nfe[i])
     assert [d.stats() for d in alone] == [d.stats() for d in together]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, RowPredictions, merge_stats, predict_rows, propose_all, update_all
+from .base import BlockDecoder, Proposal, RowPredictions, merge_stats, predict_rows, propose_all, update_all
 from .logits_rules import LogitsRules, apply_rules
 from .freedave import FreeDaveDecoder
 from .lopa import LoPADecoder
@@ -54,6 +54,6 @@ def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: f
     return PSDDecoder(block, mask_id, make_policy(policy, **knobs), dag or DraftDAG.nested(depth))
 
 
-__all__ = ["METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "LogitsRules", "RowPredictions", "apply_rules",
+__all__ = ["METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "LogitsRules", "Proposal", "RowPredictions", "apply_rules",
            "base_step", "load_graph", "make_decoder", "merge_stats", "predict_rows", "propose_all",
            "update_all"]

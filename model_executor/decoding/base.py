@@ -170,6 +170,16 @@ def commit(state: torch.Tensor, pred: Prediction, positions: torch.Tensor) -> to
     return torch.where(positions, pred.tokens, state)
 
 
+@dataclass
+class Proposal:
+    """What one decoder forwards in a step: its canvases (the state first, then drafts), and the method's own
+    record of how they were made, which its update reads. It travels on the request's step
+    (:class:`~model_executor.dllm_request.DLLMStep`), never as a flag on the decoder."""
+
+    canvases: list[torch.Tensor]
+    data: object = None
+
+
 class BlockDecoder:
     """Base class: state handling shared by every method. Subclasses implement ``propose``/``update``.
 
@@ -243,7 +253,7 @@ def _groups(decoders: list[BlockDecoder]) -> tuple[dict, list[int]]:
     return groups, alone
 
 
-def propose_all(decoders: list[BlockDecoder]) -> None:
+def propose_all(decoders: list[BlockDecoder]) -> list[Proposal]:
     """Propose the next canvases of every decoder about to step, a group of equal batch keys at a time; the
     engines call it before asking each request for its step (:meth:`BlockDecoder.canvases`).
 
@@ -257,9 +267,11 @@ def propose_all(decoders: list[BlockDecoder]) -> None:
             decoders[idx[0]]._alone = True  # :meth:`BlockDecoder.canvases` proposes it
         else:
             cls.propose_batch([decoders[i] for i in idx])
+    return [Proposal(d.canvases()) for d in decoders]
 
 
-def update_all(decoders: list[BlockDecoder], preds: RowPredictions, canvas_rows: list[list[int]]) -> None:
+def update_all(decoders: list[BlockDecoder], proposals: list[Proposal], preds: RowPredictions,
+               canvas_rows: list[list[int]]) -> None:
     """One decoder step of every decoder of a forward from its batched predictions: ``canvas_rows[i]`` lists
     the first row (in ``preds``) of each canvas of decoder ``i``, a block's length of rows each. Decoders
     with equal batch keys update together (:meth:`BlockDecoder.update_batch`), the others (and those

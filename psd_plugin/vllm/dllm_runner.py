@@ -155,8 +155,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             s = self.served[req_id] = _Served(req, rules=request_rules(sp))
         return s
 
-    def _propose(self, s: _Served) -> None:
-        st = s.req.next_step(self.psd.cache, self.shift, self.spec.block_size or 1)
+    def _propose(self, s: _Served, proposal) -> None:
+        st = s.req.next_step(proposal, self.psd.cache, self.shift, self.spec.block_size or 1)
         s.step, s.rebuild = st, False
         s.drafts = st.tokens[0, st.b0 - st.w0:].tolist()
 
@@ -216,7 +216,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             s.model_calls += 1
             drafts = compat.scheduled_drafts(scheduler_output, rid)
             if s.step is None and s.req.nfe == 0 and s.pending is None and drafts:
-                self._propose(s)  # the first canvas, scheduled with the prompt (DLLMScheduler)
+                self._propose(s, propose_all([s.req.dec])[0])  # the first canvas, with the prompt (DLLMScheduler)
             st = s.step
             order.append(torch.arange(q0, q1))
             if st is None or int(computed[i]) != st.w0 or drafts != s.drafts \
@@ -272,7 +272,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         preds = predict_rows(logits, mask_id=mask, need=torch.cat(need) if need else None)
         want_lp = {i: k for i in decoding if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
         before = {i: self._served(req_ids[i]).req.dec.state.clone() for i in want_lp}
-        update_all([self._served(req_ids[i]).req.dec for i in decoding], preds,
+        update_all([self._served(req_ids[i]).req.dec for i in decoding],
+                   [self._served(req_ids[i]).step.proposal for i in decoding], preds,
                    [self._logit_rows[i] for i in decoding])  # a method at a time
         for i, k in want_lp.items():  # under the state canvas's distribution, as the reference engine
             s, first = self._served(req_ids[i]), self._logit_rows[i][0]
@@ -310,15 +311,16 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         """Each running request's next canvas (module docstring)."""
         req_ids, _, _ = compat.batch_rows(self)
         drafts, rfs, extras = [], [], []
-        propose_all([s.req.dec for rid in req_ids if not (s := self._served(rid)).req.done and s.step is None
-                     and s.pending is None])  # the canvases of every request about to step, a method at a time
+        ready = [s for rid in req_ids if not (s := self._served(rid)).req.done and s.step is None
+                 and s.pending is None]  # the canvases of every request about to step, a method at a time
+        proposals = dict(zip(map(id, ready), propose_all([s.req.dec for s in ready])))
         for rid in req_ids:
             s = self._served(rid)
             if not s.req.done and s.step is None:
                 if s.pending is not None:
                     self._rebuild_step(s)
                 else:
-                    self._propose(s)
+                    self._propose(s, proposals[id(s)])
             live = not s.req.done and s.step is not None
             drafts.append(list(s.drafts) if live else [])
             rfs.append(s.step.w0 if live else NO_REWIND)
