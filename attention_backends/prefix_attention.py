@@ -166,6 +166,18 @@ class PrefixAttention(Protocol):
             v_cache: torch.Tensor) -> torch.Tensor: ...
 
 
+def run_in_order(attn: PrefixAttention, order: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """``attn.run`` over rows in the model's order: ``order`` (the model row of each plan row) gathers them into
+    the plan's order and scatters the output back; None: the rows already are in plan order (or the backend was
+    planned with the row map and reads them in place)."""
+    if order is None:
+        return attn.run(q, k, v, k_cache, v_cache)
+    out = torch.empty_like(q)
+    out[order] = attn.run(q[order], k[order], v[order], k_cache, v_cache).to(out.dtype)
+    return out
+
+
 def check_run_inputs(T: int, geom: tuple[int, int, int], q, k, v, k_cache, v_cache) -> None:
     """Raise a clear error unless ``q [T, H, D]``, ``k, v [T, Hkv, D]`` and caches ``[pages, page, Hkv, D]``
     match what a backend was planned for (``geom = (H, Hkv, D)``)."""

@@ -10,20 +10,20 @@ backend's metadata once per forward:
 - **KV cache**: vLLM's logical per-layer page ``[blocks, kv_heads, page, K|V]`` in the ``LBNHC`` physical
   order, i.e. FlashInfer's ``NHD`` pages with K and V side by side; the backend reads ``[blocks, page,
   kv_heads, head_dim]`` views of K and V without copying.
-- **Metadata** (:class:`PSDMetadataBuilder`): a plan per forward. By default one segment per scheduled
-  request over its cached prefix ``seq_len - query_len``, under the layer's pattern (what a prefill needs).
-  A model runner of the project describes anything else in a :class:`StepLayout` (segments, masks,
-  positions, rows the model appends) that it binds to its builders with :func:`bind_step_layout`; the
-  builder turns it into the plan and the planned backend (``TorchPrefixAttention`` on CPU,
-  ``FlashInferPrefixAttention`` on CUDA with fp16/bf16), which every layer then runs.
+- **Metadata** (:class:`PSDMetadataBuilder`): a plan per forward, from the step's
+  :class:`~.step_batch.StepBatch`, which a model runner of the project publishes for the forward
+  (:func:`~.step_batch.set_step`); without one (a prefill of vLLM's own, a profiling run), one segment per
+  scheduled request over its cached prefix ``seq_len - query_len``, under the layer's pattern. The builder
+  turns it into the plan and the planned backend (``CPUPrefixAttention`` on CPU, ``FlashInferPrefixAttention``
+  on CUDA with fp16/bf16), which every layer then runs.
 - **Extra rows**: draft canvases beyond a request's first are not vLLM tokens. They are rows the model
-  appends to the scheduled ones (:func:`step_extras`) at the positions of the canvas they draft; their K/V is
+  appends to the scheduled ones (:func:`step_inputs`) at the positions of the canvas they draft; their K/V is
   never written to the cache (they see the shared prefix and themselves only), so they take no KV pages and
   do not count against ``max_model_len``. Rows vLLM scheduled write their K/V through vLLM's slot mapping,
   inside ``forward`` (``forward_includes_kv_cache_update``), before attending; a row reads only the prefix
-  ``[0, prefix_len)`` from the cache (and a kept suffix the layout names, past every row of the step), so
+  ``[0, prefix_len)`` from the cache (and a kept suffix the step names, past every row of the step), so
   what a draft row writes past the prefix is never read before it is rewritten.
-- **Kept suffix** (DualCache): a layout may give each request a range of cached positions after its rows
+- **Kept suffix** (DualCache): a step may give each request a range of cached positions after its rows
   (``suffix_starts``/``suffix_lens``), K/V an earlier step wrote there and vLLM keeps in the request's pages
   (rolling ``num_computed_tokens`` back frees no page); every row of the request sees them.
 """
@@ -42,32 +42,11 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
                                        CommonAttentionMetadata)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
 
-from .prefix_attention import AttentionPlan, MaskKind, make_backend
-from .torch_ref import TorchPrefixAttention
+from .prefix_attention import AttentionPlan, make_backend
+from .step_batch import Rows, build_step_batch, current_step
+from .torch_ref import TorchPrefixAttention as CPUPrefixAttention
 
 PATTERNS = ("bidirectional", "causal", "block_causal")
-
-
-@dataclass
-class StepLayout:
-    """What one forward looks like beyond vLLM's batch, from a model runner of the project.
-
-    Rows are numbered in *model order*: the ``T`` rows vLLM scheduled, then the ``E`` rows the model appends
-    (``extra_ids``). ``order`` lists them request by request (every row of request 0, then of request 1 ...),
-    which is the plan's row order (None: model order already is); ``qo_indptr`` and ``seg_indptr`` index
-    that order.
-    """
-
-    qo_indptr: torch.Tensor  # [R + 1]
-    order: torch.Tensor | None = None  # [T + E] model rows in plan order
-    seg_indptr: torch.Tensor | None = None  # [S + 1]; None: one segment per request
-    kind: MaskKind | None = None  # None: the layer's pattern
-    custom_masks: list[torch.Tensor] | None = None  # kind "custom": one bool [n_s, n_s] per segment
-    positions: torch.Tensor | None = None  # [T] of vLLM's rows, when they differ from vLLM's own (tree nodes)
-    extra_ids: torch.Tensor | None = None  # [E] token ids the model appends
-    extra_positions: torch.Tensor | None = None  # [E]
-    suffix_starts: torch.Tensor | None = None  # [R] cached keys after the rows every row of a request also
-    suffix_lens: torch.Tensor | None = None  # [R] sees (DualCache's kept suffix; None: none)
 
 
 @dataclass
@@ -77,9 +56,7 @@ class PSDAttentionMetadata:
     write_rows: torch.Tensor | None  # rows of vLLM's whose K/V is written at ``write_slots`` (None: all ``T``)
     write_slots: torch.Tensor
     num_tokens: int  # T: the rows vLLM scheduled
-    order: torch.Tensor | None = None  # plan order -> model rows (None: identity)
-    positions: torch.Tensor | None = None  # [T + E] model-order positions to use instead of vLLM's
-    extra_ids: torch.Tensor | None = None
+    order: torch.Tensor | None = None  # plan order -> model rows (None: identity, or the backend remaps)
 
 
 class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
@@ -102,7 +79,6 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
             raise ValueError(f"psd attention backend: layers {layer_names} use different scales {sorted(scales)}")
         self.scale = scales.pop() if scales else None
         self.attn = make_backend("auto", device, self.dtype)  # one per builder: planned anew every forward
-        self.layout_source: Callable[[], StepLayout | None] | None = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PSDAttentionMetadata:
@@ -110,43 +86,27 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
         R = cam.num_reqs
         qsl = cam.query_start_loc_cpu[: R + 1].long()
         T = int(qsl[-1])
-        lens = qsl[1:] - qsl[:-1]
-        prefix = cam.seq_lens[:R].long().cpu() - lens
-        layout = self.layout_source() if self.layout_source is not None else None
-        if layout is None:
-            layout = StepLayout(qsl)
-        E = layout.extra_ids.numel() if layout.extra_ids is not None else 0
-        if layout.qo_indptr.numel() != R + 1 or int(layout.qo_indptr[-1]) != T + E:
-            raise RuntimeError(f"psd attention backend: the runner's step layout ({layout.qo_indptr.numel() - 1} "
-                               f"requests, {int(layout.qo_indptr[-1])} rows) does not match the batch ({R} requests, "
-                               f"{T} + {E} rows)")
-        kind = layout.kind or self.pattern
-        positions = layout.positions
-        if positions is None and (E or kind == "block_causal"):  # vLLM's positions of its rows, then the extras
-            req = torch.repeat_interleave(torch.arange(R), lens)
-            positions = prefix[req] + torch.arange(T) - qsl[req]
-        if positions is not None and E:
-            positions = torch.cat([positions, layout.extra_positions.long().cpu()])
-        plan = AttentionPlan(layout.qo_indptr, prefix, cam.block_table_tensor[:R].long(), self.page_size, kind=kind,
-                             seg_indptr=layout.seg_indptr, block_size=self.block_size,
-                             positions=(positions if layout.order is None else positions[layout.order])
-                             if kind == "block_causal" else None,
-                             custom_masks=layout.custom_masks, suffix_starts=layout.suffix_starts,
-                             suffix_lens=layout.suffix_lens)
+        prefix = cam.seq_lens[:R].long().cpu() - qsl.diff()
+        batch = current_step()
+        if batch is None:  # vLLM's own layout (a prefill, a profiling run): one segment per request
+            batch = build_step_batch([Rows(int(n), int(p)) for n, p in zip(qsl.diff(), prefix)])
+        elif batch.num_requests != R or batch.num_scheduled != T or not torch.equal(batch.prefix_lens, prefix):
+            raise RuntimeError(f"psd attention backend: the runner's step ({batch.num_requests} requests, "
+                               f"{batch.num_scheduled} scheduled rows, prefixes {batch.prefix_lens.tolist()}) is not "
+                               f"the batch vLLM scheduled ({R} requests, {T} rows, prefixes {prefix.tolist()})")
+        E = batch.num_extra
+        plan = batch.plan(cam.block_table_tensor[:R].long(), self.page_size, self.pattern, self.block_size)
         slots = cam.slot_mapping[:T].long()
-        remap = layout.order is not None and isinstance(self.attn, TorchPrefixAttention)
+        remap = batch.order is not None and isinstance(self.attn, CPUPrefixAttention)
         # rows vLLM scheduled have their K/V written (``forward``) before attending; extra rows do not
         cached = torch.cat([slots.cpu(), torch.full((E,), -1, dtype=torch.long)])
         self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
-                       device=self.device, cached=cached, **({"rows": layout.order} if remap else {}))
+                       device=self.device, cached=cached, **({"rows": batch.order} if remap else {}))
         ok = slots >= 0
         rows = None if bool(ok.all()) else ok.nonzero().flatten()
-        dev = self.device
         return PSDAttentionMetadata(
             plan, self.attn, rows, slots if rows is None else slots[rows], T,
-            order=layout.order.to(dev) if layout.order is not None and not remap else None,
-            positions=positions.to(dev) if positions is not None and (E or layout.positions is not None) else None,
-            extra_ids=layout.extra_ids.to(dev) if E else None)
+            order=batch.order.to(self.device) if batch.order is not None and not remap else None)
 
 
 class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
@@ -266,45 +226,19 @@ class PSDAttention(Attention):
         return spec
 
 
-def bind_step_layout(builders, source: Callable[[], StepLayout | None]) -> int:
-    """Let every psd metadata builder in ``builders`` read the runner's current :class:`StepLayout` from
-    ``source``; returns how many were bound."""
-    n = 0
-    for b in builders:
-        if isinstance(b, PSDMetadataBuilder):
-            b.layout_source = source
-            n += 1
-    return n
-
-
-def step_metadata(layer_name: str) -> PSDAttentionMetadata | None:
-    """This forward's metadata of ``layer_name`` (None outside a forward, or in a run without metadata)."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
-
-    if not is_forward_context_available():
-        return None
-    md = get_forward_context().attn_metadata
-    if isinstance(md, list):
-        md = md[0] if md else None
-    if isinstance(md, dict):
-        md = md.get(layer_name)
-    return md if isinstance(md, PSDAttentionMetadata) else None
-
-
-def step_inputs(layer_name: str, input_ids: torch.Tensor | None, positions: torch.Tensor,
+def step_inputs(input_ids: torch.Tensor | None, positions: torch.Tensor,
                 embed: Callable[[torch.Tensor], torch.Tensor], inputs_embeds: torch.Tensor | None = None):
-    """The model's inputs for this forward: vLLM's rows plus the step's extra rows (module docstring), and the
-    positions to rotate them with. Returns ``(hidden [T + E, h], positions [T + E])``."""
+    """The model's inputs for this forward: vLLM's rows plus the step's extra rows, and the positions of all of
+    them, from the runner's :class:`~.step_batch.StepBatch` (vLLM's own inputs outside a runner's step).
+    Returns ``(hidden [T + E, h], positions [T + E])``."""
     x = inputs_embeds if inputs_embeds is not None else embed(input_ids)
-    md = step_metadata(layer_name)
-    if md is None:
+    batch = current_step()
+    if batch is None:
         return x, positions
-    if md.extra_ids is not None:
-        if x.shape[0] != md.num_tokens:
-            raise RuntimeError(f"psd attention backend: {x.shape[0]} input rows for {md.num_tokens} scheduled "
-                               "tokens; extra draft rows need an unpadded batch (no CUDA-graph padding, no data "
-                               "parallelism)")
-        x = torch.cat([x, embed(md.extra_ids)])
-    if md.positions is not None:
-        positions = md.positions.to(positions.dtype)
-    return x, positions
+    if x.shape[0] != batch.num_scheduled:
+        raise RuntimeError(f"psd attention backend: {x.shape[0]} input rows for {batch.num_scheduled} scheduled "
+                           "rows; a step batch needs an unpadded batch (no CUDA-graph padding, no data parallelism)")
+    dev = batch.on(x.device)
+    if dev.extra_ids is not None:
+        x = torch.cat([x, embed(dev.extra_ids)])
+    return x, dev.positions.to(positions.dtype)

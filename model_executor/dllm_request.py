@@ -74,12 +74,6 @@ class DLLMStep:
         s0, s1 = self.suffix
         return s1 - s0 if s0 >= self.w1 else 0
 
-    @property
-    def writes_suffix(self) -> bool:
-        """Whether this step stores the kept suffix's K/V (it forwards those positions)."""
-        s0, s1 = self.suffix
-        return s1 > s0 and self.w0 <= s0 and s1 <= self.w1
-
 
 @dataclass
 class DLLMRequest:

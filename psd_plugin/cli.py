@@ -125,11 +125,10 @@ def _setup(args):
     if method not in allowed:
         kind = "a dLLM" if dllm else "an autoregressive model"
         raise UsageError(f"--method {method!r} for {kind}; allowed: {', '.join(allowed)}")
-    from .knobs import spiffy_graph
+    from .config import RunConfig, TreeConfig
+    from .knobs import ConfigError, resolve_for_model
 
-    from .config import DecodeConfig, TreeConfig
-
-    cfg = parse_config(args.config, DecodeConfig if dllm else TreeConfig)
+    cfg = parse_config(args.config, RunConfig if dllm else TreeConfig)
     engine_kind = args.engine or ("vllm" if dllm and _has_vllm() else "reference")
     if engine_kind == "vllm":
         if not dllm:
@@ -152,13 +151,12 @@ def _setup(args):
         engine, tok = load(model, args.dtype, args.device, args.attention_backend)
     kw = {"max_tokens": args.max_tokens, "temperature": cfg.temperature, "seed": cfg.seed,
           "batch_size": cfg.batch_size}
-    if dllm:
-        spec = engine.spec
-        block = args.block_size or (spec.block_size if spec.attention == "block_causal" else 8)
-        kw.update(cfg.knobs(), method=method, block_size=block)
-        if method == "spiffy":
-            graph = spiffy_graph(cfg, model, block)  # checked here, before any engine starts
-            kw["graph"] = cfg.graph if engine_kind == "vllm" else graph
+    if dllm:  # resolved and checked once, here, before any engine starts
+        try:
+            kw["config"] = resolve_for_model(method, cfg.knobs(), engine.spec, model, args.block_size,
+                                             where="--config")
+        except ConfigError as e:
+            raise UsageError(str(e)) from None
     elif method in ("linear", "presto"):
         kw.update(cfg.tree_kwargs())
         if method == "linear":

@@ -21,7 +21,7 @@ class TreeConfig(TreeKnobs, forbid_unknown_fields=True, kw_only=True):
     batch_size: BatchSize = 64
 
 
-class DecodeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
+class RunConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
     """``psd generate/eval --config JSON`` for dLLMs: the method knobs (:class:`DecodeKnobs`) plus
 
     - ``temperature``: 0 is greedy; > 0 samples with Gumbel noise in float64 (LLaDA ``generate.py``;
@@ -34,6 +34,7 @@ class DecodeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
     seed: int = 0
     batch_size: BatchSize = 64
 
-    def knobs(self) -> dict:
-        """Keyword arguments for the dLLM engines' ``generate``."""
-        return msgspec.structs.asdict(self)
+    def knobs(self) -> DecodeKnobs:
+        """The method knobs alone (what :func:`~psd_plugin.knobs.resolve_for_model` resolves)."""
+        raw = msgspec.structs.asdict(self)
+        return DecodeKnobs(**{k: raw[k] for k in DecodeKnobs.__struct_fields__})

@@ -1,5 +1,6 @@
 """Decoding knobs shared by every entry point (the ``psd`` command's ``--config`` and vLLM's
-``speculative_config``): msgspec schemas validated with errors that name the field and the allowed values."""
+``speculative_config``): msgspec schemas validated with errors that name the field and the allowed values.
+The dLLM knobs and their resolution live in :mod:`model_executor.decode_config`; PRESTO's tree knobs here."""
 
 from __future__ import annotations
 
@@ -7,36 +8,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-Threshold = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
-
-
-class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """Knobs of the decoding methods; each method reads its own.
-
-    - ``threshold``: τ of ``confidence`` and the anchor threshold of ``localleap``, in (0, 1].
-    - ``relaxed_threshold``, ``radius``: LocalLeap's neighbour threshold and window (block positions).
-    - ``policy``: spatial backbone of ``psd`` and ``lopa``: static | confidence | localleap.
-    - ``depth``: PSD draft-DAG depth d (nested prefixes of σ); 0 = the spatial policy alone.
-    - ``branches``: LoPA lookahead branches k; 0 = the spatial policy alone.
-    - ``steps``: FreeDave draft steps d (1 = static decoding).
-    - ``graph``: Spiffy draft-graph file (``psd calibrate``); default: the graph shipped for the embedded
-      model and the chosen base ``policy`` (static or confidence).
-    - ``budget``: Spiffy's pruned draft count D* per forward.
-    - ``cache``: ``none`` | ``prefix`` (LLaDA, Dream; default) | ``dual`` (LLaDA, Dream: Fast-dLLM's DualCache,
-      the block's later steps forward the block alone against the prefix and the masks after it as the block's
-      first step left them) | ``block`` (block-causal SDAR and LLaDA2, exact; their default).
-    """
-
-    threshold: Threshold = 0.9
-    relaxed_threshold: Threshold = 0.75
-    radius: Annotated[int, msgspec.Meta(ge=0, le=64)] = 4
-    policy: Literal["static", "confidence", "localleap"] = "confidence"
-    depth: Annotated[int, msgspec.Meta(ge=0, le=32)] = 3
-    branches: Annotated[int, msgspec.Meta(ge=0, le=32)] = 3
-    steps: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
-    graph: str | None = None
-    budget: Annotated[int, msgspec.Meta(ge=1, le=64)] = 3
-    cache: Literal["none", "prefix", "dual", "block"] | None = None
+from model_executor.decode_config import ConfigError, DecodeKnobs  # noqa: F401  (re-exported: the schemas' home)
 
 
 class TreeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -70,10 +42,6 @@ class TreeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 "draft_len": self.draft_len, "candidates": self.candidates}
 
 
-class ConfigError(ValueError):
-    """A user-supplied configuration is invalid; the message names the field."""
-
-
 def parse_config(text: str | bytes | None, cls, where: str = "--config"):
     """Decode JSON text into ``cls``; any problem becomes a one-line :class:`ConfigError`."""
     if not text:
@@ -102,6 +70,19 @@ def _allowed_values(cls, msg: str) -> str:
     options = [hint] if typing.get_origin(hint) is Literal else typing.get_args(hint)
     values = [a for t in options if typing.get_origin(t) is Literal for a in typing.get_args(t)]
     return f"; allowed: {', '.join(map(str, values))}" if values else ""
+
+
+def resolve_for_model(method: str, knobs: DecodeKnobs, spec, model_dir, block_size: int | None = None,
+                      where: str = "config"):
+    """:func:`model_executor.decode_config.resolve` with Spiffy's draft graph loaded from ``knobs.graph`` (or
+    the one shipped for the model) and checked: the one resolution every entry point uses."""
+    from model_executor.decode_config import resolve
+
+    graph = None
+    if method == "spiffy":
+        block = spec.block_size if spec.attention == "block_causal" else block_size or 8
+        graph = spiffy_graph(knobs, model_dir, block, where=f"{where}.graph")
+    return resolve(method, knobs, spec, block_size=block_size, graph=graph, where=where)
 
 
 def spiffy_graph(knobs: DecodeKnobs, model_dir, block_size: int, where: str = "graph"):

@@ -100,7 +100,7 @@ def test_bad_arguments(tiny_checkpoints, prompt_ids):
     with pytest.raises(ValueError, match="empty prompt"):
         eng.generate([[]])
     sdar = ReferenceEngine.from_pretrained(tiny_checkpoints["sdar"])
-    with pytest.raises(ValueError, match="attention block of 4"):
+    with pytest.raises(ValueError, match="decodes in its attention block; allowed: 4"):
         sdar.generate(prompt_ids, block_size=8)
 
 
@@ -184,7 +184,7 @@ def test_penalties_follow_vllms_rules_on_the_tokens_committed_so_far(engine64, m
         got = engine64.generate(prompts, rules=rules, **kw)
         assert [r.token_ids for r in got] != [r.token_ids for r in plain]
         assert repeats(got) < repeats(plain), rules
-    with pytest.raises(ValueError, match="penalties with method 'psd'.*static, confidence, localleap"):
+    with pytest.raises(ValueError, match=r"penalties with decoding .psd..*static \| confidence \| localleap"):
         engine64.generate(prompts, rules=LogitsRules(presence_penalty=1.0), max_tokens=16, block_size=8,
                           method="psd")
 

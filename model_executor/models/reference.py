@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention_backends.prefix_attention import AttentionPlan, PrefixAttention
+from attention_backends.prefix_attention import AttentionPlan, PrefixAttention, run_in_order
 
 from attention_backends.paged_kv_cache import PagedKVCache
 from .configs import ArchSpec, CONFIG_CLASSES, MoESpec
@@ -205,14 +205,15 @@ class Layer(nn.Module):
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
         return self._rest(x, a.transpose(1, 2).reshape(B, L, -1))
 
-    def forward_paged(self, i: int, x, cos, sin, attn, cache, write):
+    def forward_paged(self, i: int, x, cos, sin, attn, cache, write, order=None):
         """New tokens ``x [T, hidden]`` over the paged cache through the planned ``attn`` backend; stores the
-        K/V of rows ``write[1]`` at cache slots ``write[0]`` (before attending: they never overlap a prefix)."""
+        K/V of rows ``write[1]`` at cache slots ``write[0]`` (before attending: they never overlap a prefix).
+        ``order``: the row of ``x`` of each plan row, when they differ (:func:`run_in_order`)."""
         q, k, v = (t[0] for t in self._qkv(x[None], cos[None], sin[None]))
         if write is not None:
             cache.write(i, write[0], k[write[1]], v[write[1]])
         kc, vc = cache.layers[i]
-        return self._rest(x, attn.run(q, k, v, kc, vc).flatten(1))
+        return self._rest(x, run_in_order(attn, order, q, k, v, kc, vc).flatten(1))
 
 
 class ReferenceDLLM(nn.Module):
@@ -266,20 +267,27 @@ class ReferenceDLLM(nn.Module):
 
     def forward_paged(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
                       cache: PagedKVCache, attn: PrefixAttention, write: tuple[torch.Tensor, torch.Tensor] | None = None,
-                      logits_rows: torch.Tensor | None = None) -> torch.Tensor:
+                      logits_rows: torch.Tensor | None = None, order: torch.Tensor | None = None) -> torch.Tensor:
         """Raw outputs of the new tokens ``input_ids [T]`` at ``positions [T]``, laid out and masked by ``plan``
         (shared paged prefixes, draft segments; :mod:`attention_backends.prefix_attention`), only at
-        ``logits_rows`` when given. ``write = (slots, rows)`` stores those rows' K/V in ``cache``."""
+        ``logits_rows`` when given. ``write = (slots, rows)`` stores those rows' K/V in ``cache``. ``order``: the
+        input row of each plan row, when the inputs are not in plan order
+        (:class:`~attention_backends.step_batch.StepBatch`'s model order)."""
+        from attention_backends.torch_ref import TorchPrefixAttention
+
         s = self.spec
         x = self.embed(input_ids)
         kw = {}
         if write is not None:  # rows whose K/V is in the cache when the layers attend
             kw["cached"] = torch.full((input_ids.numel(),), -1, dtype=torch.long)
             kw["cached"][write[1].cpu()] = write[0].long().cpu()
+        if order is not None and isinstance(attn, TorchPrefixAttention):  # it reads the rows in place
+            kw["rows"], order = order, None
         attn.plan(plan, s.num_heads, s.num_kv_heads, s.head_dim, x.dtype, device=x.device, **kw)
+        order = None if order is None else order.to(x.device)
         cos, sin = self._rope(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer.forward_paged(i, x, cos, sin, attn, cache, write)
+            x = layer.forward_paged(i, x, cos, sin, attn, cache, write, order)
         return self._head(x if logits_rows is None else x[logits_rows])
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -181,8 +181,7 @@ class DLLMForVLLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """Hidden states of vLLM's rows, then of the step's extra rows (module docstring)."""
-        x, positions = step_inputs(self.model.layers[0].attn.layer_name, input_ids, positions, self.embed,
-                                   inputs_embeds)
+        x, positions = step_inputs(input_ids, positions, self.embed, inputs_embeds)
         return self.model(x, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:

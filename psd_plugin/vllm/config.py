@@ -30,7 +30,9 @@ import msgspec
 
 from model_executor.decoding import METHODS
 
-from ..knobs import ConfigError, DecodeKnobs, TreeKnobs, parse_config, spiffy_graph
+from model_executor.decode_config import DecodeConfig
+
+from ..knobs import ConfigError, DecodeKnobs, TreeKnobs, parse_config, resolve_for_model
 from . import compat
 
 SCHEDULER_CLS = {"psd": "psd_plugin.vllm.scheduler.DLLMScheduler", "presto": "psd_plugin.vllm.scheduler.PrestoScheduler"}
@@ -58,11 +60,6 @@ class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True
     decoding: Decoding = "psd"
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
 
-    def max_canvases(self) -> int:
-        """The most canvases one step of a request forwards (root + drafts)."""
-        return {"psd": self.depth + 1, "lopa": self.branches + 1, "freedave": self.steps,
-                "spiffy": self.budget + 1}.get(self.decoding, 1)
-
 
 class PrestoSpeculativeConfig(TreeKnobs, forbid_unknown_fields=True, kw_only=True):
     """The ``speculative_config`` of PRESTO mode: :class:`~psd_plugin.knobs.TreeKnobs` plus ``method`` ("psd"),
@@ -89,32 +86,19 @@ def parse_presto(raw: dict) -> PrestoSpeculativeConfig:
     return parse_config(msgspec.json.encode(raw), PrestoSpeculativeConfig, where="speculative_config")
 
 
-def resolve(config: PSDSpeculativeConfig, hf_config, model_dir: str) -> PSDSpeculativeConfig:
-    """Fill the model-dependent defaults (block size, cache mode) and check the config fits the model."""
+def knobs_of(config: PSDSpeculativeConfig) -> DecodeKnobs:
+    """The method knobs of a speculative config."""
+    raw = msgspec.structs.asdict(config)
+    return DecodeKnobs(**{k: raw[k] for k in DecodeKnobs.__struct_fields__})
+
+
+def resolve(config: PSDSpeculativeConfig, hf_config, model_dir: str) -> DecodeConfig:
+    """The decoding config of a speculative config for this model: checked, its model-dependent defaults
+    (block size, cache mode) filled in, Spiffy's graph loaded (:func:`~psd_plugin.knobs.resolve_for_model`)."""
     from model_executor.models.configs import ArchSpec
 
-    spec = ArchSpec.from_hf_config(hf_config)
-    where = "speculative_config"
-    if spec.attention == "block_causal":
-        if config.block_size not in (None, spec.block_size):
-            raise ConfigError(f"{where}.block_size {config.block_size}: a block-causal {spec.family} model decodes in its attention "
-                              f"block; allowed: {spec.block_size}")
-        if config.cache not in (None, "none", "block"):
-            raise ConfigError(f"{where}.cache {config.cache!r} for a block-causal ({spec.family}) model; allowed: none, block")
-        cfg = msgspec.structs.replace(config, block_size=spec.block_size, cache=config.cache or "block")
-    else:
-        if config.cache == "block":
-            raise ConfigError(f"{where}.cache 'block' is exact only for block-causal models (SDAR, LLaDA2); "
-                              f"{spec.family} allows: none, prefix, dual")
-        cfg = msgspec.structs.replace(config, block_size=config.block_size or 8, cache=config.cache or "prefix")
-    if cfg.decoding == "spiffy":
-        spiffy_graph_for(cfg, model_dir, where=f"{where}.graph")
-    return cfg
-
-
-def spiffy_graph_for(cfg: PSDSpeculativeConfig, model_dir: str, where: str = "speculative_config.graph"):
-    """The Spiffy draft graph of a resolved config (checked against model, policy and block size)."""
-    return spiffy_graph(cfg, model_dir, cfg.block_size, where=where)
+    return resolve_for_model(config.decoding, knobs_of(config), ArchSpec.from_hf_config(hf_config), model_dir,
+                             config.block_size, where="speculative_config")
 
 
 def stored_config(vllm_config, key: str, cls, selected_by: str):
@@ -129,6 +113,12 @@ def stored_config(vllm_config, key: str, cls, selected_by: str):
 
 def from_vllm_config(vllm_config) -> PSDSpeculativeConfig:
     return stored_config(vllm_config, "psd", PSDSpeculativeConfig, "{'method': 'psd', ...}")
+
+
+def decode_config(vllm_config) -> DecodeConfig:
+    """The resolved decoding config the front end stored (:func:`translate`): what the scheduler, the
+    per-request checks and the runner decode with. Resolve it once per process and keep it."""
+    return resolve(from_vllm_config(vllm_config), vllm_config.model_config.hf_config, vllm_config.model_config.model)
 
 
 def presto_from_vllm_config(vllm_config) -> PrestoSpeculativeConfig:
@@ -191,9 +181,11 @@ def translate(engine_args, target_model_config, target_parallel_config) -> None:
                           f"(Llama-format) target and drafts with a diffusion model; {target_model_config.model} is "
                           "a diffusion LLM itself. Serve the AR model with mode 'presto' and this model (SDAR format) "
                           "as its 'model', or serve this model with {\"method\": \"psd\"}")
-    cfg = resolve(parse(raw if is_psd else {"decoding": "confidence"}), hf, target_model_config.model)
+    cfg = parse(raw if is_psd else {"decoding": "confidence"})
+    resolved = resolve(cfg, hf, target_model_config.model)
     _require_cpu("dLLM decoding path")
-    _select(engine_args, target_parallel_config, "psd", cfg, cfg.block_size)
+    cfg = msgspec.structs.replace(cfg, block_size=resolved.block_size, cache=resolved.cache)
+    _select(engine_args, target_parallel_config, "psd", cfg, resolved.block_size)
 
 
 def translate_presto(engine_args, target_model_config, target_parallel_config, raw: dict) -> None:

@@ -38,14 +38,13 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
-from attention_backends.vllm_backend import StepLayout
-from model_executor.decoding import (LogitsRules, apply_rules, make_decoder, merge_stats, predict_rows, propose_all,
-                                     update_all)
+from attention_backends.step_batch import Rows, StepBatch, build_step_batch
+from model_executor.decoding import LogitsRules, apply_rules, merge_stats, predict_rows, propose_all, update_all
 from model_executor.dllm_request import DLLMRequest, DLLMStep
 from model_executor.models.configs import ArchSpec
 
 from . import compat
-from .config import from_vllm_config, spiffy_graph_for
+from .config import decode_config
 from .runner import PSDRunnerMixin
 
 logger = init_logger(__name__)
@@ -110,20 +109,20 @@ class DLLMRunnerMixin(PSDRunnerMixin):
 
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
-        self.psd = from_vllm_config(vllm_config)
+        self.cfg = decode_config(vllm_config)
         self.spec = ArchSpec.from_hf_config(vllm_config.model_config.hf_config)
         self.shift = int(self.spec.shift_logits)
-        self.graph = spiffy_graph_for(self.psd, vllm_config.model_config.model) if self.psd.decoding == "spiffy" \
-            else None
         self.served: dict[str, _Served] = {}
-        self._logit_rows: dict[int, list[int]] = {}  # batch row -> first logits row of each canvas
+        self.batch: StepBatch | None = None  # the step in flight
+        self._stepping: dict[int, _Served] = {}  # batch row -> request whose step runs in this forward
         self._held_prompt_logprobs: dict = {}
         self.totals = {"requests": 0, "tokens": 0, "nfe": 0, "model_calls": 0}
         self.finished: dict[str, dict] = {}  # recent per-request figures, for psd_stats()
         self._last_log, self._logged = time.monotonic(), dict(self.totals)
         # wall time from the end of input preparation to the logits reaching the decoders: the model forward
         # with its attention metadata (synchronous on CPU; on a GPU this would count launches only)
-        self.step_time = {"steps": 0, "forward_seconds": 0.0}
+        # cut_steps: a request's planned step that vLLM did not schedule as planned (its rows decoded nothing)
+        self.step_time = {"steps": 0, "forward_seconds": 0.0, "cut_steps": 0}
         self._forward_t0: float | None = None
 
     # ------------------------------------------------------------------ per-request decoding state
@@ -136,34 +135,27 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             if sp.temperature > 0:
                 gen = torch.Generator(device=self.device).manual_seed(
                     sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,))))
-            p, mask = self.psd, self.spec.mask_token_id
-            knobs = dict(threshold=p.threshold, relaxed_threshold=p.relaxed_threshold, radius=p.radius,
-                         policy=p.policy, depth=p.depth, branches=p.branches, steps=p.steps, graph=self.graph,
-                         budget=p.budget)
-
-            sampling = dict(temperature=sp.temperature, top_k=max(sp.top_k, 0), top_p=sp.top_p, min_p=sp.min_p)
-
-            def make(blk, gen=gen, sampling=sampling):
-                return make_decoder(p.decoding, blk, mask, generator=gen, **sampling, **knobs)
-
+            mask = self.spec.mask_token_id
+            make = self.cfg.decoder_factory(mask, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
+                                            min_p=sp.min_p, generator=gen)
             # decode past the model's EOS exactly when vLLM will not stop there (ignore_eos, or a tokenizer /
             # generation config whose EOS differs): the request then ends where vLLM ends it
             eos = self.spec.eos_token_id
             ignore_eos = sp.ignore_eos or eos not in sp.all_stop_token_ids
-            req = DLLMRequest(prompt, sp.max_tokens, p.block_size, make, mask, eos,
-                              aligned=self.spec.attention == "block_causal", ignore_eos=ignore_eos)
+            req = DLLMRequest(prompt, sp.max_tokens, self.cfg.block_size, make, mask, eos, aligned=self.cfg.aligned,
+                              ignore_eos=ignore_eos)
             s = self.served[req_id] = _Served(req, rules=request_rules(sp))
         return s
 
     def _propose(self, s: _Served, proposal) -> None:
-        st = s.req.next_step(proposal, self.psd.cache, self.shift, self.spec.block_size or 1)
+        st = s.req.next_step(proposal, self.cfg.cache, self.shift, self.spec.block_size or 1)
         s.step, s.rebuild = st, False
         s.drafts = st.tokens[0, st.b0 - st.w0:].tolist()
 
     def _rebuild_step(self, s: _Served) -> None:
         """After a preemption under the prefix cache: the block's first forward once more (not counted in NFE),
         so the later steps see the prefix K/V they were decoded against (:meth:`DLLMRequest.first_step`)."""
-        st = s.req.first_step(self.psd.cache, self.shift, self.spec.block_size or 1)
+        st = s.req.first_step(self.cfg.cache, self.shift, self.spec.block_size or 1)
         s.step, s.rebuild = st, True
         s.drafts = st.tokens[0, st.b0 - st.w0:].tolist()
 
@@ -192,7 +184,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         if now - self._last_log >= 10.0:
             n, tok, nfe = (t[k] - self._logged[k] for k in ("requests", "tokens", "nfe"))
             logger.info("psd %s: %d requests finished, %d tokens in %d decoding forwards (TPF %.2f) since the "
-                        "last report; totals: %d requests, TPF %.2f", self.psd.decoding, n, tok, nfe,
+                        "last report; totals: %d requests, TPF %.2f", self.cfg.method, n, tok, nfe,
                         tok / max(1, nfe), t["requests"], t["tokens"] / max(1, t["nfe"]))
             self._last_log, self._logged = now, dict(t)
 
@@ -202,52 +194,30 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         req_ids, qsl, computed = compat.batch_rows(self)
         for rid in compat.resumed_req_ids(scheduler_output):  # back from a preemption
             s = self.served.get(rid)
-            if s is not None and not s.req.done and self.psd.cache in ("prefix", "dual") and not s.req.fresh \
+            if s is not None and not s.req.done and self.cfg.cache in ("prefix", "dual") and not s.req.fresh \
                     and not s.rebuild and s.pending is None and s.step is not None:
                 s.pending, s.step = s.step, None  # vLLM re-prefilled without the masks: rebuild the prefix first
-        T = int(qsl[-1])
-        order, qo, seg, extra_ids, extra_pos, rows = [], [0], [0], [], [], []
-        suf0, suf = [0] * len(req_ids), [0] * len(req_ids)  # DualCache's kept suffix each request reads
-        E = 0
-        self._logit_rows = {}
+        entries, self._stepping = [], {}
         for i, rid in enumerate(req_ids):
-            q0, q1 = int(qsl[i]), int(qsl[i + 1])
+            n, start = int(qsl[i + 1]) - int(qsl[i]), int(computed[i])
             s = self._served(rid)
             s.model_calls += 1
             drafts = compat.scheduled_drafts(scheduler_output, rid)
             if s.step is None and s.req.nfe == 0 and s.pending is None and drafts:
                 self._propose(s, propose_all([s.req.dec])[0])  # the first canvas, with the prompt (DLLMScheduler)
             st = s.step
-            order.append(torch.arange(q0, q1))
-            if st is None or int(computed[i]) != st.w0 or drafts != s.drafts \
-                    or q1 - q0 != st.seg_len:
-                seg.append(seg[-1] + q1 - q0)  # prefill, or a step cut short: one segment, no decoding
-                qo.append(qo[-1] + q1 - q0)
-                continue
-            S, K = st.seg_len, st.num_canvases
-            suf0[i], suf[i] = st.suffix[0], st.reads_suffix
-            starts = [q0]
-            for k in range(1, K):
-                starts.append(T + E)
-                extra_ids.append(st.tokens[k])
-                extra_pos.append(torch.arange(st.w0, st.w1))
-                order.append(torch.arange(T + E, T + E + S))
-                E += S
-            base = seg[-1]
-            seg.extend(base + S * (k + 1) for k in range(K))
-            qo.append(qo[-1] + K * S)
-            self._logit_rows[i] = []
-            for a in starts:
-                self._logit_rows[i].append(len(rows))
-                rows.extend(range(a + st.first_row, a + st.first_row + st.block_len))
-        self.step_layout = StepLayout(
-            torch.tensor(qo), torch.cat(order), torch.tensor(seg),
-            extra_ids=torch.cat(extra_ids) if extra_ids else None,
-            extra_positions=torch.cat(extra_pos) if extra_pos else None,
-            **(dict(suffix_starts=torch.tensor(suf0), suffix_lens=torch.tensor(suf)) if any(suf) else {}))
-        idx = torch.tensor(rows or [0], dtype=logits_indices.dtype, device=logits_indices.device)
+            if st is not None and start == st.w0 and n == st.seg_len and drafts == s.drafts:
+                entries.append(st)
+                self._stepping[i] = s
+            else:  # a prefill, or a step vLLM cut short: its rows decode nothing this forward
+                if st is not None:
+                    self.step_time["cut_steps"] += 1
+                entries.append(Rows(n, start))
+        self.batch = build_step_batch(entries)
+        self._publish(self.batch)
+        idx = self.batch.logits_rows if self.batch.logits_rows.numel() else torch.zeros(1, dtype=torch.long)
         self._forward_t0 = time.perf_counter()
-        return idx, spec_meta, max_sampled
+        return idx.to(logits_indices.device, logits_indices.dtype), spec_meta, max_sampled
 
     def _sample(self, logits, spec_decode_metadata):
         """Decoder updates from this step's logits; a completed block is this step's sampled tokens."""
@@ -255,39 +225,37 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             self.step_time["steps"] += 1
             self.step_time["forward_seconds"] += time.perf_counter() - self._forward_t0
             self._forward_t0 = None
-        self.step_layout = None
+        self._publish(None)
         req_ids, _, _ = compat.batch_rows(self)
-        ruled = [(s, self._logit_rows[i]) for i in self._logit_rows
-                 if (s := self._served(req_ids[i])).rules is not None and not s.rebuild]
+        canvas_rows = {i: self.batch.canvas_rows[i] for i in self._stepping}
+        ruled = [(s, canvas_rows[i]) for i, s in self._stepping.items() if s.rules is not None and not s.rebuild]
         if ruled:  # the request's logit bias, allowed / banned tokens and min_tokens, as the reference engine
             apply_rules(logits, [(s.rules, rows[0], s.step.num_canvases, s.step.block_len,
                                   s.step.b0 - s.req.prompt_len, s.req.history) for s, rows in ruled])
-        decoding = [i for i in self._logit_rows if not self._served(req_ids[i]).rebuild]
+        decoding = [i for i, s in self._stepping.items() if not s.rebuild]
         mask = self.spec.mask_token_id  # once for every canvas of every request, where the canvas is masked
         need = []
-        for i, first in self._logit_rows.items():  # a rebuild's logits are not for the decoder
-            s = self._served(req_ids[i])
-            need.append(torch.zeros(len(first) * s.step.block_len, dtype=torch.bool) if s.rebuild
+        for s in self._stepping.values():  # a rebuild's logits are not for the decoder
+            need.append(torch.zeros(s.step.num_canvases * s.step.block_len, dtype=torch.bool) if s.rebuild
                         else s.step.masked_rows(mask))
         preds = predict_rows(logits, mask_id=mask, need=torch.cat(need) if need else None)
         want_lp = {i: k for i in decoding if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
         before = {i: self._served(req_ids[i]).req.dec.state.clone() for i in want_lp}
-        update_all([self._served(req_ids[i]).req.dec for i in decoding],
-                   [self._served(req_ids[i]).step.proposal for i in decoding], preds,
-                   [self._logit_rows[i] for i in decoding])  # a method at a time
+        update_all([self._stepping[i].req.dec for i in decoding], [self._stepping[i].step.proposal for i in decoding],
+                   preds, [canvas_rows[i] for i in decoding])  # a method at a time
         for i, k in want_lp.items():  # under the state canvas's distribution, as the reference engine
-            s, first = self._served(req_ids[i]), self._logit_rows[i][0]
+            s, first = self._stepping[i], canvas_rows[i][0]
             s.req.record_logprobs(before[i], logits[first: first + s.step.block_len], max(k, 0))
         outs: list[list[int]] = []
         lps: dict[int, list] = {}  # batch row -> (token, logprob, top, rank) of each emitted token
         for i, rid in enumerate(req_ids):
             s = self._served(rid)
             emit: list[int] = []
-            if i in self._logit_rows and s.rebuild:  # the prefix K/V is as the block's first step left it
+            if i in self._stepping and s.rebuild:  # the prefix K/V is as the block's first step left it
                 s.req.cached = s.step.keep
                 s.step, s.pending, s.rebuild = s.pending, None, False
                 s.drafts = s.step.tokens[0, s.step.b0 - s.step.w0:].tolist()
-            elif i in self._logit_rows:
+            elif i in self._stepping:
                 b0 = s.step.b0
                 emit = s.req.stepped(s.step)
                 if emit and i in want_lp:

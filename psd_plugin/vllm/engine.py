@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 import time
 
+import msgspec
+
+from model_executor.decode_config import DecodeConfig
 from model_executor.outputs import GenerationResult
 
 from . import compat
@@ -53,9 +56,17 @@ class VLLMEngine:
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 32, block_size: int = 8,
                  method: str = "psd", cache: str | None = None, seed: int = 0, temperature: float = 0.0,
-                 batch_size: int = 64, graph=None, **knobs) -> list[GenerationResult]:
-        """Decode every prompt through vLLM; ``knobs`` are :class:`PSDSpeculativeConfig` fields."""
+                 batch_size: int = 64, graph=None, config: DecodeConfig | None = None,
+                 **knobs) -> list[GenerationResult]:
+        """Decode every prompt through vLLM, as the reference engine's ``generate`` does: with a resolved
+        ``config`` (:class:`~model_executor.decode_config.DecodeConfig`), or ``method``, ``block_size``,
+        ``cache``, ``graph`` (a path) and ``knobs`` (:class:`PSDSpeculativeConfig` fields)."""
         from vllm import SamplingParams
+
+        if config is not None:
+            method, block_size, cache = config.method, config.block_size, config.cache
+            knobs = {k: v for k, v in msgspec.structs.asdict(config.knobs).items() if k != "cache"}
+            graph = knobs.pop("graph", None)
 
         for p in prompts:
             if len(p) + max_tokens > self.spec.max_position:

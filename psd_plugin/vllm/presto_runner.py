@@ -26,7 +26,7 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from attention_backends.torch_ref import TorchPrefixAttention
-from attention_backends.vllm_backend import StepLayout
+from attention_backends.step_batch import Rows, build_step_batch
 from model_executor.decoding.ngram import NGramModel
 from model_executor.decoding.tree import TokenTree
 from model_executor.models.reference import ReferenceDLLM
@@ -72,7 +72,7 @@ class PrestoRunnerMixin(PSDRunnerMixin):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         out = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         req_ids, qsl, computed = compat.batch_rows(self)
-        positions, masks = [], []
+        entries = []
         self._verifying = {}
         self.totals["forwards"] += len(req_ids)
         for i, rid in enumerate(req_ids):
@@ -88,14 +88,12 @@ class PrestoRunnerMixin(PSDRunnerMixin):
             else:  # a prefill chunk, or a step without a tree: causal
                 pos = torch.arange(c, c + q1 - q0)
                 mask = torch.ones(q1 - q0, q1 - q0, dtype=torch.bool).tril()
-            positions.append(pos)
-            masks.append(mask)
-        qo = torch.as_tensor(qsl, dtype=torch.long)
-        self.step_layout = StepLayout(qo, kind="custom", custom_masks=masks, positions=torch.cat(positions))
+            entries.append(Rows(q1 - q0, c, positions=pos, mask=mask))
+        self._publish(build_step_batch(entries))
         return out
 
     def _sample(self, logits, spec_decode_metadata):
-        self.step_layout = None
+        self._publish(None)
         if spec_decode_metadata is None:
             return super()._sample(logits, spec_decode_metadata)
         req_ids, _, _ = compat.batch_rows(self)

@@ -3,10 +3,12 @@ CPU runner inherits); the device lives in the attention backend (:mod:`attention
 
 A step of either mode goes through the same hooks (their vLLM names are in :mod:`.compat`):
 
-1. ``_prepare_inputs``: vLLM lays out the scheduled tokens; the mode describes the forward beyond that in a
-   :class:`~attention_backends.vllm_backend.StepLayout` (segments, masks, positions, extra rows) and returns
-   the rows whose logits it needs. The layout reaches the attention metadata builders through the binding
-   made in ``initialize_kv_cache``; the model reads its extra rows from the metadata.
+1. ``_prepare_inputs``: vLLM lays out the scheduled tokens; the mode describes the whole forward in a
+   :class:`~attention_backends.step_batch.StepBatch` (one entry per request: segments, masks, positions,
+   extra rows, the rows whose logits it needs), built by
+   :func:`~attention_backends.step_batch.build_step_batch` as the reference engine builds its own, and
+   publishes it for the forward (:func:`~attention_backends.step_batch.set_step`); the attention metadata
+   builders and the model read it from there.
 2. ``_sample``: the mode turns those logits into tokens (a dLLM's committed block, or PRESTO's accepted path
    plus bonus token); vLLM's bookkeeping records them.
 3. ``propose_draft_token_ids``: the mode's next drafts (a dLLM's next canvas, or PRESTO's next tree), and
@@ -20,7 +22,8 @@ from dataclasses import dataclass, field
 
 from vllm.v1.outputs import DraftTokenIds
 
-from attention_backends.vllm_backend import StepLayout, bind_step_layout
+from attention_backends.step_batch import StepBatch, set_step
+from attention_backends.vllm_backend import PSDMetadataBuilder
 
 from . import compat
 
@@ -38,14 +41,17 @@ class PSDRunnerMixin:
     """Shared by :class:`~.dllm_runner.DLLMModelRunner` and :class:`~.presto_runner.PrestoModelRunner`; mixed
     in before vLLM's runner class (:func:`psd_plugin.vllm.worker.runner_class`)."""
 
-    step_layout: StepLayout | None = None
     _next_drafts: PSDDraftTokenIds | None = None
 
     def initialize_kv_cache(self, *args, **kwargs) -> None:
         super().initialize_kv_cache(*args, **kwargs)
-        if not bind_step_layout(compat.metadata_builders(self), lambda: self.step_layout):
+        if not any(isinstance(b, PSDMetadataBuilder) for b in compat.metadata_builders(self)):
             raise RuntimeError("psd-plugin: the model has no layer on psd-plugin's attention backend; the psd "
                                "speculative method serves the project's model classes only")
+
+    def _publish(self, batch: StepBatch | None) -> None:
+        """The forward about to run is ``batch`` (None: the forward is over)."""
+        set_step(batch)
 
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         return True  # drafts are sized by the modes themselves, to the room each request has left

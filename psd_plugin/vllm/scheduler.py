@@ -36,7 +36,7 @@ from model_executor.block_schedule import first_window_end
 from model_executor.models.configs import ArchSpec
 
 from . import compat
-from .config import from_vllm_config
+from .config import decode_config
 
 
 def apply_draft_updates(scheduler: Scheduler, draft_token_ids) -> None:
@@ -60,8 +60,8 @@ class DLLMScheduler(Scheduler):
         # drafts only (no recomputed token), so keep one row per request free in its buffers
         self.max_num_scheduled_tokens = max(1, self.max_num_scheduled_tokens - self.max_num_running_reqs)
         self.extra_rows: dict[str, int] = {}  # per request: rows its next step adds beyond its scheduled tokens
-        psd, spec = from_vllm_config(self.vllm_config), ArchSpec.from_hf_config(self.vllm_config.model_config.hf_config)
-        self._first = (psd.cache, psd.block_size, spec.attention == "block_causal", spec.mask_token_id)
+        self.cfg = decode_config(self.vllm_config)
+        self.mask_id = ArchSpec.from_hf_config(self.vllm_config.model_config.hf_config).mask_token_id
 
     def schedule(self, throttle_prefills: bool = False):
         self.extra_rows = {k: v for k, v in self.extra_rows.items() if k in self.requests}
@@ -85,7 +85,7 @@ class DLLMScheduler(Scheduler):
 
     def _first_canvases(self, out, room: int) -> None:
         """Append each newly admitted request's first canvas to its prompt prefill (module docstring)."""
-        cache, block_size, aligned, mask = self._first
+        cfg = self.cfg
         for new in compat.new_requests(out):
             r = self.requests[new.req_id]
             sp = r.sampling_params
@@ -93,8 +93,8 @@ class DLLMScheduler(Scheduler):
                     or sp.prompt_logprobs is not None:
                 continue  # a prefix-cache hit, a chunked prompt, or prompt logprobs: vLLM's plain prefill
             P = r.num_tokens
-            n = first_window_end(cache, P, sp.max_tokens, block_size, aligned) - P
-            if 0 < n <= room and compat.schedule_drafts_with_prefill(self, out, new, [mask] * n):
+            n = first_window_end(cfg.cache, P, sp.max_tokens, cfg.block_size, cfg.aligned) - P
+            if 0 < n <= room and compat.schedule_drafts_with_prefill(self, out, new, [self.mask_id] * n):
                 room -= n
 
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,

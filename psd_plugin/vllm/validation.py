@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from vllm.exceptions import VLLMValidationError
 
+from model_executor.decode_config import ConfigError, DecodeConfig
 from model_executor.decoding import GREEDY_ONLY
-from model_executor.decoding.policies import SPATIAL_POLICIES
 
 from . import compat
-from .config import PSDSpeculativeConfig, from_vllm_config
+from .config import decode_config
 
 _UNSUPPORTED = (  # (field, default, why): refused by both paths
     ("structured_outputs", None, "structured outputs need left-to-right decoding (a grammar constrains the next "
@@ -37,21 +37,6 @@ _RULES = (  # what the dLLM path applies to its logits (model_executor/decoding/
 )
 _PENALTIES = _RULES[-3:]
 assert [n for n, _, _ in _PENALTIES] == ["presence_penalty", "frequency_penalty", "repetition_penalty"]
-
-
-def step_tokens(cfg: PSDSpeculativeConfig, prompt_len: int, max_tokens: int) -> int:
-    """Upper bound of the rows one step of such a request forwards (every canvas of its window)."""
-    K = cfg.max_canvases()
-    M, P = max_tokens, prompt_len
-    if cfg.cache == "none":
-        S, fresh = P + M, P + M
-    elif cfg.cache == "prefix":
-        S, fresh = M + 1, P + M
-    elif cfg.cache == "dual":
-        S, fresh = min(M, cfg.block_size) + 1, P + M
-    else:  # block: uncached finished tokens + the current block
-        S, fresh = 2 * cfg.block_size + P % cfg.block_size, 0
-    return max(fresh, K * S)
 
 
 def _check_supported(params, what: str, table=_UNSUPPORTED) -> None:
@@ -73,19 +58,17 @@ def check_presto(params) -> None:
                                   "distribution; leave them at their defaults", parameter="top_p")
 
 
-def check(vllm_config, params, prompt_len: int) -> None:
-    """Raise :class:`VLLMValidationError` for a request the dLLM path cannot serve."""
-    cfg = from_vllm_config(vllm_config)
+def check(vllm_config, cfg: DecodeConfig, params, prompt_len: int) -> None:
+    """Raise :class:`VLLMValidationError` for a request the dLLM path (decoding with ``cfg``) cannot serve."""
     _check_supported(params, "dLLM decoding")
-    if params.temperature > 0 and cfg.decoding in GREEDY_ONLY:
-        raise VLLMValidationError(
-            f"temperature={params.temperature}: decoding {cfg.decoding!r} is greedy (its acceptance tests "
-            "compare argmax tokens); use temperature 0, or decoding static | confidence | localleap | spiffy "
-            "(lossless under sampling)", parameter="temperature", value=params.temperature)
-    if cfg.decoding not in SPATIAL_POLICIES:  # drafting methods: their drafts would see the counts out of date
-        _check_supported(params, f"decoding {cfg.decoding!r} (penalties count the tokens committed so far, which "
-                                 "its draft canvases would see out of date; use decoding static | confidence | "
-                                 "localleap)", _PENALTIES)
+    penalized = next((name for name, default, _ in _PENALTIES if getattr(params, name, default) != default), None)
+    try:
+        cfg.check_request(params.temperature, penalized is not None)
+    except ConfigError as e:
+        if params.temperature > 0 and cfg.method in GREEDY_ONLY:
+            raise VLLMValidationError(str(e), parameter="temperature", value=params.temperature) from None
+        value = getattr(params, penalized)
+        raise VLLMValidationError(f"{penalized}={value!r}: {e}", parameter=penalized, value=value) from None
     if params.bad_words and any(len(ids) > 1 for ids in (params.bad_words_token_ids or [])):
         raise VLLMValidationError(
             f"bad_words {params.bad_words!r}: a word of several tokens cannot be kept out of an answer whose "
@@ -110,12 +93,12 @@ def check(vllm_config, params, prompt_len: int) -> None:
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) is {prompt_len + params.max_tokens}; "
             f"max_model_len is {limit}: a dLLM decodes its whole answer region in context. Lower max_tokens, or "
             "raise max_model_len", parameter="max_tokens", value=params.max_tokens)
-    tokens = step_tokens(cfg, prompt_len, params.max_tokens)
+    tokens = cfg.step_rows(prompt_len, params.max_tokens)
     budget = vllm_config.scheduler_config.max_num_batched_tokens - vllm_config.scheduler_config.max_num_seqs
     if tokens > budget:
         raise VLLMValidationError(
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) forwards up to {tokens} tokens in one "
-            f"step with decoding {cfg.decoding!r}; max_num_batched_tokens is {budget}: lower max_tokens or raise "
+            f"step with decoding {cfg.method!r}; max_num_batched_tokens is {budget}: lower max_tokens or raise "
             "max_num_batched_tokens", parameter="max_tokens", value=params.max_tokens)
 
 
@@ -150,7 +133,10 @@ def install() -> None:
                 request.sampling_params.logit_bias, request.sampling_params.min_p = held
             if isinstance(request.sampling_params, SamplingParams):
                 if "psd" in extra:
-                    check(self.vllm_config, request.sampling_params, len(request.prompt_token_ids or ()))
+                    cfg = self.__dict__.get("_psd_decode_config")
+                    if cfg is None:  # resolved once per front end
+                        cfg = self.__dict__["_psd_decode_config"] = decode_config(self.vllm_config)
+                    check(self.vllm_config, cfg, request.sampling_params, len(request.prompt_token_ids or ()))
                 elif "presto" in extra:
                     check_presto(request.sampling_params)
             return request

@@ -1,0 +1,197 @@
+"""One forward's shape, built once by :func:`build_step_batch` and read by everyone (nano-vllm's ``Context``).
+
+An engine describes each request's part of a forward as one entry:
+
+- a dLLM step (:class:`~model_executor.dllm_request.DLLMStep`: the window ``[w0, w1)`` once per canvas of the
+  block's decoder, the block ``[b0, b1)`` the decoder reads, DualCache's kept suffix), or
+- :class:`Rows`: ``n`` rows from position ``start`` that decode nothing (a prompt prefill, a step cut short),
+  or PRESTO's tree nodes with their own positions and visibility mask.
+
+The batch has two row orders. **Model order** is the order the model runs its rows in: the first canvas of
+every entry (its *scheduled* rows, ``T`` in all: what vLLM schedules as tokens, and the rows whose K/V is
+written to the cache at their positions), request by request, then the further canvases of every dLLM step
+(``E`` *extra* rows, which the model appends and whose K/V is never written). **Plan order** is the attention
+plan's: request by request, canvas by canvas. ``order`` maps one to the other.
+
+A row reads the cached prefix ``[0, start)`` of its request (``w0`` of a dLLM step; vLLM's
+``num_computed_tokens``), its request's kept suffix, and its own segment (one per canvas) under the mask kind.
+Rows a scheduled canvas writes past the prefix are never read before they are rewritten: the next forward
+that reads those positions starts its window at or before them.
+
+Both engines build the batch with this one function. The reference engine hands it to its model; in vLLM the
+runner publishes it for the forward (:func:`set_step`), and the attention metadata builder and the model read
+it (:func:`current_step`): one writer, readers that never recompute it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from .prefix_attention import AttentionPlan, MaskKind
+
+
+@dataclass
+class Rows:
+    """Rows that decode nothing: ``n`` rows from position ``start`` (reading the prefix ``[0, start)``), one
+    segment under the layer's pattern, or under ``mask`` (``[n, n]`` bool, row ``i`` sees row ``j``) at
+    ``positions`` (tree nodes). ``tokens``: their ids, when the engine supplies the model's input itself."""
+
+    n: int
+    start: int
+    positions: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None
+
+
+class DeviceInputs(NamedTuple):
+    positions: torch.Tensor  # [T + E]
+    extra_ids: torch.Tensor | None  # [E]
+
+
+@dataclass
+class StepBatch:
+    """One forward (module docstring). Host tensors; an engine moves what its device needs, once."""
+
+    num_scheduled: int  # T: the first-canvas rows, model rows [0, T)
+    scheduled_lens: torch.Tensor  # [R] of them per request
+    positions: torch.Tensor  # [T + E] in model order
+    input_ids: torch.Tensor | None  # [T + E] in model order (None where some entry has no tokens)
+    extra_ids: torch.Tensor | None  # [E] the rows the model appends (None: none)
+    order: torch.Tensor | None  # [T + E] model row of each plan row (None: the two orders agree)
+    qo_indptr: torch.Tensor  # [R + 1] rows per request, plan order
+    seg_indptr: torch.Tensor  # [S + 1] segments (one per canvas), plan order
+    prefix_lens: torch.Tensor  # [R] cached prefix each request's rows read
+    suffix_starts: torch.Tensor | None  # [R] DualCache's kept suffix (None: no request reads one)
+    suffix_lens: torch.Tensor | None
+    kind: MaskKind | None  # None: the layers' own pattern; "custom": ``custom_masks``
+    custom_masks: list[torch.Tensor] | None
+    logits_rows: torch.Tensor  # [N] model rows whose logits the decoders read: every canvas's block rows
+    canvas_rows: list[list[int] | None]  # per entry: the first index into ``logits_rows`` of each canvas
+    _on: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_requests(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+    @property
+    def num_extra(self) -> int:
+        return 0 if self.extra_ids is None else self.extra_ids.numel()
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_scheduled + self.num_extra
+
+    def on(self, device) -> "DeviceInputs":
+        """The model's inputs on ``device`` (positions, extra ids), copied once per batch and device."""
+        dev = torch.device(device)
+        got = self._on.get(dev)
+        if got is None:
+            got = self._on[dev] = DeviceInputs(
+                self.positions.to(dev, non_blocking=True),
+                None if self.extra_ids is None else self.extra_ids.to(dev, non_blocking=True))
+        return got
+
+    def plan_positions(self) -> torch.Tensor:
+        """``positions`` in plan order."""
+        return self.positions if self.order is None else self.positions[self.order]
+
+    def plan(self, block_table: torch.Tensor, page_size: int, pattern: MaskKind, block_size: int = 0
+             ) -> AttentionPlan:
+        """The attention plan of this batch over a paged cache (``block_table [R, pages]``), for layers of
+        ``pattern`` (``block_size``: SDAR's attention block)."""
+        kind = self.kind or pattern
+        return AttentionPlan(self.qo_indptr, self.prefix_lens, block_table, page_size, kind=kind,
+                             seg_indptr=self.seg_indptr, block_size=block_size,
+                             positions=self.plan_positions() if kind == "block_causal" else None,
+                             custom_masks=self.custom_masks, suffix_starts=self.suffix_starts,
+                             suffix_lens=self.suffix_lens)
+
+
+def build_step_batch(entries: list) -> StepBatch:
+    """Lay out one forward from its entries, one per request, in the batch's request order: a dLLM step
+    (anything with ``w0, w1, tokens [K, S], first_row, block_len, suffix, reads_suffix``) or :class:`Rows`
+    (module docstring)."""
+    T = sum(e.n if isinstance(e, Rows) else e.seg_len for e in entries)
+    sched_ids, sched_pos, extra_ids, extra_pos = [], [], [], []
+    plan_rows, qo, seg, prefix, suf0, suf = [], [0], [0], [], [], []
+    logits_rows, canvas_rows, masks = [], [], []
+    t = e_next = n_logits = 0  # next scheduled row, next extra row (counted from T), logits rows so far
+    have_ids, custom = True, False
+    for e in entries:
+        if isinstance(e, Rows):
+            sched_pos.append(e.positions.long() if e.positions is not None else torch.arange(e.start, e.start + e.n))
+            sched_ids.append(e.tokens)
+            have_ids &= e.tokens is not None
+            plan_rows.append(torch.arange(t, t + e.n))
+            seg.append(seg[-1] + e.n)
+            qo.append(qo[-1] + e.n)
+            prefix.append(e.start)
+            suf0.append(0)
+            suf.append(0)
+            masks.append(e.mask)
+            custom |= e.mask is not None
+            canvas_rows.append(None)
+            t += e.n
+            continue
+        S, K = e.seg_len, e.tokens.shape[0]
+        pos = torch.arange(e.w0, e.w1)
+        sched_ids.append(e.tokens[0])
+        sched_pos.append(pos)
+        starts = [t]
+        plan_rows.append(torch.arange(t, t + S))
+        for k in range(1, K):
+            starts.append(T + e_next)
+            plan_rows.append(torch.arange(T + e_next, T + e_next + S))
+            extra_ids.append(e.tokens[k])
+            extra_pos.append(pos)
+            e_next += S
+        seg.extend([seg[-1] + S * (k + 1) for k in range(K)])
+        qo.append(qo[-1] + K * S)
+        prefix.append(e.w0)
+        suf0.append(e.suffix[0])
+        suf.append(e.reads_suffix)
+        masks.extend([None] * K)
+        canvas_rows.append([])
+        for a in starts:
+            canvas_rows[-1].append(n_logits)
+            logits_rows.append(torch.arange(a + e.first_row, a + e.first_row + e.block_len))
+            n_logits += e.block_len
+        t += S
+    E = e_next
+    order = torch.cat(plan_rows) if plan_rows else torch.zeros(0, dtype=torch.long)
+    if custom and any(m is None for m in masks):
+        raise ValueError("a step batch with custom masks needs one for every segment")
+    ids = None
+    if have_ids:
+        ids = torch.cat([i.long().cpu() for i in sched_ids + extra_ids]) if sched_ids else \
+            torch.zeros(0, dtype=torch.long)
+    return StepBatch(
+        num_scheduled=T,
+        scheduled_lens=torch.tensor([e.n if isinstance(e, Rows) else e.seg_len for e in entries], dtype=torch.long),
+        positions=torch.cat(sched_pos + extra_pos) if sched_pos else torch.zeros(0, dtype=torch.long),
+        input_ids=ids,
+        extra_ids=torch.cat([i.long().cpu() for i in extra_ids]) if E else None,
+        order=None if bool((order == torch.arange(order.numel())).all()) else order,
+        qo_indptr=torch.tensor(qo), seg_indptr=torch.tensor(seg), prefix_lens=torch.tensor(prefix, dtype=torch.long),
+        suffix_starts=torch.tensor(suf0) if any(suf) else None, suffix_lens=torch.tensor(suf) if any(suf) else None,
+        kind="custom" if custom else None, custom_masks=masks if custom else None,
+        logits_rows=torch.cat(logits_rows) if logits_rows else torch.zeros(0, dtype=torch.long),
+        canvas_rows=canvas_rows)
+
+
+_current: StepBatch | None = None
+
+
+def set_step(batch: StepBatch | None) -> None:
+    """Publish the batch of the forward about to run (None: clear it once its logits are back)."""
+    global _current
+    _current = batch
+
+
+def current_step() -> StepBatch | None:
+    """The batch of the forward running now (None outside a step of the project's runners: a profiling run,
+    vLLM's plain batch layout)."""
+    return _current

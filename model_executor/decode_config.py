@@ -1,0 +1,148 @@
+"""One typed dLLM decoding config: the knobs a user sets, resolved once against the model, checked by one
+function, and turned into decoders by one factory.
+
+Every entry point goes through it: the ``psd`` command's ``--config``, the reference engine's ``generate``
+and vLLM's ``speculative_config={"method": "psd", ...}`` (:mod:`psd_plugin.vllm.config` resolves it in the
+front end; the scheduler, the per-request checks and the runner read the same resolved object).
+
+- :class:`DecodeKnobs`: the user's knobs (msgspec: a bad value is an error naming the field and the
+  allowed values).
+- :func:`resolve`: the knobs plus the method, checked against the model (:class:`~.models.configs.ArchSpec`),
+  with the model-dependent defaults filled in (block size, cache mode) and Spiffy's draft graph attached.
+- :class:`DecodeConfig`: the result, immutable. :meth:`DecodeConfig.check_request` holds the per-request
+  rules (sampling, penalties), :meth:`DecodeConfig.step_rows` the one formula for how many rows a step of a
+  request forwards, :meth:`DecodeConfig.decoder_factory` builds each block's decoder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Callable, Literal
+
+import msgspec
+import torch
+
+from .block_schedule import CACHE_MODES
+from .decoding import GREEDY_ONLY, METHODS, BlockDecoder, make_decoder
+from .decoding.policies import SPATIAL_POLICIES
+
+Threshold = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+
+
+class ConfigError(ValueError):
+    """A user-supplied configuration is invalid; the message names the field."""
+
+
+class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """Knobs of the decoding methods; each method reads its own.
+
+    - ``threshold``: τ of ``confidence`` and the anchor threshold of ``localleap``, in (0, 1].
+    - ``relaxed_threshold``, ``radius``: LocalLeap's neighbour threshold and window (block positions).
+    - ``policy``: spatial backbone of ``psd``, ``lopa`` and Spiffy's base: static | confidence | localleap.
+    - ``depth``: PSD draft-DAG depth d (nested prefixes of σ); 0 = the spatial policy alone.
+    - ``branches``: LoPA lookahead branches k; 0 = the spatial policy alone.
+    - ``steps``: FreeDave draft steps d (1 = static decoding).
+    - ``graph``: Spiffy draft-graph file (``psd calibrate``); default: the graph shipped for the embedded
+      model and the chosen base ``policy`` (static or confidence).
+    - ``budget``: Spiffy's pruned draft count D* per forward.
+    - ``cache``: ``none`` | ``prefix`` (LLaDA, Dream; default) | ``dual`` (LLaDA, Dream: Fast-dLLM's DualCache,
+      the block's later steps forward the block alone against the prefix and the masks after it as the block's
+      first step left them) | ``block`` (block-causal SDAR and LLaDA2, exact; their default).
+    """
+
+    threshold: Threshold = 0.9
+    relaxed_threshold: Threshold = 0.75
+    radius: Annotated[int, msgspec.Meta(ge=0, le=64)] = 4
+    policy: Literal["static", "confidence", "localleap"] = "confidence"
+    depth: Annotated[int, msgspec.Meta(ge=0, le=32)] = 3
+    branches: Annotated[int, msgspec.Meta(ge=0, le=32)] = 3
+    steps: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+    graph: str | None = None
+    budget: Annotated[int, msgspec.Meta(ge=1, le=64)] = 3
+    cache: Literal["none", "prefix", "dual", "block"] | None = None
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """A resolved decoding config (:func:`resolve`): what every engine decodes a request with."""
+
+    method: str
+    block_size: int  # the decoding block: tokens a request commits block by block
+    cache: str
+    knobs: DecodeKnobs
+    aligned: bool  # blocks cut at multiples of the model's attention block (SDAR, LLaDA2)
+    graph: object = None  # Spiffy's loaded and checked DraftGraph
+    dag: object = None  # PSD: a draft DAG other than the nested one (tests, calibrated DAGs)
+
+    def max_canvases(self) -> int:
+        """The most canvases one step of a request forwards (the state and its drafts)."""
+        k = self.knobs
+        return {"psd": k.depth + 1, "lopa": k.branches + 1, "freedave": k.steps,
+                "spiffy": k.budget + 1}.get(self.method, 1)
+
+    def step_rows(self, prompt_len: int, max_tokens: int) -> int:
+        """The most rows one step of a request forwards, over all its canvases (what it needs of a step's
+        token budget); the first step forwards the prompt too."""
+        P, M, B = prompt_len, max_tokens, self.block_size
+        window = {"none": P + M, "prefix": M + 1, "dual": min(M, B) + 1,
+                  "block": 2 * B + P % B}[self.cache]  # block: uncached finished tokens + the current block
+        first = 0 if self.cache == "block" else P + M
+        return max(first, self.max_canvases() * window)
+
+    def check_request(self, temperature: float = 0.0, penalized: bool = False) -> None:
+        """Raise :class:`ConfigError` for request options this config cannot decode."""
+        if temperature > 0 and self.method in GREEDY_ONLY:
+            raise ConfigError(f"temperature={temperature}: decoding {self.method!r} is greedy (its acceptance tests "
+                              "compare argmax tokens); use temperature 0, or decoding static | confidence | localleap "
+                              "| spiffy (lossless under sampling)")
+        if penalized and self.method not in SPATIAL_POLICIES:
+            raise ConfigError(f"penalties with decoding {self.method!r}: they count the tokens committed so far, "
+                              "which its draft canvases would see out of date; use decoding "
+                              f"{' | '.join(SPATIAL_POLICIES)}")
+
+    def decoder_factory(self, mask_id: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                        min_p: float = 0.0, generator: torch.Generator | None = None
+                        ) -> Callable[[torch.Tensor], BlockDecoder]:
+        """``make(block)``: the decoder of one block of a request sampled with these options."""
+        k = self.knobs
+        kw = dict(threshold=k.threshold, relaxed_threshold=k.relaxed_threshold, radius=k.radius, policy=k.policy,
+                  depth=k.depth, branches=k.branches, steps=k.steps, budget=k.budget, graph=self.graph, dag=self.dag,
+                  temperature=temperature, top_k=max(top_k, 0), top_p=top_p, min_p=min_p)
+
+        def make(block: torch.Tensor) -> BlockDecoder:
+            return make_decoder(self.method, block, mask_id, generator=generator, **kw)
+        return make
+
+
+def resolve(method: str, knobs: DecodeKnobs, spec, *, block_size: int | None = None, graph=None, dag=None,
+            where: str = "config") -> DecodeConfig:
+    """Check ``method`` and ``knobs`` against the model ``spec`` and fill the model's defaults: a block-causal
+    model (SDAR, LLaDA2) decodes in its attention block with the ``block`` cache (or ``none``); a bidirectional
+    one in blocks of ``block_size`` (default 8) with ``prefix`` (or ``none`` / ``dual``). ``graph``: Spiffy's
+    loaded draft graph (the caller loads and checks the file)."""
+    if method not in METHODS:
+        raise ConfigError(f"{where}: method {method!r}; allowed: {', '.join(METHODS)}")
+    cache = knobs.cache
+    if cache is not None and cache not in CACHE_MODES:
+        raise ConfigError(f"{where}.cache {cache!r}; allowed: {', '.join(CACHE_MODES)}")
+    if block_size is not None and block_size <= 0:
+        raise ConfigError(f"{where}.block_size must be > 0 (got {block_size})")
+    if spec.attention == "block_causal":
+        if block_size not in (None, spec.block_size):
+            raise ConfigError(f"{where}.block_size {block_size}: a block-causal {spec.family} model decodes in its "
+                              f"attention block; allowed: {spec.block_size}")
+        if cache not in (None, "none", "block"):
+            raise ConfigError(f"{where}.cache {cache!r} is for bidirectional models; a block-causal {spec.family} "
+                              "model allows: none, block")
+        block_size, cache = spec.block_size, cache or "block"
+    else:
+        if cache == "block":
+            raise ConfigError(f"{where}.cache 'block' is exact only for block-causal models (SDAR, LLaDA2); "
+                              f"{spec.family} allows: none, prefix, dual")
+        block_size, cache = block_size or 8, cache or "prefix"
+    if method == "spiffy" and graph is None:
+        raise ConfigError(f"{where}: method 'spiffy' needs a draft graph ('graph': a path from psd calibrate)")
+    cfg = DecodeConfig(method, block_size, cache, msgspec.structs.replace(knobs, cache=cache),
+                       aligned=spec.attention == "block_causal", graph=graph if method == "spiffy" else None, dag=dag)
+    cfg.decoder_factory(spec.mask_token_id)(torch.zeros(1, dtype=torch.long))  # the knobs build a decoder
+    return cfg
