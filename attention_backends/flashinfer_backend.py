@@ -1,6 +1,6 @@
 """The FlashInfer prefix attention backend (CUDA, float16/bfloat16): the fast GPU implementation.
 
-Same contract as :class:`attention_backends.torch_ref.TorchPrefixAttention` and the same decomposition,
+Same contract as :class:`attention_backends.torch_backend.TorchPrefixAttention` and the same decomposition,
 on FlashInfer kernels (written against flashinfer-python 0.5-0.6):
 
 1. *cached keys*: ``BatchPrefillWithPagedKVCacheWrapper`` (``NHD``, no mask) over the rows of the requests

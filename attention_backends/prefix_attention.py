@@ -22,7 +22,7 @@ layer, like FlashInfer's ``plan``/``run`` split):
 
 A backend object is long-lived (it owns workspaces); per forward it is ``plan``-ned with the batch and the
 head geometry, then ``run`` once per layer with that layer's new ``q, k, v`` and paged cache. Backends:
-:class:`attention_backends.torch_ref.TorchPrefixAttention` (runs anywhere; what CI tests) and
+:class:`attention_backends.torch_backend.TorchPrefixAttention` (runs anywhere; what CI tests) and
 :class:`attention_backends.flashinfer_backend.FlashInferPrefixAttention` (CUDA, fp16/bf16). Both compute
 the prefix once per request (or per segment, where that pads less on CPU) however many canvases it has:
 FlashInfer as a paged prefix part and a ragged new-token part merged by log-sum-exp, the PyTorch backend as
@@ -218,7 +218,7 @@ def make_backend(name: str = "auto", device: torch.device | str = "cpu",
         from .flashinfer_backend import FlashInferPrefixAttention
 
         return FlashInferPrefixAttention(device)
-    from .torch_ref import TorchPrefixAttention
+    from .torch_backend import TorchPrefixAttention
 
     return TorchPrefixAttention()
 

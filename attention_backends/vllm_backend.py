@@ -44,7 +44,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
 
 from .prefix_attention import AttentionPlan, make_backend
 from .step_batch import Rows, build_step_batch, current_step
-from .torch_ref import TorchPrefixAttention as CPUPrefixAttention
+from .torch_backend import TorchPrefixAttention as CPUPrefixAttention
 
 PATTERNS = ("bidirectional", "causal", "block_causal")
 

@@ -74,6 +74,10 @@ class DecodeConfig:
     graph: object = None  # Spiffy's loaded and checked DraftGraph
     dag: object = None  # PSD: a draft DAG other than the nested one (tests, calibrated DAGs)
 
+    def describe(self) -> dict:
+        """The config as plain values (method, block size, cache and the knobs), for reports."""
+        return {"method": self.method, "block_size": self.block_size, **msgspec.structs.asdict(self.knobs)}
+
     def max_canvases(self) -> int:
         """The most canvases one step of a request forwards (the state and its drafts)."""
         k = self.knobs

@@ -18,6 +18,7 @@ both hold one of these per request; what differs between them is only how a step
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -48,6 +49,16 @@ class DLLMStep:
     @property
     def num_canvases(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def rebuild(self) -> bool:
+        """A step that only restores the K/V a block's later steps read (:meth:`DLLMRequest.preempted`)."""
+        return self.proposal is None
+
+    @cached_property
+    def drafts(self) -> list[int]:
+        """The first canvas from the block on: what vLLM schedules as the request's draft tokens."""
+        return self.tokens[0, self.b0 - self.w0:].tolist()
 
     @property
     def seg_len(self) -> int:
@@ -100,6 +111,8 @@ class DLLMRequest:
     logprobs: dict = field(default_factory=dict)  # answer position -> (token, logprob, top alternatives)
     done: bool = False
     finish_reason: str = "length"
+    step: DLLMStep | None = None  # planned (:meth:`plan`), not forwarded yet
+    resume: DLLMStep | None = None  # after a preemption: the step to forward once the rebuild step has run
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -128,6 +141,45 @@ class DLLMRequest:
         b0, b1 = self.block
         self.dec = self.make_decoder(self.tokens[b0:b1])
         self.fresh = True
+
+    @property
+    def phase(self) -> str:
+        """``done``; ``rebuild`` (preempted: the prefix K/V is restored before ``resume``); ``first`` (no
+        decoding forward yet); ``decode``."""
+        if self.done:
+            return "done"
+        if self.resume is not None:
+            return "rebuild"
+        return "first" if self.nfe == 0 else "decode"
+
+    @property
+    def needs_proposal(self) -> bool:
+        """Whether the decoder's next canvases are wanted (:func:`~model_executor.decoding.propose_all`)."""
+        return not self.done and self.step is None and self.resume is None
+
+    def plan(self, proposal: Proposal, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
+        """Plan the next forward from the decoder's ``proposal`` (:meth:`next_step`); it is :attr:`step` until
+        the engine reports it forwarded (:meth:`stepped`)."""
+        self.step = self.next_step(proposal, cache, shift, model_block)
+        return self.step
+
+    def preempted(self, cache: str) -> None:
+        """The engine dropped this request's K/V and re-prefilled its prompt and committed tokens (vLLM's
+        recompute preemption). Under the prefix and dual caches a block's later steps read K/V its first step
+        wrote: the planned step waits in :attr:`resume` until :meth:`plan_rebuild`'s step has restored it."""
+        if cache in ("prefix", "dual") and not self.done and not self.fresh and self.resume is None \
+                and self.step is not None and not self.step.rebuild:
+            self.resume, self.step = self.step, None
+
+    def plan_rebuild(self, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
+        """Plan the rebuild step (:meth:`first_step`; its logits are not for the decoder, it counts in no NFE)."""
+        self.step = self.first_step(cache, shift, model_block)
+        return self.step
+
+    def rebuilt(self) -> None:
+        """The rebuild step ran: the prefix K/V is as the block's first step left it; the preempted step is next."""
+        self.cached = self.step.keep
+        self.step, self.resume = self.resume, None
 
     def next_step(self, proposal: Proposal, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
         """The rows of this request's next forward: the canvases of its decoder's ``proposal``
@@ -162,6 +214,7 @@ class DLLMRequest:
         self.nfe += 1
         self.cached = step.keep
         self.fresh = False
+        self.step = None
         if not self.dec.done:
             return []
         b0, b1 = self.block

@@ -140,7 +140,7 @@ class ReferenceEngine:
         """One forward for every live request (``(sequence in the batch's cache, request)``)."""
         shift = int(self.spec.shift_logits)
         proposals = propose_all([r.dec for _, r in live])  # every decoder's canvases, a method at a time
-        steps = [r.next_step(p, cache, shift, self.spec.block_size or 1) for p, (_, r) in zip(proposals, live)]
+        steps = [r.plan(p, cache, shift, self.spec.block_size or 1) for p, (_, r) in zip(proposals, live)]
         batch = build_step_batch(steps)
         t0 = time.perf_counter()
         logits = self._forward([seq for seq, _ in live], batch)

@@ -264,7 +264,7 @@ def cmd_demo(args) -> int:
             engine.close()
         # static decoding's forwards on the same items; the reference engine counts them as vLLM does (tested)
         ref = load(args.model, "float32")[0] if on_vllm else engine
-        static = ref.generate(prompts, **{k: v for k, v in kw.items() if k in ("max_tokens", "block_size")},
+        static = ref.generate(prompts, max_tokens=kw["max_tokens"], block_size=kw["config"].block_size,
                               method="static")
     where = "vLLM" if on_vllm else "the reference engine"
     show = lambda t: t.replace("\n", "\\n")  # noqa: E731  (one line per item)
@@ -305,8 +305,10 @@ def cmd_eval(args) -> int:
             by.setdefault(r["task"], []).append(r)
         rows = [r for v in by.values() for r in v[: args.limit]]
     res = evaluate(engine, tok, rows, **kw)
-    res = {"model": str(args.model), "method": method,
-           **{k: v for k, v in kw.items() if k != "batch_size"}, **res}
+    settings = {k: v for k, v in kw.items() if k not in ("batch_size", "config")}
+    if "config" in kw:
+        settings.update(kw["config"].describe())
+    res = {"model": str(args.model), "method": method, **settings, **res}
     if method in AR_METHODS:  # target forwards = NFE, so tokens per target forward (τ) = TPF
         res["accept_len"] = res["tpf"]
     if args.json:

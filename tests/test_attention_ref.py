@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attention_backends.prefix_attention import AttentionPlan, make_backend, pack_mask, unpack_mask
-from attention_backends.torch_ref import TorchPrefixAttention
+from attention_backends.torch_backend import TorchPrefixAttention
 
 KINDS = ["bidirectional", "causal", "block_causal", "custom"]
 

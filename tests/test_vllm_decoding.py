@@ -316,7 +316,7 @@ def test_ar_model_with_psd_and_dllm_with_other_method():
 def test_sdar_block_size_must_be_the_models(tiny_checkpoints):
     with pytest.raises(ValueError, match="block_size 8.*allowed: 4"):
         _llm(tiny_checkpoints["sdar"], block_size=8)
-    with pytest.raises(ValueError, match="cache 'dual' for a block-causal.*allowed: none, block"):
+    with pytest.raises(ValueError, match="cache 'dual' is for bidirectional models; a block-causal sdar model allows: none, block"):
         _llm(tiny_checkpoints["sdar"], cache="dual")
 
 

@@ -127,10 +127,6 @@ class LLaDA2MoeConfig(PretrainedConfig):
 
 
 CONFIG_CLASSES = {c.model_type: c for c in (LLaDAConfig, DreamConfig, SDARConfig, LLaDA2MoeConfig)}
-ARCHITECTURES = {"llada": "LLaDAModelLM", "Dream": "DreamModel", "sdar": "SDARForCausalLM",
-                 "llada2_moe": "LLaDA2MoeModelLM"}
-
-
 def register_configs() -> None:
     """Register the config classes with ``transformers.AutoConfig`` (idempotent)."""
     from transformers import AutoConfig

@@ -273,7 +273,7 @@ class ReferenceDLLM(nn.Module):
         ``logits_rows`` when given. ``write = (slots, rows)`` stores those rows' K/V in ``cache``. ``order``: the
         input row of each plan row, when the inputs are not in plan order
         (:class:`~attention_backends.step_batch.StepBatch`'s model order)."""
-        from attention_backends.torch_ref import TorchPrefixAttention
+        from attention_backends.torch_backend import TorchPrefixAttention
 
         s = self.spec
         x = self.embed(input_ids)

@@ -126,10 +126,6 @@ FUNCTIONS = (
     ("vllm.exceptions", "VLLMValidationError"),  # raised with parameter= / value= for a 400
 )
 
-# vLLM's ``LazyLoader("model_executor", ...)`` registers its quantization package under our top-level package's
-# name; ``psd_plugin.claim_model_executor`` removes that alias at import (it must run before anything here).
-SHADOWED_PACKAGE = "model_executor"
-
 # Front-end functions wrapped at registration (module, class, method).
 FRONT_END_PATCHES = (
     ("vllm.engine.arg_utils", "EngineArgs", "create_speculative_config"),  # "method": "psd" -> custom_class

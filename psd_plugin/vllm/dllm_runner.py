@@ -24,7 +24,7 @@ a chunked prompt, no room in the step) that prefill has no canvas (counted in ``
 the PSD paper counts decoding forwards); for block-causal models (SDAR) its K/V of the prompt's finished
 attention blocks is exact and reused. After a preemption vLLM re-prefills the prompt and
 committed tokens and the block's decoder continues where it was; with the prefix (or dual) cache the block's
-first forward is run once more first (:meth:`DLLMRunnerMixin._rebuild_step`; it restores the kept suffix
+first forward is run once more first (:meth:`~model_executor.dllm_request.DLLMRequest.preempted`; it restores the kept suffix
 too), so the outputs stay those of an uninterrupted run.
 """
 
@@ -40,7 +40,7 @@ from vllm.v1.outputs import SamplerOutput
 
 from attention_backends.step_batch import Rows, StepBatch, build_step_batch
 from model_executor.decoding import LogitsRules, apply_rules, merge_stats, predict_rows, propose_all, update_all
-from model_executor.dllm_request import DLLMRequest, DLLMStep
+from model_executor.dllm_request import DLLMRequest
 from model_executor.models.configs import ArchSpec
 
 from . import compat
@@ -91,14 +91,11 @@ def request_rules(sp) -> LogitsRules | None:
 
 @dataclass
 class _Served:
-    """A request in this runner: its decoding state, the step it forwards next, and serving counters."""
+    """A request in this runner: its decoding state machine (phase, planned step, drafts: all in ``req``), its
+    logits rules, and serving counters."""
 
     req: DLLMRequest
-    step: DLLMStep | None = None
-    drafts: list[int] = field(default_factory=list)  # vLLM draft tokens of ``step``: canvas 0 from b0
-    rules: LogitsRules | None = None  # the request's logit bias, allowed / banned tokens, min_tokens
-    rebuild: bool = False  # ``step`` only restores the prefix K/V (after a preemption)
-    pending: DLLMStep | None = None  # the step to resume with once the rebuild step has run
+    rules: LogitsRules | None = None  # the request's logit bias, allowed / banned tokens, min_tokens, penalties
     model_calls: int = 0
     recorded: bool = False
     t0: float = field(default_factory=time.perf_counter)
@@ -147,17 +144,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             s = self.served[req_id] = _Served(req, rules=request_rules(sp))
         return s
 
-    def _propose(self, s: _Served, proposal) -> None:
-        st = s.req.next_step(proposal, self.cfg.cache, self.shift, self.spec.block_size or 1)
-        s.step, s.rebuild = st, False
-        s.drafts = st.tokens[0, st.b0 - st.w0:].tolist()
-
-    def _rebuild_step(self, s: _Served) -> None:
-        """After a preemption under the prefix cache: the block's first forward once more (not counted in NFE),
-        so the later steps see the prefix K/V they were decoded against (:meth:`DLLMRequest.first_step`)."""
-        st = s.req.first_step(self.cfg.cache, self.shift, self.spec.block_size or 1)
-        s.step, s.rebuild = st, True
-        s.drafts = st.tokens[0, st.b0 - st.w0:].tolist()
+    def _plan(self, s: _Served, proposal) -> None:
+        s.req.plan(proposal, self.cfg.cache, self.shift, self.spec.block_size or 1)
 
     def _on_request_state_removed(self, req_id, req_state) -> None:
         s = self.served.pop(req_id, None)
@@ -192,21 +180,19 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec_meta, max_sampled = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         req_ids, qsl, computed = compat.batch_rows(self)
-        for rid in compat.resumed_req_ids(scheduler_output):  # back from a preemption
-            s = self.served.get(rid)
-            if s is not None and not s.req.done and self.cfg.cache in ("prefix", "dual") and not s.req.fresh \
-                    and not s.rebuild and s.pending is None and s.step is not None:
-                s.pending, s.step = s.step, None  # vLLM re-prefilled without the masks: rebuild the prefix first
+        for rid in compat.resumed_req_ids(scheduler_output):  # back from a preemption: vLLM re-prefilled it
+            if (s := self.served.get(rid)) is not None:
+                s.req.preempted(self.cfg.cache)
         entries, self._stepping = [], {}
         for i, rid in enumerate(req_ids):
             n, start = int(qsl[i + 1]) - int(qsl[i]), int(computed[i])
             s = self._served(rid)
             s.model_calls += 1
             drafts = compat.scheduled_drafts(scheduler_output, rid)
-            if s.step is None and s.req.nfe == 0 and s.pending is None and drafts:
-                self._propose(s, propose_all([s.req.dec])[0])  # the first canvas, with the prompt (DLLMScheduler)
-            st = s.step
-            if st is not None and start == st.w0 and n == st.seg_len and drafts == s.drafts:
+            if s.req.phase == "first" and s.req.step is None and drafts:
+                self._plan(s, propose_all([s.req.dec])[0])  # the first canvas, with the prompt (DLLMScheduler)
+            st = s.req.step
+            if st is not None and start == st.w0 and n == st.seg_len and drafts == st.drafts:
                 entries.append(st)
                 self._stepping[i] = s
             else:  # a prefill, or a step vLLM cut short: its rows decode nothing this forward
@@ -228,42 +214,39 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._publish(None)
         req_ids, _, _ = compat.batch_rows(self)
         canvas_rows = {i: self.batch.canvas_rows[i] for i in self._stepping}
-        ruled = [(s, canvas_rows[i]) for i, s in self._stepping.items() if s.rules is not None and not s.rebuild]
+        steps = {i: s.req.step for i, s in self._stepping.items()}
+        ruled = [(s.rules, canvas_rows[i][0], st.num_canvases, st.block_len, st.b0 - s.req.prompt_len, s.req.history)
+                 for i, s in self._stepping.items() if s.rules is not None and not (st := steps[i]).rebuild]
         if ruled:  # the request's logit bias, allowed / banned tokens and min_tokens, as the reference engine
-            apply_rules(logits, [(s.rules, rows[0], s.step.num_canvases, s.step.block_len,
-                                  s.step.b0 - s.req.prompt_len, s.req.history) for s, rows in ruled])
-        decoding = [i for i, s in self._stepping.items() if not s.rebuild]
+            apply_rules(logits, ruled)
+        decoding = [i for i, st in steps.items() if not st.rebuild]
         mask = self.spec.mask_token_id  # once for every canvas of every request, where the canvas is masked
         need = []
-        for s in self._stepping.values():  # a rebuild's logits are not for the decoder
-            need.append(torch.zeros(s.step.num_canvases * s.step.block_len, dtype=torch.bool) if s.rebuild
-                        else s.step.masked_rows(mask))
+        for st in steps.values():  # a rebuild's logits are not for the decoder
+            need.append(torch.zeros(st.num_canvases * st.block_len, dtype=torch.bool) if st.rebuild
+                        else st.masked_rows(mask))
         preds = predict_rows(logits, mask_id=mask, need=torch.cat(need) if need else None)
         want_lp = {i: k for i in decoding if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
         before = {i: self._served(req_ids[i]).req.dec.state.clone() for i in want_lp}
-        update_all([self._stepping[i].req.dec for i in decoding], [self._stepping[i].step.proposal for i in decoding],
+        update_all([self._stepping[i].req.dec for i in decoding], [steps[i].proposal for i in decoding],
                    preds, [canvas_rows[i] for i in decoding])  # a method at a time
         for i, k in want_lp.items():  # under the state canvas's distribution, as the reference engine
-            s, first = self._stepping[i], canvas_rows[i][0]
-            s.req.record_logprobs(before[i], logits[first: first + s.step.block_len], max(k, 0))
+            first = canvas_rows[i][0]
+            self._stepping[i].req.record_logprobs(before[i], logits[first: first + steps[i].block_len], max(k, 0))
         outs: list[list[int]] = []
         lps: dict[int, list] = {}  # batch row -> (token, logprob, top, rank) of each emitted token
         for i, rid in enumerate(req_ids):
             s = self._served(rid)
             emit: list[int] = []
-            if i in self._stepping and s.rebuild:  # the prefix K/V is as the block's first step left it
-                s.req.cached = s.step.keep
-                s.step, s.pending, s.rebuild = s.pending, None, False
-                s.drafts = s.step.tokens[0, s.step.b0 - s.step.w0:].tolist()
+            if i in self._stepping and steps[i].rebuild:  # the prefix K/V is as the block's first step left it
+                s.req.rebuilt()
             elif i in self._stepping:
-                b0 = s.step.b0
-                emit = s.req.stepped(s.step)
+                emit = s.req.stepped(steps[i])
                 if emit and i in want_lp:
-                    lps[i] = s.req.logprobs_of(b0 - s.req.prompt_len, len(emit))
-                s.step = None
+                    lps[i] = s.req.logprobs_of(steps[i].b0 - s.req.prompt_len, len(emit))
                 if s.req.done:
                     self._record(rid, s)
-            elif s.step is None and self.spec.attention == "block_causal" and s.req.nfe == 0:
+            elif s.req.step is None and self.spec.attention == "block_causal" and s.req.nfe == 0:
                 # vLLM's prefill wrote exact K/V for the prompt's finished attention blocks
                 s.req.cached = s.req.prompt_len // self.spec.block_size * self.spec.block_size
             outs.append(emit)
@@ -279,20 +262,20 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         """Each running request's next canvas (module docstring)."""
         req_ids, _, _ = compat.batch_rows(self)
         drafts, rfs, extras = [], [], []
-        ready = [s for rid in req_ids if not (s := self._served(rid)).req.done and s.step is None
-                 and s.pending is None]  # the canvases of every request about to step, a method at a time
+        ready = [s for rid in req_ids if (s := self._served(rid)).req.needs_proposal]
+        # the canvases of every request about to step, a method at a time
         proposals = dict(zip(map(id, ready), propose_all([s.req.dec for s in ready])))
         for rid in req_ids:
             s = self._served(rid)
-            if not s.req.done and s.step is None:
-                if s.pending is not None:
-                    self._rebuild_step(s)
-                else:
-                    self._propose(s, proposals[id(s)])
-            live = not s.req.done and s.step is not None
-            drafts.append(list(s.drafts) if live else [])
-            rfs.append(s.step.w0 if live else NO_REWIND)
-            extras.append((s.step.num_canvases - 1) * s.step.seg_len if live else 0)
+            r = s.req
+            if r.phase == "rebuild" and r.step is None:
+                r.plan_rebuild(self.cfg.cache, self.shift, self.spec.block_size or 1)
+            elif id(s) in proposals:
+                self._plan(s, proposals[id(s)])
+            st = None if r.done else r.step
+            drafts.append(list(st.drafts) if st else [])
+            rfs.append(st.w0 if st else NO_REWIND)
+            extras.append((st.num_canvases - 1) * st.seg_len if st else 0)
         self.set_next_drafts(req_ids, drafts, rfs, extras)
         return drafts
 

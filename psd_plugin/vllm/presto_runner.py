@@ -25,7 +25,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
-from attention_backends.torch_ref import TorchPrefixAttention
+from attention_backends.torch_backend import TorchPrefixAttention
 from attention_backends.step_batch import Rows, build_step_batch
 from model_executor.decoding.ngram import NGramModel
 from model_executor.decoding.tree import TokenTree
