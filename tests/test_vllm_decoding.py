@@ -356,11 +356,11 @@ def test_preemption_in_a_blocks_later_steps_keeps_outputs(monkeypatch, tiny_chec
     once more (restoring the prefix K/V and the kept suffix), and every output stays the reference's."""
     from vllm import LLM, SamplingParams
 
-    from psd_plugin.vllm.dllm_runner import DLLMRunnerMixin
+    from model_executor.dllm_request import DLLMRequest
 
     rebuilt = []
-    rebuild = DLLMRunnerMixin._rebuild_step
-    monkeypatch.setattr(DLLMRunnerMixin, "_rebuild_step", lambda self, s: (rebuilt.append(1), rebuild(self, s))[1])
+    rebuild = DLLMRequest.plan_rebuild
+    monkeypatch.setattr(DLLMRequest, "plan_rebuild", lambda self, *a: (rebuilt.append(1), rebuild(self, *a))[1])
     path = tiny_checkpoints["llada"]  # a random model: its decisions follow small changes of the K/V it reads
     g = torch.Generator().manual_seed(2)
     prompts = [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (20, 27, 9, 14, 31, 22, 17, 25)]
