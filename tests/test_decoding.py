@@ -74,7 +74,8 @@ def _step(dec, logits):
     (prop,) = propose_all([dec])
     assert len(logits) == len(prop.canvases)
     L = dec.state.numel()
-    update_all([dec], [prop], predict_rows(torch.cat(logits), mask_id=dec.mask_id), [[k * L for k in range(len(logits))]])
+    preds = predict_rows(torch.cat(logits), mask_id=dec.mask_id)
+    update_all([dec], [prop], preds, [[k * L for k in range(len(logits))]])
 
 
 @pytest.mark.parametrize("impl", ["decoder", "oracle"])

@@ -57,5 +57,6 @@ def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: f
 
 
 __all__ = ["GRAPH_FORMAT_VERSION", "METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "GraphNode", "LogitsRules",
-           "PolicyDecoder", "Proposal", "RowPredictions", "apply_rules", "base_step", "calibrate", "formula_of", "load_graph",
+           "PolicyDecoder", "Proposal", "RowPredictions", "apply_rules", "base_step", "calibrate", "formula_of",
+           "load_graph",
            "make_decoder", "merge_stats", "predict_rows", "propose_all", "save_graph", "update_all"]

@@ -20,6 +20,10 @@ Choices the paper leaves open, made here:
   (Alg. 2 L14-17). The NFE of a block is therefore ``1 + iterations``.
 - Drafts never cross the block boundary (semi-autoregressive decoding finishes a block first).
 - Greedy only: lossless sampling needs the sample coupled across drafts; ``temperature > 0`` is refused.
+
+One step of all requests at once (:meth:`FreeDaveDecoder.propose_batch`, :meth:`FreeDaveDecoder.update_batch`):
+L5-13 by one sort (draft ``k`` fills the positions of confidence rank < ``k``), L19-35 for every draft of every
+request by one static step each; the block's first step (L2) is the same update with one canvas and m = 0.
 """
 
 from __future__ import annotations

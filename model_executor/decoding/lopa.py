@@ -14,6 +14,11 @@ softmax probability; the token at p_j is the prediction's argmax (no fresh sampl
 averaged over the current block only; ties prefer the anchor, then the lower j; if B0 completes the
 block no forward is run, and a branch that completes the block (no masks left, Eq. 2 undefined) is
 taken at once without a forward. With k = 0 LoPA is its spatial policy, forward for forward.
+
+One step of all requests at once (:meth:`LoPADecoder.propose_batch`, :meth:`LoPADecoder.update_batch`, decoders
+of one policy and k together): Eq. 2 for every branch of every request in one reduction, B* per request, and
+the next B0..Bk from B*'s prediction by one sort; the branches wait on the decoder (its state for the next
+step) and travel in the proposal (its data: all k + 1 branches and how many exist).
 """
 
 from __future__ import annotations

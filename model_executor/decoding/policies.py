@@ -17,7 +17,8 @@ from typing import Callable
 
 import torch
 
-from .base import BlockDecoder, Proposal, canvas_predictions, canvas_row_index, groups, onehot_first_max, pad_rows, predict
+from .base import (BlockDecoder, Proposal, canvas_predictions, canvas_row_index, groups, onehot_first_max, pad_rows,
+                   predict)
 
 Policy = Callable[[torch.Tensor], torch.Tensor]
 

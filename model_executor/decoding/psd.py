@@ -27,6 +27,10 @@ Choices the paper leaves open (see docs/paper-notes-psd-lopa.md, O1-O6), made he
   graph (multi-parent DAG, :class:`DraftDAG`) can be given instead. Nodes asking for more ranks than
   there are masked positions are dropped; a draft that fills the whole block needs no forward.
 - Ties in σ follow ``torch.sort(stable=True)`` (lower position first); ties in L25 prefer the earlier node.
+
+One step of all requests at once (:meth:`PSDDecoder.propose_batch`, :meth:`PSDDecoder.update_batch`, decoders of
+one policy and DAG together): σ by one sort, each node's draft for every request by index assembly (L13-15, Eq. 2), and
+L20-22 node by node in topological order for all requests; a proposal's data are every node's draft and σ.
 """
 
 from __future__ import annotations

@@ -20,21 +20,24 @@ Spiffy §4 (docs/paper-notes-spiffy-freedave.md):
   are forwarded, taken in score order but skipping drafts that cannot be reached: a draft that adds more
   positions than one base step can commit (static: 1) can only be reused after a shallower draft on its
   chain was accepted, so it enters only if one of its parents is already in (Eq. 24's connectivity,
-  applied to pruning). A choice: §4.4.4 says "top-D*" only; without it the first Pareto run's d=3 graph
-  (9 nodes, static base) often forwarded deep drafts without their parents (TPF 0.96 instead of 1.41).
+  applied to pruning). A choice: §4.4.4 says "top-D*" only; without it a static-base graph often forwarded deep
+  drafts without their parents, drafts that could never be reused.
   For the confidence base any draft may be the very next state, so nothing is skipped.
 
-The engines step the greedy Spiffy decoders of one graph and knob set together
-(:meth:`SpiffyDecoder.propose_batch`, :meth:`SpiffyDecoder.update_batch`): formulas instantiated for all
-requests by gathers, scores and the connected top-D* a graph node at a time, Alg. 1 one accepted draft at a
-time for all requests. Only the ``max_i`` most confident positions of the last commit's prediction get their
-top tokens (:func:`~.base.top_tokens`: no formula reads further), not every row of the step. The logarithms
-and exponentials of the scores are Python's, so both ways rank the drafts identically, bit for bit.
+One step of all requests at once (:meth:`SpiffyDecoder.propose_batch`, :meth:`SpiffyDecoder.update_batch`,
+decoders of one graph and base step together): formulas instantiated for all requests by gathers (Eqs. 8-11),
+scores (Eqs. 12-14) and the connected top-D* a graph node at a time, Alg. 1 one accepted draft at a time for
+all requests. A proposal's data are the graph nodes of its drafts. Only the ``max_i`` most confident positions
+of the last commit's prediction get their top tokens (:func:`~.base.top_tokens`: no formula reads further),
+not every row of the step. The logarithms and exponentials of the scores are Python's, so a request's drafts
+rank the same whichever requests share its step, bit for bit (``tests/oracles/decoders.py`` holds the
+one-block reading of §4, which the tests compare against).
 
 Choices the paper leaves open, made here: a draft must extend the current state (agree on every decoded
 position, decode more); drafts that fill the whole block are kept for acceptance but need no forward;
 invalid instantiations (rank beyond the masked count, two pairs on one position) are dropped; the first
-forward of a block carries no drafts; greedy only.
+forward of a block carries no drafts. A sampling decoder predicts each canvas it commits from, alone, drawing
+from its request's generator in Alg. 1's order (the state first, an accepted draft when accepted).
 """
 
 from __future__ import annotations
@@ -145,20 +148,20 @@ class SpiffyDecoder(BlockDecoder):
         pos = order[ar, fi]  # [R, N, F]
         tok = top[ar, fi, fj]
         lp = torch.zeros(R, N, dtype=torch.float64)
-        for m in range(F):  # in formula order, as instantiate sums (exact IEEE additions)
+        for m in range(F):  # in formula order, pair by pair (the same IEEE additions for every request)
             lp = lp + torch.where(pair[:, m], logp[ar[:, :, 0], fi[:, m], fj[:, m]], 0.0)
         applies = (fi < n_q[:, None, None]).logical_or(~pair).all(-1) & distinct  # [R, N]
         D = Y[:, None].repeat(1, N, 1)
         D.scatter_(2, torch.where(pair, pos, pos[..., :1]), torch.where(pair, tok, tok[..., :1]))
         known = S != mask
         extends = ((D == S[:, None]) | ~known[:, None]).all(-1) & ((D != mask).sum(-1) > known.sum(-1)[:, None])
-        ok = applies & extends & (D == mask).any(-1)  # instantiated (inst in _draft_candidates)
+        ok = applies & extends & (D == mask).any(-1)  # a draft: extends the state and keeps a mask
         local = _elementwise(math.exp, lp / flen)  # Eq. 12
         same = (D[:, :, None] == D[:, None, :]).all(-1) & ok[:, None, :]  # [R, N, N]
         dup = (same & (torch.arange(N)[None, :] < torch.arange(N)[:, None])).any(-1)  # equals an earlier draft
         log_local = _elementwise(math.log, torch.where(ok, local, 1.0))
         score = torch.full((R, N), float("-inf"), dtype=torch.float64)
-        for k in range(N):  # Eqs. 13-14, children in graph order as _draft_candidates sums them
+        for k in range(N):  # Eqs. 13-14, children summed in graph order
             acc, cnt = torch.zeros(R, dtype=torch.float64), torch.zeros(R, dtype=torch.long)
             for c in d0.kids[k]:
                 acc = acc + torch.where(ok[:, c], log_local[:, c], 0.0)
@@ -188,8 +191,10 @@ class SpiffyDecoder(BlockDecoder):
     @classmethod
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """Alg. 1 for every decoder, a graph and base step at a time (greedy and sampling decoders apart)."""
-        for idx in groups(range(len(decoders)), lambda i: (id(decoders[i].graph), policy_key(decoders[i].next_state.rule),
-                                                           decoders[i].sampling["temperature"] > 0)):
+        def key(i):
+            d = decoders[i]
+            return id(d.graph), policy_key(d.next_state.rule), d.sampling["temperature"] > 0
+        for idx in groups(range(len(decoders)), key):
             cls._update([decoders[i] for i in idx], [proposals[i] for i in idx], preds,
                         [canvas_rows[i] for i in idx])
 
@@ -250,7 +255,8 @@ class SpiffyDecoder(BlockDecoder):
                 if d.done:
                     d.q = None
                 else:
-                    order = torch.sort(p.conf, descending=True, stable=True).indices[: int(torch.isfinite(p.conf).sum())]
+                    n = int(torch.isfinite(p.conf).sum())
+                    order = torch.sort(p.conf, descending=True, stable=True).indices[:n]
                     at = order[: d.max_i]
                     d.q = Ranked(y[:L_d], order.cpu(), p.top_ids[at, : d.max_j].cpu(),
                                  _elementwise(_log, p.top_probs[at, : d.max_j].double().cpu()))
@@ -261,7 +267,7 @@ class SpiffyDecoder(BlockDecoder):
         n_q = torch.isfinite(conf_q).sum(-1)
         order = torch.sort(conf_q, dim=-1, descending=True, stable=True).indices
         need = order[:, : d0.max_i]
-        ok = torch.arange(need.shape[1]) < n_q[:, None]
+        ok = (torch.arange(need.shape[1]) < n_q[:, None]) & (S == mask).any(-1, keepdim=True)  # done: no drafts
         sel_rows = q_rows[rr[:, None], need][ok]
         top_tok, top_p = top_tokens(preds.logits, sel_rows, tok_q.gather(1, need)[ok], conf_q.gather(1, need)[ok],
                                     d0.max_j)
