@@ -26,8 +26,8 @@ Spiffy §4 (docs/paper-notes-spiffy-freedave.md):
 
 One step of all requests at once (:meth:`SpiffyDecoder.propose_batch`, :meth:`SpiffyDecoder.update_batch`,
 decoders of one graph and base step together): formulas instantiated for all requests by gathers (Eqs. 8-11),
-scores (Eqs. 12-14) and the connected top-D* a graph node at a time, Alg. 1 one accepted draft at a time for
-all requests. A proposal's data are the graph nodes of its drafts. Only the ``max_i`` most confident positions
+scores (Eqs. 12-14) for every node at once and the connected top-D* a score rank at a time, Alg. 1 one
+accepted draft at a time for all requests. A proposal's data are the graph nodes of its drafts. Only the ``max_i`` most confident positions
 of the last commit's prediction get their top tokens (:func:`~.base.top_tokens`: no formula reads further),
 not every row of the step. The logarithms and exponentials of the scores are Python's, so a request's drafts
 rank the same whichever requests share its step, bit for bit (``tests/oracles/decoders.py`` holds the
@@ -75,6 +75,36 @@ def _elementwise(fn: Callable[[float], float], t: torch.Tensor) -> torch.Tensor:
     return torch.tensor([fn(x) for x in t.flatten().tolist()], dtype=torch.float64).view(t.shape)
 
 
+_TABLES: dict = {}
+
+
+def _tables(graph: DraftGraph) -> tuple[torch.Tensor, ...]:
+    """The graph's formulas as tensors, made once per graph: position ranks ``fi`` and token ranks ``fj``
+    ``[N, F]`` (0-based, padded with rank 1), formula lengths ``[N]``, which pairs exist ``[N, F]``, which formulas
+    name distinct positions ``[N]``, the parent matrix ``[N, N]``, and each node's children ``[N, K]`` (in graph
+    order, padded) with which exist ``[N, K]``."""
+    got = _TABLES.get(id(graph))
+    if got is None or got[0] is not graph:
+        nodes = graph.nodes
+        N, F = len(nodes), max(len(n.formula) for n in nodes)
+        fi = torch.tensor([[i for i, _ in n.formula] + [1] * (F - len(n.formula)) for n in nodes]) - 1
+        fj = torch.tensor([[j for _, j in n.formula] + [1] * (F - len(n.formula)) for n in nodes]) - 1
+        flen = torch.tensor([len(n.formula) for n in nodes])
+        distinct = torch.tensor([len({i for i, _ in n.formula}) == len(n.formula) for n in nodes])
+        parents = torch.zeros(N, N, dtype=torch.bool)
+        for k, n in enumerate(nodes):
+            parents[k, n.parents] = True
+        kids = graph.children()
+        K = max(1, max(map(len, kids)))
+        kid = torch.tensor([c + [0] * (K - len(c)) for c in kids])
+        kid_ok = torch.tensor([[True] * len(c) + [False] * (K - len(c)) for c in kids])
+        if len(_TABLES) > 16:
+            _TABLES.clear()
+        got = _TABLES[id(graph)] = (graph, (fi, fj, flen, torch.arange(F) < flen[:, None], distinct, parents, kid,
+                                            kid_ok))
+    return got[1]
+
+
 class BaseStep:
     """A base policy as a state transition ``Next(state, prediction)``: Spiffy's lossless reference. ``rule``
     is the spatial policy (:mod:`.policies`), which the batched step applies to all requests at once."""
@@ -97,7 +127,6 @@ class SpiffyDecoder(BlockDecoder):
         self.sampling = dict(temperature=temperature, generator=generator, sample_filter=sample_filter)
         self.next_state, self.graph, self.budget = next_state, graph, budget
         self.max_commit = max_commit  # most positions one base step commits (static: 1; None: unbounded)
-        self.kids = graph.children()
         self.max_i = max(i for n in graph.nodes for i, _ in n.formula)  # the deepest position rank a formula reads
         self.max_j = max(j for n in graph.nodes for _, j in n.formula)  # the deepest token rank
         self.q: Ranked | None = None  # from the last commit's state and prediction
@@ -125,16 +154,12 @@ class SpiffyDecoder(BlockDecoder):
     def _drafts(decoders):
         """§4.4 for decoders of one graph, budget and base step: each graph node instantiated on each request's
         ``Y_q`` (Eqs. 8-11, one gather per formula pair), the drafts that extend the state kept and deduplicated,
-        Eqs. 12-14 scored, and the top-D* taken in score order keeping the pruned graph connected, a graph node
+        Eqs. 12-14 scored, and the top-D* taken in score order keeping the pruned graph connected, a score rank
         at a time. Returns each decoder's chosen nodes and their drafts, in score order."""
         d0 = decoders[0]
-        mask, nodes, R = d0.mask_id, d0.graph.nodes, len(decoders)
-        N, F = len(nodes), max(len(n.formula) for n in nodes)
-        fi = torch.tensor([[i for i, _ in n.formula] + [1] * (F - len(n.formula)) for n in nodes]) - 1  # [N, F]
-        fj = torch.tensor([[j for _, j in n.formula] + [1] * (F - len(n.formula)) for n in nodes]) - 1
-        flen = torch.tensor([len(n.formula) for n in nodes])
-        pair = torch.arange(F) < flen[:, None]  # [N, F]
-        distinct = torch.tensor([len({i for i, _ in n.formula}) == len(n.formula) for n in nodes])
+        mask, R = d0.mask_id, len(decoders)
+        fi, fj, flen, pair, distinct, parents, kid, kid_ok = _tables(d0.graph)
+        N, F = fi.shape
         S = pad_rows([d.state for d in decoders], -1)  # [R, L]
         Y = pad_rows([d.q.state for d in decoders], -1)
         order = pad_rows([d.q.order for d in decoders], 0)  # [R, n_max]
@@ -160,31 +185,31 @@ class SpiffyDecoder(BlockDecoder):
         same = (D[:, :, None] == D[:, None, :]).all(-1) & ok[:, None, :]  # [R, N, N]
         dup = (same & (torch.arange(N)[None, :] < torch.arange(N)[:, None])).any(-1)  # equals an earlier draft
         log_local = _elementwise(math.log, torch.where(ok, local, 1.0))
-        score = torch.full((R, N), float("-inf"), dtype=torch.float64)
-        for k in range(N):  # Eqs. 13-14, children summed in graph order
-            acc, cnt = torch.zeros(R, dtype=torch.float64), torch.zeros(R, dtype=torch.long)
-            for c in d0.kids[k]:
-                acc = acc + torch.where(ok[:, c], log_local[:, c], 0.0)
-                cnt = cnt + ok[:, c]
-            child = torch.where(cnt > 0, _elementwise(math.exp, acc / cnt.clamp(min=1)), local[:, k])
-            score[:, k] = torch.where(ok[:, k] & ~dup[:, k], torch.sqrt(local[:, k] * child), float("-inf"))
+        acc, cnt = torch.zeros(R, N, dtype=torch.float64), torch.zeros(R, N, dtype=torch.long)
+        for j in range(kid.shape[1]):  # Eq. 13 for every node at once: its j-th child, children in graph order
+            c = kid[:, j]
+            v = kid_ok[:, j] & ok[:, c]  # [R, N]
+            acc = acc + torch.where(v, log_local[:, c], 0.0)
+            cnt = cnt + v
+        child = torch.where(cnt > 0, _elementwise(math.exp, acc / cnt.clamp(min=1)), local)
+        score = torch.where(ok & ~dup, torch.sqrt(local * child), float("-inf"))  # Eq. 14
         rank = torch.sort(score, dim=1, descending=True, stable=True).indices  # ties: the lower node first
         added = (D != mask).sum(-1) - known.sum(-1)[:, None]
         direct = torch.ones(R, N, dtype=torch.bool) if d0.max_commit is None else added <= d0.max_commit
-        parents = torch.zeros(N, N, dtype=torch.bool)
-        for k, n in enumerate(nodes):
-            parents[k, n.parents] = True
         admitted = torch.zeros(R, N, dtype=torch.bool)
         taken = torch.zeros(R, dtype=torch.long)
         picks = torch.full((R, N), -1, dtype=torch.long)  # the chosen nodes, in score order
         rr = torch.arange(R)
-        for t in range(N):  # top-D* by score, a draft only with a parent in when it cannot be the next state
+        for t in range(int(torch.isfinite(score).sum(-1).max())):  # top-D* by score, a draft only with a parent in
+            # when it cannot be the next state (past the drafts of the most: nothing more to take)
             k = rank[:, t]
             take = torch.isfinite(score[rr, k]) & (taken < d0.budget) & \
                 (direct[rr, k] | (admitted & parents[k]).any(-1))
             picks[rr, taken.clamp(max=N - 1)] = torch.where(take, k, picks[rr, taken.clamp(max=N - 1)])
             admitted[rr, k] |= take
             taken += take
+            if bool((taken == d0.budget).all()):
+                break
         chosen = [[k for k in row if k >= 0] for row in picks.tolist()]
         return chosen, [[drafts[k, : d.state.numel()] for k in row] for d, row, drafts in zip(decoders, chosen, D)]
 
