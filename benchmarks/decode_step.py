@@ -8,10 +8,12 @@ branches, FreeDave 4 steps, Spiffy the shipped confidence-base graph, D* 3: up t
 script builds the logits of every canvas of every request (``[rows, vocab]`` float32, outside the timed
 region): Gaussian noise plus one peaked token per block position whose height, fixed per position, gives
 confidences from ~0.1 to ~0.99, so policies commit several positions and drafts get accepted. Timed: the
-decoders' ``canvases()`` and their updates for all requests; in ``batched`` mode as the engines do it: one
+decoders' proposals and their updates for all requests; in ``batched`` mode as the engines do it: one
 :func:`~model_executor.decoding.base.predict_rows` pass over the rows of masked canvas positions and
 :func:`~model_executor.decoding.base.propose_all` and :func:`~model_executor.decoding.base.update_all` (the
-decoders of a method stepped together); ``canvas`` mode hands each decoder its canvases' bare logits, one decoder at a time, as the engines did before. Per step
+decoders of a method stepped together); ``canvas`` mode runs the methods written for one block (the tests'
+oracles, ``tests/oracles/decoders.py``: ``canvases()`` and ``update``), handing each its canvases' bare logits,
+one block at a time. Per step
 the time of the predictions (``predict_rows``) and of the decoders' own work (canvases, acceptance, commits:
 ``decoder_ms_per_step``) are reported apart. Writes ``decode_step_<mode>.json`` into ``--out``.
 """
@@ -45,6 +47,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.mode == "batched":
         from model_executor.decoding import predict_rows, propose_all, update_all
+    else:  # the one-block oracles
+        sys.path.insert(0, str(ROOT / "tests"))
+        from oracles.decoders import make_oracle as make_decoder
 
     R, L, V, mask = args.requests, args.block, args.vocab, args.vocab - 1
     g = torch.Generator().manual_seed(0)

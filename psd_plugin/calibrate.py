@@ -5,25 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 
-from model_executor.decoding import DraftGraph, make_policy
-from model_executor.decoding.base import commit, predict
+from model_executor.decoding import GRAPH_FORMAT_VERSION, DraftGraph, calibrate, make_policy
 from model_executor.decoding.policies import PolicyDecoder
-from model_executor.decoding.spiffy import GRAPH_FORMAT_VERSION, calibrate
 
 
 class TrajectoryRecorder(PolicyDecoder):
-    """The base policy, recording (state, prediction with full probabilities, next state) per step."""
+    """The base policy, recording (state, prediction with full probabilities, next state) per step into
+    ``steps`` (:class:`~model_executor.decoding.policies.PolicyDecoder`'s ``record``)."""
 
     def __init__(self, block, mask_id, policy, sink: list):
-        super().__init__(block, mask_id, policy)
-        self.steps: list = []
+        super().__init__(block, mask_id, policy, record=[])
+        self.steps: list = self.record
         sink.append(self.steps)
-
-    def update(self, logits):
-        pred = predict(logits[0], self.state, self.mask_id, keep_probs=True)
-        new = commit(self.state, pred, self.policy(pred.conf) & self.masked)
-        self.steps.append((self.state, pred, new))
-        self.state = new
 
 
 def calibrate_graph(engine, prompts: list[list[int]], *, model_name: str, policy: str = "static",

@@ -324,7 +324,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from model_executor.decoding.spiffy import save_graph
+    from model_executor.decoding import save_graph
 
     from .calibrate import calibrate_graph, default_calibration_prompts, model_name
     from .evaluate import encode, is_dllm, load

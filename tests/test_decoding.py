@@ -67,20 +67,38 @@ def _logits_for(tokens, conf, V=8):
     return out
 
 
-def test_psd_hierarchical_acceptance_by_hand():
-    """Block of 4 masks (id 7); confidence τ=0.9; nested DAG of depth 2."""
+def _step(dec, logits):
+    """One step of ``dec`` alone through the engines' interface, from the logits ``[L, V]`` of its canvases."""
+    from model_executor.decoding import predict_rows, propose_all, update_all
+
+    (prop,) = propose_all([dec])
+    assert len(logits) == len(prop.canvases)
+    L = dec.state.numel()
+    preds = predict_rows(torch.cat(logits), mask_id=dec.mask_id)
+    update_all([dec], [prop], preds, [[k * L for k in range(len(logits))]])
+
+
+@pytest.mark.parametrize("impl", ["decoder", "oracle"])
+def test_psd_hierarchical_acceptance_by_hand(impl):
+    """Block of 4 masks (id 7); confidence τ=0.9; nested DAG of depth 2 (the batched decoder and its oracle)."""
+    from model_executor.decoding import propose_all
+    from oracles.decoders import make_oracle
+
     M = 7
-    dec = make_decoder("psd", torch.full((4,), M), M, policy="confidence", depth=2, threshold=0.9)
-    assert len(dec.canvases()) == 1
-    dec.update([_logits_for([1, 2, 3, 4], [0.95, 0.5, 0.6, 0.4])])  # stage 1 commits pos 0
+    dec = (make_decoder if impl == "decoder" else make_oracle)("psd", torch.full((4,), M), M, policy="confidence",
+                                                                depth=2, threshold=0.9)
+    canvases = dec.canvases if impl == "oracle" else lambda: propose_all([dec])[0].canvases
+    step = dec.update if impl == "oracle" else lambda logits: _step(dec, logits)
+    assert len(canvases()) == 1
+    step([_logits_for([1, 2, 3, 4], [0.95, 0.5, 0.6, 0.4])])  # stage 1 commits pos 0
     assert dec.state.tolist() == [1, M, M, M]
-    drafts = dec.canvases()  # σ = (2, 1, 3): root, {2}, {2, 1}
+    drafts = canvases()  # σ = (2, 1, 3): root, {2}, {2, 1}
     assert [d.tolist() for d in drafts] == [[1, M, M, M], [1, M, 3, M], [1, 2, 3, M]]
     # root's verifier agrees with token 3 at pos 2 with confidence 0.97 -> node 1 accepted;
     # node 1's verifier predicts 5 (not 2) at pos 1 -> node 2 rejected; k* = node 1, then L26 on its output
-    dec.update([_logits_for([1, 0, 3, 4], [0.5, 0.6, 0.97, 0.3]),
-                _logits_for([1, 5, 3, 4], [0.5, 0.95, 0.5, 0.3]),
-                _logits_for([1, 2, 3, 4], [0.5, 0.99, 0.5, 0.99])])
+    step([_logits_for([1, 0, 3, 4], [0.5, 0.6, 0.97, 0.3]),
+          _logits_for([1, 5, 3, 4], [0.5, 0.95, 0.5, 0.3]),
+          _logits_for([1, 2, 3, 4], [0.5, 0.99, 0.5, 0.99])])
     assert dec.state.tolist() == [1, 5, 3, M]  # node 1 + its own confident prediction at pos 1
     assert dec.stats()["node_accepted"] == [0, 1, 0]
 
@@ -137,7 +155,7 @@ def test_calibration_graph_shape(engine64, tokenizer_dir, shipped_graph):
 
 def test_graph_file_errors(tmp_path, shipped_graph):
     from model_executor.decoding import load_graph
-    from model_executor.decoding.spiffy import save_graph
+    from model_executor.decoding import save_graph
 
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_graph(tmp_path / "none.json")
@@ -195,14 +213,17 @@ def test_policies_over_a_batch_of_blocks_equal_them_block_by_block(name):
 
 def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
     """:func:`update_all`: greedy policy decoders of blocks of different lengths, states and policies, updated
-    in one batched step per policy, equal each decoder updated alone; a sampling one updates alone."""
-    from model_executor.decoding import predict_rows, propose_all, update_all
-    from model_executor.decoding.policies import PolicyDecoder
+    in one batched step per policy, equal each decoder's oracle (the policy on one block); a sampling one
+    predicts alone, from its own generator."""
+    import sys
 
-    batches = []
-    batched = PolicyDecoder.update_batch.__func__
-    monkeypatch.setattr(PolicyDecoder, "update_batch",
-                        classmethod(lambda cls, decs, *a: (batches.append(len(decs)), batched(cls, decs, *a))[1]))
+    from model_executor.decoding import PolicyDecoder, predict_rows, propose_all, update_all
+    from oracles.decoders import make_oracle
+
+    policies = sys.modules[PolicyDecoder.__module__]
+    batches = []  # the decoders of each batched commit of greedy predictions
+    index = policies.canvas_row_index
+    monkeypatch.setattr(policies, "canvas_row_index", lambda decs, *a: (batches.append(len(decs)), index(decs, *a))[1])
 
     M, V = 7, 11
     g = torch.Generator().manual_seed(5)
@@ -221,14 +242,14 @@ def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
     together.append(make_decoder("static", blocks[0], M, temperature=1.0, generator=torch.Generator().manual_seed(1)))
     update_all(together, propose_all(together), preds, [[a] for a in starts] + [[starts[0]]])
     for dec, m, b, a in zip(together, methods, blocks, starts):
-        alone = make_decoder(m, b, M, **kw)
+        alone = make_oracle(m, b, M, **kw)
         alone.update([logits[a: a + b.numel()]])
         assert torch.equal(dec.state, alone.state) and dec.state.numel() == b.numel(), m
         assert (dec.state != b).any()  # every block had masks: something committed
-    sampled = make_decoder("static", blocks[0], M, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    sampled = make_oracle("static", blocks[0], M, temperature=1.0, generator=torch.Generator().manual_seed(1))
     sampled.update([logits[: lens[0]]])
     assert torch.equal(together[-1].state, sampled.state)
-    assert sorted(batches) == [2, 2]  # confidence x2, static x2 (the sampling one apart; localleap alone)
+    assert sorted(batches) == [1, 2, 2]  # confidence x2, static x2, localleap alone (the sampling one apart)
 
 
 @pytest.mark.parametrize("temperature,flt", [(1.0, (0, 1.0, 0.0)), (0.7, (3, 1.0, 0.0)), (1.3, (0, 0.8, 0.0)),
@@ -278,7 +299,7 @@ def _toy_model(V: int, seed: int):
 
 
 def _toy_graph(formulas, parents):
-    from model_executor.decoding.spiffy import DraftGraph, GraphNode
+    from model_executor.decoding import DraftGraph, GraphNode
 
     nodes = [GraphNode(formula=f, level=len(f), parents=p) for f, p in zip(formulas, parents)]
     return DraftGraph(format_version=1, model="toy", block_size=12, base_policy="confidence", threshold=0.9,
@@ -311,17 +332,19 @@ _TOY_GRAPH_SMALL = _toy_graph([[(1, 1)], [(1, 1), (2, 1)], [(2, 1), (3, 2)]], [[
 def test_drafting_decoders_step_together_as_they_do_alone(method, knobs, monkeypatch):
     """The batched step (:func:`propose_all`, one :func:`predict_rows` pass, :func:`update_all`) of many decoders
     of one method, with different knobs, block lengths and progress, gives every decoder the canvases, states,
-    NFE and counters of the method run alone (``propose``/``update`` per decoder), until every block is done,
-    also when a proposed decoder waits a step (groups change between proposal and update, and a group of one
-    is proposed alone); and the verify steps really ran batched (groups of several decoders)."""
-    from model_executor.decoding import predict_rows, propose_all, update_all
+    NFE and counters of the method's oracle (the method on one block, ``tests/oracles/decoders.py``), until every
+    block is done, also when a proposed decoder waits a step (the decoders updated together are not those
+    proposed together); and the verify steps really ran batched (groups of several decoders with drafts)."""
+    import sys
 
-    cls = type(make_decoder(method, torch.tensor([1, 2]), 0, **knobs[0]))
-    sizes = []
-    batched = cls.update_batch.__func__
-    monkeypatch.setattr(cls, "update_batch", classmethod(
-        lambda c, decs, *a: (sizes.append((len(decs), getattr(decs[0], "pred", getattr(decs[0], "q", None))
-                                           is not None)), batched(c, decs, *a))[1]))
+    from model_executor.decoding import predict_rows, propose_all, update_all
+    from oracles.decoders import make_oracle
+
+    module = sys.modules[type(make_decoder(method, torch.tensor([1, 2]), 0, **knobs[0])).__module__]
+    sizes = []  # (decoders, most canvases) of each batched update: every update builds its row index once
+    index = module.canvas_row_index
+    monkeypatch.setattr(module, "canvas_row_index", lambda decs, canvas_rows, *a: (
+        sizes.append((len(decs), max(map(len, canvas_rows)))), index(decs, canvas_rows, *a))[1])
     V, M = 9, 8  # the mask is the last token; the toy model never predicts it (excluded as the engines do)
     model = _toy_model(V, seed=3)
     g = torch.Generator().manual_seed(7)
@@ -331,7 +354,7 @@ def test_drafting_decoders_step_together_as_they_do_alone(method, knobs, monkeyp
         b[torch.rand(b.numel(), generator=g) < 0.8] = M
         b[0] = M  # something to decode
         blocks.append(b)
-    alone = [make_decoder(method, b, M, **knobs[i % len(knobs)]) for i, b in enumerate(blocks)]
+    alone = [make_oracle(method, b, M, **knobs[i % len(knobs)]) for i, b in enumerate(blocks)]
     together = [make_decoder(method, b, M, **knobs[i % len(knobs)]) for i, b in enumerate(blocks)]
     nfe = [0] * len(blocks)
     proposed: dict = {}  # decoder -> its canvases (alone, together) not yet stepped
@@ -347,7 +370,7 @@ def test_drafting_decoders_step_together_as_they_do_alone(method, knobs, monkeyp
             assert len(ca) == len(cb) and all(torch.equal(a, b) for a, b in zip(ca, cb)), (i, nfe[i])
             proposed[i] = (ca, prop)
         # as in the engines, a proposed request may wait a step (no room in the batch): every third step one
-        # does, so decoders proposed in a group step in a smaller one, and one proposed alone steps with a group
+        # does, so decoders proposed together step apart, and one proposed alone steps with others
         wait = live[t % len(live)] if t % 3 == 1 and len(live) > 1 else None
         t += 1
         step = [i for i in live if i != wait]
@@ -368,7 +391,7 @@ def test_drafting_decoders_step_together_as_they_do_alone(method, knobs, monkeyp
         for i in step:
             assert torch.equal(alone[i].state, together[i].state), (i, nfe[i])
     assert [d.stats() for d in alone] == [d.stats() for d in together]
-    assert max(nfe) > 2 and any(n > 1 and verify for n, verify in sizes)
+    assert max(nfe) > 2 and any(n > 1 and k > 1 for n, k in sizes)
     st = [d.stats() for d in together]  # drafts were accepted (and rejected): the acceptance rule was exercised
     got = {"psd": lambda s: (sum(s["node_accepted"]), sum(s["node_tried"])),
            "lopa": lambda s: (sum(s["branch_chosen"][1:]), sum(s["branch_chosen"])),

@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model_executor.decoding import make_decoder
 from model_executor.engine import ReferenceEngine
 from psd_plugin import DEFAULT_DLLM
+
+from oracles.decoders import make_oracle
 
 
 def _dense_forward(model, ids, positions, kept=None, keys_at=None):
@@ -44,7 +45,7 @@ def _dense_dual(model, prompt, max_tokens, block_size, method, **knobs):
     total, nfe = tokens.numel(), 0
     for b0 in range(P, total, block_size):
         b1 = min(b0 + block_size, total)
-        dec = make_decoder(method, tokens[b0:b1], mask, **knobs)
+        dec = make_oracle(method, tokens[b0:b1], mask, **knobs)  # the method on one block, as its paper states it
         kept = None
         while not dec.done:
             canvases = dec.canvases()

@@ -77,7 +77,7 @@ _GRAPHS: dict = {}
 
 def _graph(path):
     """A Spiffy graph for ``path``: the shipped one for the embedded model, else calibrated here."""
-    from model_executor.decoding.spiffy import save_graph
+    from model_executor.decoding import save_graph
     from psd_plugin import default_graph
     from psd_plugin.calibrate import calibrate_graph, model_name
 

@@ -13,7 +13,9 @@ from .freedave import FreeDaveDecoder
 from .lopa import LoPADecoder
 from .policies import SPATIAL_POLICIES, PolicyDecoder, make_policy
 from .psd import DraftDAG, PSDDecoder
-from .spiffy import BaseStep, DraftGraph, SpiffyDecoder, load_graph
+from .spiffy import BaseStep, SpiffyDecoder
+from .spiffy_calibration import calibrate, formula_of
+from .spiffy_graph import GRAPH_FORMAT_VERSION, DraftGraph, GraphNode, load_graph, save_graph
 
 METHODS = ("static", "confidence", "localleap", "lopa", "freedave", "spiffy", "psd")
 GREEDY_ONLY = ("lopa", "freedave", "psd")  # their acceptance compares argmax tokens; Spiffy samples losslessly
@@ -54,6 +56,7 @@ def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: f
     return PSDDecoder(block, mask_id, make_policy(policy, **knobs), dag or DraftDAG.nested(depth))
 
 
-__all__ = ["METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "LogitsRules", "Proposal", "RowPredictions", "apply_rules",
-           "base_step", "load_graph", "make_decoder", "merge_stats", "predict_rows", "propose_all",
-           "update_all"]
+__all__ = ["GRAPH_FORMAT_VERSION", "METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "GraphNode", "LogitsRules",
+           "PolicyDecoder", "Proposal", "RowPredictions", "apply_rules", "base_step", "calibrate", "formula_of",
+           "load_graph",
+           "make_decoder", "merge_stats", "predict_rows", "propose_all", "save_graph", "update_all"]

@@ -1,12 +1,16 @@
 """The engine-agnostic decoding protocol: a :class:`BlockDecoder` decodes one block of one request.
 
-An engine drives it like this (one model call per loop, shared by all requests of a batch)::
+An engine steps every running request's decoder at once (one model call per loop, shared by all)::
 
-    dec = make_decoder(block_tokens, ...)
-    while not dec.done:
-        canvases = dec.canvases()          # >= 1 versions of the block to forward (the current state, drafts...)
-        logits = forward(canvases)         # per canvas [block_len, V], row i predicts block position i
-        dec.update(logits)                 # commits; may commit more without a forward (reused predictions)
+    decs = [make_decoder(block_tokens, ...) for each request]
+    while live := [d for d in decs if not d.done]:
+        props = propose_all(live)          # per decoder >= 1 canvases to forward (the state, drafts...)
+        preds = predict_rows(forward([c for p in props for c in p.canvases]), mask_id)
+        update_all(live, props, preds, canvas_rows)   # commits; may commit more without a forward
+
+Each method implements one batched step (:meth:`BlockDecoder.propose_batch`, :meth:`BlockDecoder.update_batch`);
+what a proposal was made from travels in its :class:`Proposal`, never on the decoder. The methods written for
+one block, as their papers state them, are the tests' oracles (``tests/oracles/decoders.py``).
 
 Each canvas is forwarded in the same context (same prefix K/V, same window), so a canvas equal to a
 state that plain decoding would reach gets *exactly* the prediction plain decoding would compute there:
@@ -181,22 +185,18 @@ class Proposal:
 
 
 class BlockDecoder:
-    """Base class: state handling shared by every method. Subclasses implement ``propose``/``update``.
+    """Base class: one block of one request, and the method's step over many such blocks at once.
 
-    ``update`` takes one item per canvas: its logits ``[L, V]`` or its slice of the step's
-    :class:`RowPredictions`.
-
-    A method may also step many decoders at once (what the engines do, :func:`propose_all` and
-    :func:`update_all`): decoders with equal, non-None :meth:`batch_key` are proposed by :meth:`propose_batch`
-    and updated by :meth:`update_batch` in a handful of tensor ops for all of them. ``propose``/``update`` are the
-    method written for one block, as its paper states it; the tests hold the batched step equal to them."""
+    A method implements two classmethods over a list of its decoders (what :func:`propose_all` and
+    :func:`update_all` hand it, in any mix of knobs and progress): :meth:`propose_batch` returns one
+    :class:`Proposal` per decoder, :meth:`update_batch` reads each decoder's own proposal and the step's
+    predictions and advances its state. Between the two, nothing is kept on the decoder: the decoders updated
+    together need not be those proposed together (a request may wait a step for room in the batch)."""
 
     def __init__(self, block: torch.Tensor, mask_id: int):
         self.state = block.clone()
         self.mask_id = mask_id
         self.forwards = 0  # model calls this block took
-        self._proposed: list[torch.Tensor] | None = None  # canvases :meth:`propose_batch` made for this step
-        self._alone = False  # proposed with :meth:`propose` by :func:`propose_all`: updates with :meth:`update`
 
     @property
     def masked(self) -> torch.Tensor:
@@ -206,88 +206,65 @@ class BlockDecoder:
     def done(self) -> bool:
         return not bool(self.masked.any())
 
-    def canvases(self) -> list[torch.Tensor]:
-        """The versions of the block to forward this step: the batched proposal's, else :meth:`propose`'s."""
-        c, self._proposed = self._proposed, None
-        return c if c is not None else self.propose()
-
-    def propose(self) -> list[torch.Tensor]:
-        raise NotImplementedError
-
-    def update(self, logits: list[torch.Tensor]) -> None:
-        raise NotImplementedError
-
     def stats(self) -> dict:
         """Method-specific counters (accepted drafts ...), summed over blocks by the engine."""
         return {}
 
-    def batch_key(self):
-        """Decoders of one step with equal, non-None keys are proposed and updated together
-        (:func:`propose_all`, :func:`update_all`); None: this decoder steps alone."""
-        return None
+    @classmethod
+    def propose_batch(cls, decoders: list["BlockDecoder"]) -> list[Proposal]:
+        """The next canvases of every decoder (not done), one :class:`Proposal` each, in order."""
+        raise NotImplementedError
 
     @classmethod
-    def propose_batch(cls, decoders: list["BlockDecoder"]) -> None:
-        """The canvases of every decoder of the group, stored for :meth:`canvases`; by default each its own."""
-        for d in decoders:
-            d._proposed = d.propose()
-
-    @classmethod
-    def update_batch(cls, decoders: list["BlockDecoder"], preds: RowPredictions, rows: torch.Tensor) -> None:
-        """One step of several decoders of this class: ``rows [R, K, L]`` are the rows of ``preds`` holding
-        decoder ``r``'s canvas ``k`` (-1 past its canvases, or past a shorter block). A class whose
-        :meth:`batch_key` is not None implements it."""
-        raise NotImplementedError(f"{cls.__name__} has a batch_key but no update_batch")
+    def update_batch(cls, decoders: list["BlockDecoder"], proposals: list[Proposal], preds: RowPredictions,
+                     canvas_rows: list[list[int]]) -> None:
+        """One step of every decoder from its own ``proposals[i]``: ``canvas_rows[i]`` lists the first row (in
+        ``preds``) of each of its canvases (:func:`canvas_row_index` makes the ``[R, K, L]`` row index)."""
+        raise NotImplementedError
 
 
-def _groups(decoders: list[BlockDecoder]) -> tuple[dict, list[int]]:
-    """Decoders that step together (equal batch keys) and those that step alone (no key, or proposed alone)."""
-    groups: dict = {}
-    alone = []
-    for i, d in enumerate(decoders):
-        key = d.batch_key()
-        if key is None or d._alone:
-            alone.append(i)
-        else:
-            groups.setdefault((type(d), key), []).append(i)
-    return groups, alone
+def groups(items: list, key) -> list[list[int]]:
+    """Indices of ``items`` with equal ``key(item)``, groups in order of first appearance, indices in order."""
+    out: dict = {}
+    for i, x in enumerate(items):
+        out.setdefault(key(x), []).append(i)
+    return list(out.values())
 
 
 def propose_all(decoders: list[BlockDecoder]) -> list[Proposal]:
-    """Propose the next canvases of every decoder about to step, a group of equal batch keys at a time; the
-    engines call it before asking each request for its step (:meth:`BlockDecoder.canvases`).
-
-    A group of one is proposed, and then updated, with the one-block method: the batched step's tensor ops cost
-    more than that for a single request (Spiffy at concurrency 1: about 3x its decoder time), and the two give
-    the same result. The choice is remembered until the decoder's update, because the requests that step
-    together need not be those proposed together (a request may wait a step for room in the batch)."""
-    groups, _ = _groups(decoders)
-    for (cls, _), idx in groups.items():
-        if len(idx) == 1:
-            decoders[idx[0]]._alone = True  # :meth:`BlockDecoder.canvases` proposes it
-        else:
-            cls.propose_batch([decoders[i] for i in idx])
-    return [Proposal(d.canvases()) for d in decoders]
+    """One :class:`Proposal` per decoder, in order: each method proposes for all its decoders at once
+    (:meth:`BlockDecoder.propose_batch`)."""
+    out: list = [None] * len(decoders)
+    for idx in groups(decoders, type):
+        for i, p in zip(idx, type(decoders[idx[0]]).propose_batch([decoders[i] for i in idx])):
+            out[i] = p
+    return out
 
 
 def update_all(decoders: list[BlockDecoder], proposals: list[Proposal], preds: RowPredictions,
                canvas_rows: list[list[int]]) -> None:
     """One decoder step of every decoder of a forward from its batched predictions: ``canvas_rows[i]`` lists
-    the first row (in ``preds``) of each canvas of decoder ``i``, a block's length of rows each. Decoders
-    with equal batch keys update together (:meth:`BlockDecoder.update_batch`), the others (and those
-    :func:`propose_all` proposed alone) alone."""
-    groups, alone = _groups(decoders)
-    for i in alone:
-        d = decoders[i]
-        d.update([preds[a: a + d.state.numel()] for a in canvas_rows[i]])
-        d._alone = False
-    for (cls, _), idx in groups.items():
-        group = [decoders[i] for i in idx]
-        starts = pad_rows([torch.tensor(canvas_rows[i], dtype=torch.long) for i in idx], -1)  # [R, K]
-        lens = torch.tensor([d.state.numel() for d in group])
-        j = torch.arange(int(lens.max()))
-        ok = (starts[..., None] >= 0) & (j < lens[:, None, None])
-        cls.update_batch(group, preds, torch.where(ok, starts[..., None] + j, -1))
+    the first row (in ``preds``) of each canvas of ``proposals[i]`` (decoder ``i``'s), a block's length of rows
+    each. Each method updates all its decoders at once (:meth:`BlockDecoder.update_batch`), whichever calls
+    proposed them."""
+    for idx in groups(decoders, type):
+        type(decoders[idx[0]]).update_batch([decoders[i] for i in idx], [proposals[i] for i in idx], preds,
+                                            [canvas_rows[i] for i in idx])
+
+
+def canvas_row_index(decoders: list[BlockDecoder], canvas_rows: list[list[int]], K: int | None = None
+                     ) -> torch.Tensor:
+    """``[R, K, L]``: the row of ``preds`` of position ``l`` of canvas ``k`` of decoder ``r`` (-1 past its
+    canvases or past a shorter block); ``K`` defaults to the most canvases of a decoder."""
+    R = len(decoders)
+    lens = [d.state.numel() for d in decoders]
+    K = max(len(c) for c in canvas_rows) if K is None else K
+    starts = torch.full((R, K), -1, dtype=torch.long)
+    for r, c in enumerate(canvas_rows):
+        starts[r, : len(c)] = torch.tensor(c[:K], dtype=torch.long)
+    j = torch.arange(max(lens))
+    ok = (starts[..., None] >= 0) & (j < torch.tensor(lens)[:, None, None])
+    return torch.where(ok, starts[..., None] + j, -1)
 
 
 def pad_rows(tensors: list[torch.Tensor], value) -> torch.Tensor:

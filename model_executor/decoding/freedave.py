@@ -20,14 +20,18 @@ Choices the paper leaves open, made here:
   (Alg. 2 L14-17). The NFE of a block is therefore ``1 + iterations``.
 - Drafts never cross the block boundary (semi-autoregressive decoding finishes a block first).
 - Greedy only: lossless sampling needs the sample coupled across drafts; ``temperature > 0`` is refused.
+
+One step of all requests at once (:meth:`FreeDaveDecoder.propose_batch`, :meth:`FreeDaveDecoder.update_batch`):
+L5-13 by one sort (draft ``k`` fills the positions of confidence rank < ``k``), L19-35 for every draft of every
+request by one static step each; the block's first step (L2) is the same update with one canvas and m = 0.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import (BlockDecoder, Prediction, canvas_predictions, commit, onehot_first_max, pad_rows, predict,
-                   stacked_predictions)
+from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, commit,
+                   onehot_first_max, stacked_predictions)
 
 
 def topk_jump(state: torch.Tensor, pred: Prediction, k: int) -> torch.Tensor:
@@ -44,83 +48,56 @@ class FreeDaveDecoder(BlockDecoder):
     def __init__(self, block, mask_id, steps: int = 4):
         super().__init__(block, mask_id)
         self.steps = steps
-        self.pred: Prediction | None = None
-        self.drafts: list[torch.Tensor] = []
+        self.pred: Prediction | None = None  # the estimate of the current state (reused from its draft)
         self.accepted = self.iterations = 0
-        self._batch: tuple[torch.Tensor, int] | None = None  # (d drafts [d, L], how many are forwarded)
-
-    def propose(self):
-        if self.pred is None:
-            return [self.state]
-        n = int(self.masked.sum())
-        self.drafts = [topk_jump(self.state, self.pred, k) for k in range(1, min(self.steps, n - 1) + 1)]
-        unused = [self.state] * (self.steps - len(self.drafts))  # never forwarded (update_batch's layout)
-        self._batch = (torch.stack(self.drafts + unused), len(self.drafts))
-        return self.drafts
-
-    def update(self, logits):
-        if self.pred is None:  # Alg. 2 L2: the first estimate of the block
-            self.pred = predict(logits[0], self.state, self.mask_id)
-        else:
-            preds = [predict(lg, d, self.mask_id) for lg, d in zip(logits, self.drafts)]
-            m = 0
-            while m + 1 < len(self.drafts) and torch.equal(self.drafts[m + 1], topk_jump(self.drafts[m], preds[m], 1)):
-                m += 1
-            self.state, self.pred = self.drafts[m], preds[m]
-            self.accepted += m
-            self.iterations += 1
-        if int(self.masked.sum()) == 1:  # L14-17: the last step needs no forward
-            self.state = topk_jump(self.state, self.pred, 1)
 
     def stats(self):
         return {"accepted_drafts": self.accepted, "verify_iterations": self.iterations}
 
-    # ------------------------------------------------------------------ every request of a step at once
-    def batch_key(self):
-        return ("first" if self.pred is None else "verify"), self.mask_id, self.steps
-
     @classmethod
     def propose_batch(cls, decoders):
-        """L5-13 for every decoder: draft ``k`` fills the masked positions of confidence rank < ``k``."""
-        if decoders[0].pred is None:  # the block's first step forwards the state
-            return super().propose_batch(decoders)
-        mask, steps = decoders[0].mask_id, decoders[0].steps
-        S, T, C = stacked_predictions(decoders)
-        R, L = S.shape
-        order = torch.sort(C, dim=-1, descending=True, stable=True).indices
-        rank = torch.empty_like(order).scatter_(1, order, torch.arange(L, device=S.device).expand(R, L))
-        fill = (rank[:, None, :] < torch.arange(1, steps + 1, device=S.device)[:, None]) & torch.isfinite(C)[:, None]
-        D = torch.where(fill, T[:, None], S[:, None])  # [R, d, L]
-        n_fwd = ((S == mask).sum(-1) - 1).clamp(0, steps).tolist()
-        for d, drafts, nf in zip(decoders, D, n_fwd):
-            L_d = d.state.numel()
-            d._batch = (drafts[:, :L_d], nf)
-            d._proposed = list(drafts[:nf, :L_d])
+        """L5-13 for every decoder: draft ``k`` fills the masked positions of confidence rank < ``k``,
+        ``k = 1..d_i``; the block's first step forwards the state (L2). ``Proposal.data``: drafted or not."""
+        out: list = [Proposal([d.state], False) for d in decoders]
+        idx = [i for i, d in enumerate(decoders) if d.pred is not None]
+        if idx:
+            group = [decoders[i] for i in idx]
+            mask = group[0].mask_id
+            S, T, C = stacked_predictions(group)
+            R, L = S.shape
+            order = torch.sort(C, dim=-1, descending=True, stable=True).indices
+            rank = torch.empty_like(order).scatter_(1, order, torch.arange(L, device=S.device).expand(R, L))
+            steps = max(d.steps for d in group)
+            fill = (rank[:, None, :] < torch.arange(1, steps + 1, device=S.device)[:, None]) & \
+                torch.isfinite(C)[:, None]
+            D = torch.where(fill, T[:, None], S[:, None])  # [R, steps, L]
+            n_fwd = torch.minimum((S == mask).sum(-1) - 1, torch.tensor([d.steps for d in group])).clamp(min=0)
+            for i, d, drafts, nf in zip(idx, group, D, n_fwd.tolist()):
+                out[i] = Proposal(list(drafts[:nf, : d.state.numel()]), True)
+        return out
 
     @classmethod
-    def update_batch(cls, decoders, preds, rows):
+    def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """L18-37 for every decoder: the longest run of drafts each equal to one static step of the one
-        before (``m``), the jump to draft ``m`` with its prediction, and L14-17."""
+        before (``m``), the jump to draft ``m`` with its prediction, and L14-17 (the first step: L2, m = 0)."""
         mask = decoders[0].mask_id
         R, ar = len(decoders), torch.arange(len(decoders))
-        if decoders[0].pred is None:
-            D = pad_rows([d.state for d in decoders], -1)[:, None]  # [R, 1, L]
-            n_fwd = torch.ones(R, dtype=torch.long)
-        else:
-            D = pad_rows([d._batch[0].T for d in decoders], -1).transpose(1, 2)  # [R, d, L]
-            n_fwd = torch.tensor([d._batch[1] for d in decoders])
-        K = D.shape[1]
-        rows = torch.cat([rows, rows.new_full((R, K - rows.shape[1], rows.shape[2]), -1)], 1)[:, :K]
-        tok, conf = canvas_predictions(preds, rows, D, mask)
+        K = max(len(p.canvases) for p in proposals)
+        L = max(d.state.numel() for d in decoders)
+        D = torch.full((R, K, L), -1, dtype=decoders[0].state.dtype)  # the forwarded drafts, -1 past them
+        for r, p in enumerate(proposals):
+            c = torch.stack(p.canvases)
+            D[r, : c.shape[0], : c.shape[1]] = c
+        n_fwd = torch.tensor([len(p.canvases) for p in proposals])
+        tok, conf = canvas_predictions(preds, canvas_row_index(decoders, canvas_rows, K), D, mask)
         jump = torch.where(onehot_first_max(conf), tok, D)  # one static step from each draft's own prediction
         same = (jump[:, :-1] == D[:, 1:]).all(-1) & (torch.arange(1, K) < n_fwd[:, None])
         m = same.long().cumprod(-1).sum(-1)  # the accepted run: drafts 1..m each equal the step before
         state, tok_m, conf_m = D[ar, m], tok[ar, m], conf[ar, m]
         state = torch.where(((state == mask).sum(-1) == 1)[:, None], jump[ar, m], state)  # L14-17
-        first = decoders[0].pred is None
-        for d, s, t, c, mm in zip(decoders, state, tok_m, conf_m, m.tolist()):
+        for d, p, s, t, c, mm in zip(decoders, proposals, state, tok_m, conf_m, m.tolist()):
             L_d = d.state.numel()
-            d.state, d.pred, d._batch = s[:L_d], Prediction(t[:L_d], c[:L_d]), None
-            if not first:
+            d.state, d.pred = s[:L_d], Prediction(t[:L_d], c[:L_d])
+            if p.data:
                 d.accepted += mm
                 d.iterations += 1

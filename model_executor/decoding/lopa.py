@@ -14,13 +14,18 @@ softmax probability; the token at p_j is the prediction's argmax (no fresh sampl
 averaged over the current block only; ties prefer the anchor, then the lower j; if B0 completes the
 block no forward is run, and a branch that completes the block (no masks left, Eq. 2 undefined) is
 taken at once without a forward. With k = 0 LoPA is its spatial policy, forward for forward.
+
+One step of all requests at once (:meth:`LoPADecoder.propose_batch`, :meth:`LoPADecoder.update_batch`, decoders
+of one policy and k together): Eq. 2 for every branch of every request in one reduction, B* per request, and
+the next B0..Bk from B*'s prediction by one sort; the branches wait on the decoder (its state for the next
+step) and travel in the proposal (its data: all k + 1 branches and how many exist).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, Prediction, canvas_predictions, commit, pad_rows, predict
+from .base import BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, groups, pad_rows
 from .policies import Policy, policy_key
 
 
@@ -28,74 +33,46 @@ class LoPADecoder(BlockDecoder):
     def __init__(self, block, mask_id, policy: Policy, branches: int = 3):
         super().__init__(block, mask_id)
         self.policy, self.k = policy, branches
-        self.pred: Prediction | None = None
-        self.branches: list[torch.Tensor] = []
+        self.pred: Prediction | None = None  # the prediction of the current state (reused from its branch)
+        self.branches: tuple[torch.Tensor, int] | None = None  # B0..Bk [k + 1, L] (B0 where none) and how many
         self.chosen = [0] * (branches + 1)
-        self._batch: tuple[torch.Tensor, int] | None = None  # (all k + 1 branches [k + 1, L], how many exist)
-
-    def _explore(self, pred: Prediction) -> None:
-        """Build B0..Bk from the prediction of the current state; commit at once when one is complete."""
-        b0 = commit(self.state, pred, self.policy(pred.conf) & self.masked)
-        rest = torch.where(b0 == self.mask_id, pred.conf, torch.full_like(pred.conf, float("-inf")))
-        n = int(torch.isfinite(rest).sum())
-        self.branches = [b0]
-        if n:
-            for p in torch.sort(rest, descending=True, stable=True).indices[: min(self.k, n)]:
-                b = b0.clone()
-                b[p] = pred.tokens[p]
-                self.branches.append(b)
-        complete = [b for b in self.branches if not (b == self.mask_id).any()]
-        if complete:
-            self.state, self.branches = complete[0], []
-        else:  # update_batch's layout: k + 1 rows, B0 where a branch does not exist
-            self._batch = (torch.stack(self.branches + [b0] * (self.k + 1 - len(self.branches))), len(self.branches))
-
-    def propose(self):
-        return [self.state] if self.pred is None else self.branches
-
-    def update(self, logits):
-        if self.pred is None:
-            self.pred = predict(logits[0], self.state, self.mask_id)
-        else:
-            preds = [predict(lg, b, self.mask_id) for lg, b in zip(logits, self.branches)]
-            # Eq. 2: each branch's mean confidence over its masked positions, all branches in one reduction;
-            # the first best branch on ties (argmax)
-            conf = torch.stack([p.conf for p in preds])
-            masked = torch.stack(self.branches).to(conf.device) == self.mask_id
-            scores = torch.where(masked, conf, torch.zeros_like(conf)).sum(-1) / masked.sum(-1)
-            j = int(scores.argmax())
-            self.chosen[j] += 1
-            self.state, self.pred = self.branches[j], preds[j]
-        self._explore(self.pred)
 
     def stats(self):
         return {"branch_chosen": self.chosen}
 
-    # ------------------------------------------------------------------ every request of a step at once
-    def batch_key(self):
-        return ("first" if self.pred is None else "verify"), policy_key(self.policy), self.mask_id, self.k
+    @classmethod
+    def propose_batch(cls, decoders):
+        """The block's first step forwards the state; later ones the branches the last update explored."""
+        return [Proposal([d.state]) if d.pred is None else Proposal(list(d.branches[0][: d.branches[1]]), d.branches)
+                for d in decoders]
 
     @classmethod
-    def update_batch(cls, decoders, preds, rows):
+    def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """Eq. 2 over every branch of every decoder, B* per decoder, and the next B0..Bk from B*'s prediction
-        for all of them (:meth:`_explore`, batched)."""
+        for all of them (Eq. 1 and the lookahead branches), decoders of one policy and ``k`` at a time."""
+        for idx in groups(range(len(decoders)), lambda i: (policy_key(decoders[i].policy), decoders[i].k,
+                                                           proposals[i].data is None)):
+            cls._update([decoders[i] for i in idx], [proposals[i] for i in idx], preds,
+                        [canvas_rows[i] for i in idx])
+
+    @classmethod
+    def _update(cls, decoders, proposals, preds, canvas_rows):
         first = decoders[0]
-        mask, policy, k, verify = first.mask_id, first.policy, first.k, first.pred is not None
+        mask, policy, k, verify = first.mask_id, first.policy, first.k, proposals[0].data is not None
         R, ar = len(decoders), torch.arange(len(decoders))
         if verify:
-            B = pad_rows([d._batch[0].T for d in decoders], -1).transpose(1, 2)  # [R, k + 1, L]
-            exists = torch.arange(k + 1) < torch.tensor([d._batch[1] for d in decoders])[:, None]
+            B = pad_rows([p.data[0].T for p in proposals], -1).transpose(1, 2)  # [R, k + 1, L]
+            exists = torch.arange(k + 1) < torch.tensor([p.data[1] for p in proposals])[:, None]
         else:
             B = pad_rows([d.state for d in decoders], -1)[:, None]
             exists = torch.ones(R, 1, dtype=torch.bool)
-        K = B.shape[1]
-        rows = torch.cat([rows, rows.new_full((R, K - rows.shape[1], rows.shape[2]), -1)], 1)[:, :K]
+        rows = canvas_row_index(decoders, canvas_rows, B.shape[1])
         tok, conf = canvas_predictions(preds, rows, B, mask)
         masked = B == mask
         scores = torch.where(masked, conf, torch.zeros_like(conf)).sum(-1) / masked.sum(-1)  # Eq. 2
-        j = scores.masked_fill(~exists, float("-inf")).argmax(-1)
+        j = scores.masked_fill(~exists, float("-inf")).argmax(-1)  # the first best branch on ties
         S, T, C = B[ar, j], tok[ar, j], conf[ar, j]  # B* and its prediction
-        # _explore for every decoder: B0 = π's commit; B_i = B0 plus the i-th most confident position left
+        # B0 = π's commit; B_i = B0 plus the i-th most confident position left, filled with its prediction
         masked = S == mask
         b0 = torch.where(policy(C) & masked, T, S)
         rest = C.masked_fill(b0 != mask, float("-inf"))
@@ -109,7 +86,7 @@ class LoPADecoder(BlockDecoder):
         branches = torch.cat([b0[:, None], torch.where(pos, T[:, None], b0[:, None])], 1)  # [R, k + 1, L]
         n_br = 1 + valid.sum(-1)
         complete = ~(branches == mask).any(-1) & (torch.arange(k + 1) < n_br[:, None])
-        done = complete.any(-1)
+        done = complete.any(-1)  # a complete branch is taken at once, without a forward
         state = torch.where(done[:, None], branches[ar, complete.long().argmax(-1)], S)
         for r, (d, s, t, c, jj, nb, dn) in enumerate(zip(decoders, state, T, C, j.tolist(), n_br.tolist(),
                                                            done.tolist())):
@@ -117,8 +94,5 @@ class LoPADecoder(BlockDecoder):
             d.pred = Prediction(t[:L_d], c[:L_d])
             if verify:
                 d.chosen[jj] += 1
-            if dn:
-                d.state, d.branches, d._batch = s[:L_d], [], None
-            else:
-                br = branches[r, :, :L_d]
-                d.state, d.branches, d._batch = s[:L_d], list(br[:nb]), (br, nb)
+            d.state = s[:L_d]
+            d.branches = None if dn else (branches[r, :, :L_d], nb)

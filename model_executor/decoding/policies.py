@@ -6,8 +6,8 @@ already decoded (or past a shorter block's end), so ``isfinite(conf)`` is the se
 returns a boolean mask of the positions to commit; it is never empty while a row has a masked position (the
 top-1 always commits), so every forward makes progress.
 
-:class:`PolicyDecoder` runs a policy alone: one forward, one commit, repeat. Greedy policy decoders of a step
-update together (:meth:`PolicyDecoder.update_batch`): a handful of tensor ops for all requests.
+:class:`PolicyDecoder` runs a policy alone: one forward, one commit, repeat; the decoders of a step update
+together (:meth:`PolicyDecoder.update_batch`): a handful of tensor ops for all requests of a policy.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Callable
 
 import torch
 
-from .base import BlockDecoder, commit, onehot_first_max, pad_rows, predict
+from .base import (BlockDecoder, Proposal, canvas_predictions, canvas_row_index, groups, onehot_first_max, pad_rows,
+                   predict)
 
 Policy = Callable[[torch.Tensor], torch.Tensor]
 
@@ -55,7 +56,8 @@ SPATIAL_POLICIES = ("static", "confidence", "localleap")
 
 
 def policy_key(policy: Policy) -> tuple:
-    """What makes two bound policies the same rule (their function and knobs): part of a batch key."""
+    """What makes two bound policies the same rule (their function and knobs): decoders of one rule
+    commit together."""
     return getattr(policy, "func", policy), tuple(sorted(getattr(policy, "keywords", {}).items()))
 
 
@@ -71,38 +73,46 @@ def make_policy(name: str, threshold: float = 0.9, relaxed_threshold: float = 0.
 
 
 class PolicyDecoder(BlockDecoder):
-    """A spatial policy alone: each forward predicts the block and the policy commits positions."""
+    """A spatial policy alone: each forward predicts the block and the policy commits positions.
+
+    ``record``: a list that receives ``(state, prediction with full probabilities, next state)`` per step
+    (calibration, :mod:`psd_plugin.calibrate`)."""
 
     def __init__(self, block, mask_id, policy: Policy, temperature: float = 0.0,
-                 generator: torch.Generator | None = None, sample_filter: tuple[int, float, float] = (0, 1.0, 0.0)):
+                 generator: torch.Generator | None = None, sample_filter: tuple[int, float, float] = (0, 1.0, 0.0),
+                 record: list | None = None):
         super().__init__(block, mask_id)
         self.policy, self.temperature, self.generator = policy, temperature, generator
         self.sample_filter = sample_filter  # (top_k, top_p, min_p) when sampling
-
-    def propose(self):
-        return [self.state]
-
-    def update(self, logits):
-        pred = predict(logits[0], self.state, self.mask_id, temperature=self.temperature, generator=self.generator,
-                       sample_filter=self.sample_filter)
-        self.state = commit(self.state, pred, self.policy(pred.conf) & self.masked)
-
-    def batch_key(self):
-        # sampling draws from each request's own generator; a subclass may do more in update (calibration)
-        if self.temperature > 0 or type(self).update is not PolicyDecoder.update:
-            return None
-        return policy_key(self.policy), self.mask_id
+        self.record = record
 
     @classmethod
-    def update_batch(cls, decoders, preds, rows):
-        """Every decoder's step at once: states ``[R, L]`` (padded with -1, never the mask), the predictions at
-        ``rows[:, 0]`` (the state is the only canvas), the policy over all rows, one commit; each decoder keeps
-        a view of its row."""
-        lens = [d.state.numel() for d in decoders]
-        state = pad_rows([d.state for d in decoders], -1)
-        r = rows[:, 0].clamp(min=0).to(preds.tokens.device)
-        masked = state == decoders[0].mask_id
-        conf = preds.conf[r].masked_fill_(~masked, float("-inf"))  # the gather is a copy: fill in place
-        new = torch.where(decoders[0].policy(conf) & masked, preds.tokens[r], state)
-        for d, row, n in zip(decoders, new, lens):
-            d.state = row[:n]
+    def propose_batch(cls, decoders):
+        return [Proposal([d.state]) for d in decoders]
+
+    @classmethod
+    def update_batch(cls, decoders, proposals, preds, canvas_rows):
+        """Every decoder's step at once, a policy at a time: states ``[R, L]`` (padded with -1, never the mask),
+        the predictions of each state (its only canvas), the policy over all rows, one commit. A decoder that
+        samples (or records) predicts its own block, drawing from its own generator, decoders in order."""
+        def own(d):  # its prediction is not the step's greedy one
+            return d.temperature > 0 or d.record is not None
+        for idx in groups(decoders, lambda d: (policy_key(d.policy), own(d))):
+            group = [decoders[i] for i in idx]
+            S = pad_rows([d.state for d in group], -1)
+            if own(group[0]):
+                mine = [predict(preds[a: a + d.state.numel()], d.state, d.mask_id, keep_probs=d.record is not None,
+                                temperature=d.temperature, generator=d.generator, sample_filter=d.sample_filter)
+                        for d, a in ((d, canvas_rows[i][0]) for d, i in zip(group, idx))]
+                T = pad_rows([p.tokens.to(S.device) for p in mine], -1)
+                C = pad_rows([p.conf.to(S.device) for p in mine], float("-inf"))
+            else:
+                T, C = canvas_predictions(preds, canvas_row_index(group, [canvas_rows[i] for i in idx], 1)[:, 0], S,
+                                          group[0].mask_id)
+            masked = S == group[0].mask_id
+            new = torch.where(group[0].policy(C) & masked, T, S)
+            for r, (d, row) in enumerate(zip(group, new)):
+                row = row[: d.state.numel()]
+                if d.record is not None:
+                    d.record.append((d.state, mine[r], row))
+                d.state = row

@@ -27,6 +27,10 @@ Choices the paper leaves open (see docs/paper-notes-psd-lopa.md, O1-O6), made he
   graph (multi-parent DAG, :class:`DraftDAG`) can be given instead. Nodes asking for more ranks than
   there are masked positions are dropped; a draft that fills the whole block needs no forward.
 - Ties in σ follow ``torch.sort(stable=True)`` (lower position first); ties in L25 prefer the earlier node.
+
+One step of all requests at once (:meth:`PSDDecoder.propose_batch`, :meth:`PSDDecoder.update_batch`, decoders of
+one policy and DAG together): σ by one sort, each node's draft for every request by index assembly (L13-15, Eq. 2), and
+L20-22 node by node in topological order for all requests; a proposal's data are every node's draft and σ.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import BlockDecoder, Prediction, canvas_predictions, commit, pad_rows, predict, stacked_predictions
+from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, groups, pad_rows,
+                   stacked_predictions)
 from .policies import Policy, policy_key
 
 
@@ -66,130 +71,77 @@ class PSDDecoder(BlockDecoder):
     def __init__(self, block, mask_id, policy: Policy, dag: DraftDAG):
         super().__init__(block, mask_id)
         self.policy, self.dag = policy, dag
-        self.pred: Prediction | None = None  # prediction the current drafts are assembled from
-        self.nodes: list[int] = []  # DAG node of each draft this step
-        self.drafts: list[torch.Tensor] = []
-        self.sigma: torch.Tensor | None = None
+        self.pred: Prediction | None = None  # the prediction the next drafts are assembled from
         self.accepted_depth = self.iterations = 0
         self.node_tried = [0] * len(dag.sets)
         self.node_accepted = [0] * len(dag.sets)
-        self._batch: tuple | None = None  # (every node's draft [N, L], exists [N], forwarded [N], σ order [L])
-
-    def _stage1(self, pred: Prediction) -> None:
-        """L6-8 (and L26): commit π on a prediction of the current state, remember it for drafting."""
-        self.pred = pred
-        self.state = commit(self.state, pred, self.policy(pred.conf) & self.masked)
-
-    def propose(self):
-        if self.pred is None:
-            return [self.state]
-        masked = self.masked
-        # L13: σ = still-masked positions by step-t confidence (descending)
-        conf = torch.where(masked, self.pred.conf, torch.full_like(self.pred.conf, float("-inf")))
-        order = torch.sort(conf, descending=True, stable=True).indices
-        self.sigma = order[: int(masked.sum())]
-        self.nodes, self.drafts = [], []
-        for k, s in enumerate(self.dag.sets):  # L14-15: index assembly, Eq. 2
-            if s and max(s) >= self.sigma.numel():
-                continue
-            pos = torch.zeros_like(masked)
-            pos[self.sigma[list(s)]] = True
-            self.nodes.append(k)
-            self.drafts.append(commit(self.state, self.pred, pos))
-        # drafts that fill the block need no forward of their own
-        fwd = [bool((d == self.mask_id).any()) for d in self.drafts]
-        exists = torch.zeros(len(self.dag.sets), dtype=torch.bool)
-        exists[self.nodes] = True
-        every = [self.state] * len(self.dag.sets)  # update_batch's layout: every node, the state where none
-        for k, d in zip(self.nodes, self.drafts):
-            every[k] = d
-        forwarded = exists.clone()
-        forwarded[self.nodes] = torch.tensor(fwd)
-        self._batch = (torch.stack(every), exists, forwarded, order)
-        return [d for d, f in zip(self.drafts, fwd) if f]
-
-    def update(self, logits):
-        if self.pred is None:
-            self._stage1(predict(logits[0], self.state, self.mask_id))
-            return
-        it = iter(logits)
-        preds = [predict(next(it), d, self.mask_id) if (d == self.mask_id).any() else None for d in self.drafts]
-        index = {k: n for n, k in enumerate(self.nodes)}
-        accepted = {0}
-        for n, k in enumerate(self.nodes[1:], 1):  # L20-22, topological order (parents come first)
-            self.node_tried[k] += 1
-            for p in self.dag.parents[k]:
-                if p not in accepted or preds[index[p]] is None:
-                    continue
-                new = self.sigma[sorted(self.dag.sets[k] - self.dag.sets[p])]
-                pp = preds[index[p]]
-                if bool((self.policy(pp.conf)[new] & (pp.tokens[new] == self.drafts[n][new])).all()):
-                    accepted.add(k)
-                    self.node_accepted[k] += 1
-                    break
-        best = max(accepted, key=lambda k: (len(self.dag.sets[k]), -k))  # L25
-        n = index[best]
-        self.accepted_depth += len(self.dag.sets[best])
-        self.iterations += 1
-        self.state = self.drafts[n]
-        if preds[n] is not None:
-            self._stage1(preds[n])  # L26 (= the next iteration's Stage 1 on the same state)
 
     def stats(self):
         return {"accepted_positions": self.accepted_depth, "verify_iterations": self.iterations,
                 "node_tried": self.node_tried, "node_accepted": self.node_accepted}
 
-    # ------------------------------------------------------------------ every request of a step at once
-    def batch_key(self):
-        return ("first" if self.pred is None else "verify"), policy_key(self.policy), self.mask_id, self.dag
-
     @classmethod
     def propose_batch(cls, decoders):
-        """L13-15 for every decoder: σ from one sort, each DAG node's draft for all requests at once."""
-        if decoders[0].pred is None:  # the block's first step forwards the state
-            return super().propose_batch(decoders)
-        mask, dag = decoders[0].mask_id, decoders[0].dag
-        S, T, C = stacked_predictions(decoders)
-        masked = S == mask
-        R, L = S.shape
-        order = torch.sort(C, dim=-1, descending=True, stable=True).indices  # σ: the masked positions first
-        n = masked.sum(-1)
-        drafts, exists = [], []
-        for s in dag.sets:
-            ranks = sorted(s)
-            if not ranks:
-                drafts.append(S)
-                exists.append(torch.ones(R, dtype=torch.bool))
-            elif ranks[-1] >= L:  # asks for more ranks than any block of the step has
-                drafts.append(S)
-                exists.append(torch.zeros(R, dtype=torch.bool))
-            else:
-                pos = torch.zeros_like(masked).scatter_(1, order[:, ranks], True)
-                drafts.append(torch.where(pos, T, S))
-                exists.append(n > ranks[-1])
-        D, E = torch.stack(drafts, 1), torch.stack(exists, 1)  # [R, N, L], [R, N]
-        F = E & (D == mask).any(-1)  # a draft that fills the block needs no forward
-        for d, dr, e, f, o, fl in zip(decoders, D, E, F, order, F.tolist()):
-            L_d = d.state.numel()
-            d._batch = (dr[:, :L_d], e, f, o[:L_d])
-            d._proposed = [dr[k, :L_d] for k, fwd in enumerate(fl) if fwd]
+        """L13-15 for every decoder, a DAG at a time: σ from one sort, each node's draft for all requests at
+        once; the block's first step forwards the state. ``Proposal.data``: every node's draft ``[N, L]`` (the
+        state where none), which exist ``[N]``, which are forwarded ``[N]`` (a draft that fills the block is
+        not) and σ ``[L]`` (the masked positions first)."""
+        out: list = [Proposal([d.state]) for d in decoders]
+        verify = [i for i, d in enumerate(decoders) if d.pred is not None]
+        for idx in groups(verify, lambda i: decoders[i].dag):
+            idx = [verify[i] for i in idx]
+            group = [decoders[i] for i in idx]
+            mask, dag = group[0].mask_id, group[0].dag
+            S, T, C = stacked_predictions(group)
+            masked = S == mask
+            R, L = S.shape
+            order = torch.sort(C, dim=-1, descending=True, stable=True).indices  # L13: σ
+            n = masked.sum(-1)
+            drafts, exists = [], []
+            for s in dag.sets:  # L14-15: index assembly, Eq. 2
+                ranks = sorted(s)
+                if not ranks:
+                    drafts.append(S)
+                    exists.append(torch.ones(R, dtype=torch.bool))
+                elif ranks[-1] >= L:  # asks for more ranks than any block of the group has
+                    drafts.append(S)
+                    exists.append(torch.zeros(R, dtype=torch.bool))
+                else:
+                    pos = torch.zeros_like(masked).scatter_(1, order[:, ranks], True)
+                    drafts.append(torch.where(pos, T, S))
+                    exists.append(n > ranks[-1])  # nodes asking for more ranks than there are masks are dropped
+            D, E = torch.stack(drafts, 1), torch.stack(exists, 1)  # [R, N, L], [R, N]
+            F = E & (D == mask).any(-1)  # a draft that fills the block needs no forward
+            for i, d, dr, e, f, o, fl in zip(idx, group, D, E, F, order, F.tolist()):
+                L_d = d.state.numel()
+                out[i] = Proposal([dr[k, :L_d] for k, fwd in enumerate(fl) if fwd], (dr[:, :L_d], e, f, o[:L_d]))
+        return out
 
     @classmethod
-    def update_batch(cls, decoders, preds, rows):
-        """L18-26 for every decoder: each node's verification under π, hierarchical acceptance node by node
-        in topological order (all requests at once), the deepest accepted draft and Stage 1 on it."""
+    def update_batch(cls, decoders, proposals, preds, canvas_rows):
+        """L18-26 for every decoder, a policy and DAG at a time: each node's verification under π,
+        hierarchical acceptance node by node in topological order (all requests at once), the deepest accepted
+        draft and Stage 1 on it (the block's first step: Stage 1 on the state's prediction)."""
+        for idx in groups(range(len(decoders)), lambda i: (policy_key(decoders[i].policy), decoders[i].dag,
+                                                           proposals[i].data is None)):
+            cls._update([decoders[i] for i in idx], [proposals[i] for i in idx], preds,
+                        [canvas_rows[i] for i in idx])
+
+    @classmethod
+    def _update(cls, decoders, proposals, preds, canvas_rows):
         first = decoders[0]
-        mask, policy, verify = first.mask_id, first.policy, first.pred is not None
+        mask, policy, verify = first.mask_id, first.policy, proposals[0].data is not None
         R, ar = len(decoders), torch.arange(len(decoders))
+        rows = canvas_row_index(decoders, canvas_rows)
         if not verify:  # the block's first forward: Stage 1 on the state's prediction
             D = pad_rows([d.state for d in decoders], -1)[:, None]  # [R, 1, L]
             E = F = torch.ones(R, 1, dtype=torch.bool)
             node_rows = rows[:, :1]
         else:
-            D = pad_rows([d._batch[0].T for d in decoders], -1).transpose(1, 2)  # [R, N, L]
-            E = torch.stack([d._batch[1] for d in decoders])
-            F = torch.stack([d._batch[2] for d in decoders])
-            sigma = pad_rows([d._batch[3] for d in decoders], 0)
+            D = pad_rows([p.data[0].T for p in proposals], -1).transpose(1, 2)  # [R, N, L]
+            E = torch.stack([p.data[1] for p in proposals])
+            F = torch.stack([p.data[2] for p in proposals])
+            sigma = pad_rows([p.data[3] for p in proposals], 0)
             # forwarded node k of request r is its canvas (number of forwarded nodes before k)
             canvas = (F.long().cumsum(-1) - 1).clamp(min=0)
             node_rows = rows.gather(1, canvas[..., None].expand(-1, -1, rows.shape[-1]))
@@ -221,7 +173,7 @@ class PSDDecoder(BlockDecoder):
         for r, (d, s, t, c, f, depth) in enumerate(zip(decoders, state, tok[ar, best], conf[ar, best], fb.tolist(),
                                                         size[best].tolist())):
             L_d = d.state.numel()
-            d.state, d._batch = s[:L_d], None
+            d.state = s[:L_d]
             if f:
                 d.pred = Prediction(t[:L_d], c[:L_d])
             if verify:

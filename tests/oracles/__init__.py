@@ -1,0 +1,1 @@
+"""Reference implementations the tests compare the engines' decoders against (:mod:`.decoders`)."""
