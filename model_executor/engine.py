@@ -42,7 +42,7 @@ import msgspec
 
 from .decode_config import ConfigError, DecodeConfig, DecodeKnobs, resolve
 from .decoding import BlockDecoder, LogitsRules, apply_rules, predict_rows, propose_all, update_all
-from .dllm_request import DLLMRequest, DLLMStep
+from .dllm_request import DLLMRequest
 from .models.reference import ReferenceDLLM
 from .outputs import GenerationResult
 

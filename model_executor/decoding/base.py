@@ -231,6 +231,14 @@ def groups(items: list, key) -> list[list[int]]:
     return list(out.values())
 
 
+def update_in_groups(update, key, decoders: list[BlockDecoder], proposals: list[Proposal], preds: RowPredictions,
+                     canvas_rows: list[list[int]]) -> None:
+    """``update(decoders, proposals, preds, canvas_rows)`` once per group of decoders with equal
+    ``key(decoder, proposal)``: the knobs one batched update cannot mix (a policy, a draft DAG, a graph)."""
+    for idx in groups(range(len(decoders)), lambda i: key(decoders[i], proposals[i])):
+        update([decoders[i] for i in idx], [proposals[i] for i in idx], preds, [canvas_rows[i] for i in idx])
+
+
 def propose_all(decoders: list[BlockDecoder]) -> list[Proposal]:
     """One :class:`Proposal` per decoder, in order: each method proposes for all its decoders at once
     (:meth:`BlockDecoder.propose_batch`)."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, groups, pad_rows
+from .base import BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, pad_rows, update_in_groups
 from .policies import Policy, policy_key
 
 
@@ -50,10 +50,8 @@ class LoPADecoder(BlockDecoder):
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """Eq. 2 over every branch of every decoder, B* per decoder, and the next B0..Bk from B*'s prediction
         for all of them (Eq. 1 and the lookahead branches), decoders of one policy and ``k`` at a time."""
-        for idx in groups(range(len(decoders)), lambda i: (policy_key(decoders[i].policy), decoders[i].k,
-                                                           proposals[i].data is None)):
-            cls._update([decoders[i] for i in idx], [proposals[i] for i in idx], preds,
-                        [canvas_rows[i] for i in idx])
+        update_in_groups(cls._update, lambda d, p: (policy_key(d.policy), d.k, p.data is None), decoders,
+                         proposals, preds, canvas_rows)
 
     @classmethod
     def _update(cls, decoders, proposals, preds, canvas_rows):

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, groups, pad_rows,
-                   stacked_predictions)
+                   stacked_predictions, update_in_groups)
 from .policies import Policy, policy_key
 
 
@@ -122,10 +122,8 @@ class PSDDecoder(BlockDecoder):
         """L18-26 for every decoder, a policy and DAG at a time: each node's verification under π,
         hierarchical acceptance node by node in topological order (all requests at once), the deepest accepted
         draft and Stage 1 on it (the block's first step: Stage 1 on the state's prediction)."""
-        for idx in groups(range(len(decoders)), lambda i: (policy_key(decoders[i].policy), decoders[i].dag,
-                                                           proposals[i].data is None)):
-            cls._update([decoders[i] for i in idx], [proposals[i] for i in idx], preds,
-                        [canvas_rows[i] for i in idx])
+        update_in_groups(cls._update, lambda d, p: (policy_key(d.policy), d.dag, p.data is None), decoders,
+                         proposals, preds, canvas_rows)
 
     @classmethod
     def _update(cls, decoders, proposals, preds, canvas_rows):

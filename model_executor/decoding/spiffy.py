@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 
 from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, commit, groups, pad_rows,
-                   predict, top_tokens)
+                   predict, top_tokens, update_in_groups)
 from .policies import policy_key
 from .spiffy_graph import DraftGraph
 
@@ -216,12 +216,9 @@ class SpiffyDecoder(BlockDecoder):
     @classmethod
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """Alg. 1 for every decoder, a graph and base step at a time (greedy and sampling decoders apart)."""
-        def key(i):
-            d = decoders[i]
-            return id(d.graph), policy_key(d.next_state.rule), d.sampling["temperature"] > 0
-        for idx in groups(range(len(decoders)), key):
-            cls._update([decoders[i] for i in idx], [proposals[i] for i in idx], preds,
-                        [canvas_rows[i] for i in idx])
+        update_in_groups(cls._update, lambda d, p: (id(d.graph), policy_key(d.next_state.rule),
+                                                    d.sampling["temperature"] > 0), decoders, proposals, preds,
+                         canvas_rows)
 
     @classmethod
     def _update(cls, decoders, proposals, preds, canvas_rows):

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from model_executor.decoding.base import Prediction, commit, predict, top_tokens
+from model_executor.decoding.base import BlockDecoder, Prediction, commit, predict, top_tokens
 from model_executor.decoding.freedave import topk_jump
 from model_executor.decoding.policies import Policy, make_policy, SPATIAL_POLICIES
 from model_executor.decoding.psd import DraftDAG
@@ -26,23 +26,8 @@ from model_executor.decoding.spiffy import Ranked, _elementwise, _log
 from model_executor.decoding.spiffy_graph import DraftGraph
 
 
-class OracleDecoder:
-    """One block's state; subclasses implement ``canvases`` and ``update``."""
-
-    def __init__(self, block: torch.Tensor, mask_id: int):
-        self.state = block.clone()
-        self.mask_id = mask_id
-
-    @property
-    def masked(self) -> torch.Tensor:
-        return self.state == self.mask_id
-
-    @property
-    def done(self) -> bool:
-        return not bool(self.masked.any())
-
-    def stats(self) -> dict:
-        return {}
+class OracleDecoder(BlockDecoder):
+    """One block's state (the decoders' own base); subclasses implement ``canvases`` and ``update``."""
 
 
 class PolicyOracle(OracleDecoder):
