@@ -59,7 +59,7 @@ def verify_inputs(model: ReferenceDLLM, batch: int, prefix: int, window: int, ca
         qo = seg
         table = cache.block_table.repeat_interleave(canvases, 0)
     plan = AttentionPlan(qo, torch.full((qo.numel() - 1,), prefix), table, page, kind=s.attention, seg_indptr=seg,
-                         positions=pos.cpu(), block_size=s.block_size)
+                         positions=pos.cpu(), block_size=s.attention_block)
     return ids, pos, plan, cache
 
 

@@ -51,7 +51,7 @@ def first_window_end(cache: str, prompt_len: int, max_tokens: int, block_size: i
 
 
 def cached_after_step(cache: str, block: tuple[int, int], w0: int, *, fresh: bool, cached: int, shift: int,
-                      model_block: int) -> int:
+                      attention_block: int) -> int:
     """Length of the exact K/V prefix after a step that forwarded from ``w0``.
 
     ``prefix``, ``dual``: the first step of a block stores everything before the block (``b0 - shift``).
@@ -60,7 +60,7 @@ def cached_after_step(cache: str, block: tuple[int, int], w0: int, *, fresh: boo
     if cache in ("prefix", "dual"):
         return b0 - shift if fresh else cached
     if cache == "block":
-        a0 = b0 // model_block * model_block
+        a0 = b0 // attention_block * attention_block
         return a0 if w0 < a0 else cached
     return 0
 

@@ -132,13 +132,13 @@ def resolve(method: str, knobs: DecodeKnobs, spec, *, block_size: int | None = N
     if block_size is not None and block_size <= 0:
         raise ConfigError(f"{where}.block_size must be > 0 (got {block_size})")
     if spec.attention == "block_causal":
-        if block_size not in (None, spec.block_size):
+        if block_size not in (None, spec.attention_block):
             raise ConfigError(f"{where}.block_size {block_size}: a block-causal {spec.family} model decodes in its "
-                              f"attention block; allowed: {spec.block_size}")
+                              f"attention block; allowed: {spec.attention_block}")
         if cache not in (None, "none", "block"):
             raise ConfigError(f"{where}.cache {cache!r} is for bidirectional models; a block-causal {spec.family} "
                               "model allows: none, block")
-        block_size, cache = spec.block_size, cache or "block"
+        block_size, cache = spec.attention_block, cache or "block"
     else:
         if cache == "block":
             raise ConfigError(f"{where}.cache 'block' is exact only for block-causal models (SDAR, LLaDA2); "

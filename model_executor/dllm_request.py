@@ -157,10 +157,10 @@ class DLLMRequest:
         """Whether the decoder's next canvases are wanted (:func:`~model_executor.decoding.propose_all`)."""
         return not self.done and self.step is None and self.resume is None
 
-    def plan(self, proposal: Proposal, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
+    def plan(self, proposal: Proposal, cache: str, shift: int, attention_block: int = 1) -> DLLMStep:
         """Plan the next forward from the decoder's ``proposal`` (:meth:`next_step`); it is :attr:`step` until
         the engine reports it forwarded (:meth:`stepped`)."""
-        self.step = self.next_step(proposal, cache, shift, model_block)
+        self.step = self.next_step(proposal, cache, shift, attention_block)
         return self.step
 
     def preempted(self, cache: str) -> None:
@@ -171,9 +171,9 @@ class DLLMRequest:
                 and self.step is not None and not self.step.rebuild:
             self.resume, self.step = self.step, None
 
-    def plan_rebuild(self, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
+    def plan_rebuild(self, cache: str, shift: int, attention_block: int = 1) -> DLLMStep:
         """Plan the rebuild step (:meth:`first_step`; its logits are not for the decoder, it counts in no NFE)."""
-        self.step = self.first_step(cache, shift, model_block)
+        self.step = self.first_step(cache, shift, attention_block)
         return self.step
 
     def rebuilt(self) -> None:
@@ -181,7 +181,7 @@ class DLLMRequest:
         self.cached = self.step.keep
         self.step, self.resume = self.resume, None
 
-    def next_step(self, proposal: Proposal, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
+    def next_step(self, proposal: Proposal, cache: str, shift: int, attention_block: int = 1) -> DLLMStep:
         """The rows of this request's next forward: the canvases of its decoder's ``proposal``
         (:func:`~model_executor.decoding.propose_all`) over the step's window (module docstring)."""
         b0, b1 = self.block
@@ -192,19 +192,19 @@ class DLLMRequest:
         if w0 > self.cached:
             raise RuntimeError(f"window starts at {w0} but only {self.cached} positions are cached")
         keep = cached_after_step(cache, (b0, b1), w0, fresh=self.fresh, cached=self.cached, shift=shift,
-                                 model_block=model_block)
+                                 attention_block=attention_block)
         rows = self.tokens[w0:w1].repeat(len(canvases), 1)
         rows[:, b0 - w0: b1 - w0] = torch.stack(canvases).to(rows.device)
         return DLLMStep(w0, w1, b0, b1, rows, keep, shift, kept_suffix(cache, (b0, b1), self.total), proposal)
 
-    def first_step(self, cache: str, shift: int, model_block: int = 1) -> DLLMStep:
+    def first_step(self, cache: str, shift: int, attention_block: int = 1) -> DLLMStep:
         """The current block's first step again (the block all masks, as it was then). Forwarding it restores
         the K/V the block's later steps were computed against (after a preemption, under the prefix cache);
         its logits are not for the decoder. Under ``dual`` it restores the kept suffix too."""
         b0, b1 = self.block
         w0, w1 = window(cache, (b0, b1), self.total, fresh=True, cached=self.cached, shift=shift)
         keep = cached_after_step(cache, (b0, b1), w0, fresh=True, cached=self.cached, shift=shift,
-                                 model_block=model_block)
+                                 attention_block=attention_block)
         return DLLMStep(w0, w1, b0, b1, self.tokens[w0:w1][None].clone(), keep, shift,
                         kept_suffix(cache, (b0, b1), self.total))
 

@@ -140,7 +140,7 @@ class ReferenceEngine:
         """One forward for every live request (``(sequence in the batch's cache, request)``)."""
         shift = int(self.spec.shift_logits)
         proposals = propose_all([r.dec for _, r in live])  # every decoder's canvases, a method at a time
-        steps = [r.plan(p, cache, shift, self.spec.block_size or 1) for p, (_, r) in zip(proposals, live)]
+        steps = [r.plan(p, cache, shift, self.spec.attention_block or 1) for p, (_, r) in zip(proposals, live)]
         batch = build_step_batch(steps)
         t0 = time.perf_counter()
         logits = self._forward([seq for seq, _ in live], batch)
@@ -170,7 +170,7 @@ class ReferenceEngine:
         T = batch.num_scheduled
         seq_of_row = torch.repeat_interleave(torch.tensor(seqs), batch.scheduled_lens)
         write = (self.kv.slots(seq_of_row, batch.positions[:T]).to(dev), torch.arange(T, device=dev))
-        plan = batch.plan(self.kv.block_table[seqs], self.kv.page_size, self.spec.attention, self.spec.block_size)
+        plan = batch.plan(self.kv.block_table[seqs], self.kv.page_size, self.spec.attention, self.spec.attention_block)
         return self.model.forward_paged(batch.input_ids.to(dev), batch.positions.to(dev), plan, self.kv, self.attn,
                                         write=write, logits_rows=batch.logits_rows.to(dev),
                                         order=batch.order)

@@ -74,7 +74,7 @@ class PrestoEngine:
             raise ValueError(f"max_tokens must be > 0 (got {max_tokens})")
         opts = draft_options(self.drafter, search=search, tree_budget=tree_budget, width=width, top_b=top_b, lam=lam,
                              adaptive=adaptive, draft_len=draft_len, candidates=candidates, temperature=temperature)
-        k, blk = opts["k"], (self.drafter.spec.block_size if self.drafter else 0)
+        k, blk = opts["k"], (self.drafter.spec.attention_block if self.drafter else 0)
         limit = spec.max_position if self.drafter is None else min(spec.max_position, self.drafter.spec.max_position)
         for p in prompts:
             if not p:

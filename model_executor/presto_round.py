@@ -81,7 +81,7 @@ class TreeDrafter:
 
     def draft(self, reqs: list[DraftState], o: dict) -> None:
         """Marginals of the next ``o["k"]`` positions of every request (one forward), then its tree."""
-        spec, k, blk = self.drafter.spec, o["k"], self.drafter.spec.block_size
+        spec, k, blk = self.drafter.spec, o["k"], self.drafter.spec.attention_block
         ids, pos, rows, qo, prefix, w_slots, w_rows = [], [], [], [0], [], [], []
         for r in reqs:
             n = len(r.seq)
@@ -144,7 +144,7 @@ def draft_options(drafter: ReferenceDLLM | None, *, search: str, tree_budget: in
         raise ValueError(f"search {search!r} needs a drafter model")
     if tree_budget < 1:
         raise ValueError(f"tree_budget must be >= 1 (got {tree_budget})")
-    k = draft_len or (drafter.spec.block_size if drafter is not None else 1)
+    k = draft_len or (drafter.spec.attention_block if drafter is not None else 1)
     return dict(search=search, budget=tree_budget, width=width, top_b=top_b, lam=lam, adaptive=adaptive, k=k,
                 candidates=candidates, temperature=temperature)
 

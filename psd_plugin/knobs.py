@@ -80,7 +80,7 @@ def resolve_for_model(method: str, knobs: DecodeKnobs, spec, model_dir, block_si
 
     graph = None
     if method == "spiffy":
-        block = spec.block_size if spec.attention == "block_causal" else block_size or 8
+        block = spec.attention_block if spec.attention == "block_causal" else block_size or 8
         graph = spiffy_graph(knobs, model_dir, block, where=f"{where}.graph")
     return resolve(method, knobs, spec, block_size=block_size, graph=graph, where=where)
 

@@ -34,7 +34,7 @@ def test_policies():
 @pytest.mark.parametrize("method", ["static", "confidence"])
 def test_batch_equals_single_float64(tiny_checkpoints, prompt_ids, family, caches, method):
     eng = ReferenceEngine.from_pretrained(tiny_checkpoints[family], dtype=torch.float64)
-    bs = eng.spec.block_size or 8
+    bs = eng.spec.attention_block or 8
     for cache in caches:
         kw = dict(max_tokens=12, block_size=bs, method=method, cache=cache, threshold=0.02)
         batch = eng.generate(prompt_ids, **kw)
@@ -49,7 +49,7 @@ def test_batch_equals_single_float64(tiny_checkpoints, prompt_ids, family, cache
 @pytest.mark.parametrize("family", ["sdar", "llada2"])
 def test_block_causal_block_cache_is_exact(tiny_checkpoints, prompt_ids, family):
     eng = ReferenceEngine.from_pretrained(tiny_checkpoints[family], dtype=torch.float64)
-    bs = eng.spec.block_size
+    bs = eng.spec.attention_block
     a = eng.generate(prompt_ids, max_tokens=14, block_size=bs, method="static", cache="none")
     b = eng.generate(prompt_ids, max_tokens=14, block_size=bs, method="static", cache="block")
     assert [r.token_ids for r in a] == [r.token_ids for r in b]

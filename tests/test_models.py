@@ -191,7 +191,7 @@ def test_paged_forward_matches_full_forward(tiny_checkpoints, family):
 
     def paged(ids, pos, prefix, segs, write=None):
         plan = AttentionPlan(torch.tensor([0, ids.numel()]), torch.tensor([prefix]), cache.block_table[:1], 3,
-                             kind=s.attention, seg_indptr=torch.tensor(segs), positions=pos, block_size=s.block_size)
+                             kind=s.attention, seg_indptr=torch.tensor(segs), positions=pos, block_size=s.attention_block)
         return m.forward_paged(ids, pos, plan, cache, attn, write=write)
 
     with torch.no_grad():
@@ -233,7 +233,7 @@ def test_sdar_config_without_mask_and_block_reads_tokenizer_and_published_defaul
 
     src = tiny_checkpoints["sdar"]
     want = ArchSpec.from_hf_config(read_config(src))
-    assert want.block_size == 4
+    assert want.attention_block == 4
     dst = _sdar_without(src, tmp_path / "sdar", ("mask_token_id", "block_size"), mask_name="<|MASK|>")
     with caplog.at_level(logging.WARNING, logger="model_executor.models.configs"):
         got = ReferenceDLLM.from_pretrained(dst)
@@ -317,7 +317,7 @@ def test_published_llada2_config_reads_as_its_code(caplog, tmp_path):
     with caplog.at_level(logging.WARNING, logger="model_executor.models.configs"):
         spec = ArchSpec.from_hf_config(read_config(tmp_path))
         assert ArchSpec.from_hf_config(AutoConfig.from_pretrained(str(tmp_path))) == spec
-    assert (spec.family, spec.mask_token_id, spec.eos_token_id, spec.block_size) == ("llada2", 156895, 156892, 32)
+    assert (spec.family, spec.mask_token_id, spec.eos_token_id, spec.attention_block) == ("llada2", 156895, 156892, 32)
     assert spec.qk_norm and spec.fused_qkv and not spec.qkv_bias and not spec.shift_logits
     assert (spec.head_dim, spec.rotary_dim, spec.num_kv_heads, spec.rope_theta) == (128, 64, 4, 600000.0)
     assert spec.attention == "block_causal" and not spec.rope_in_float32
@@ -329,7 +329,7 @@ def test_published_llada2_config_reads_as_its_code(caplog, tmp_path):
         assert sum(f"no {field}; using LLaDA2's published {value}" in x for x in logs) == 1, logs
     hf = AutoConfig.from_pretrained(str(tmp_path))
     hf.update({"block_size": 16, "mask_token_id": 156894})  # what vLLM does with --hf-overrides
-    assert (ArchSpec.from_hf_config(hf).block_size, ArchSpec.from_hf_config(hf).mask_token_id) == (16, 156894)
+    assert (ArchSpec.from_hf_config(hf).attention_block, ArchSpec.from_hf_config(hf).mask_token_id) == (16, 156894)
 
 
 @pytest.mark.parametrize("edit,message", [

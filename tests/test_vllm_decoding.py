@@ -88,7 +88,7 @@ def _graph(path):
         g = torch.Generator().manual_seed(1)
         prompts = [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in range(4, 20)]
         spec = ReferenceEngine.from_pretrained(path).spec
-        block = spec.block_size or 8
+        block = spec.attention_block or 8
         graph = calibrate_graph(ReferenceEngine.from_pretrained(path), prompts, model_name=model_name(path),
                                 lookahead=3, budget=6, block_size=block, progress=False)
         out = path.parent / f"{path.name}.static.json"
@@ -102,7 +102,7 @@ def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True, 
     if cache is not None:
         knobs["cache"] = cache
     ref_engine = ReferenceEngine.from_pretrained(path)
-    block = ref_engine.spec.block_size or 8
+    block = ref_engine.spec.attention_block or 8
     ref_knobs = dict(knobs)
     if method == "spiffy":
         from model_executor.decoding import load_graph
@@ -335,7 +335,7 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
     path, prompts = (DEFAULT_DLLM, heldout_prompts) if family == "llada" else (tiny_checkpoints["sdar"],
                                                                                 random_prompts * 3)
     engine = ReferenceEngine.from_pretrained(path)
-    ref = engine.generate(prompts, max_tokens=32, method="psd", block_size=engine.spec.block_size or 8, cache=cache)
+    ref = engine.generate(prompts, max_tokens=32, method="psd", block_size=engine.spec.attention_block or 8, cache=cache)
     llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
               num_gpu_blocks_override=9,
               speculative_config={"method": "psd", "decoding": "psd", "cache": cache})

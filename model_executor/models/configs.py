@@ -212,7 +212,7 @@ class ArchSpec:
     qk_norm: bool
     shift_logits: bool  # Dream: the prediction for position i is read from the output at i - 1
     attention: AttentionKind
-    block_size: int | None  # SDAR's / LLaDA2's attention block; None for fully bidirectional models
+    attention_block: int | None  # SDAR's / LLaDA2's attention block (their config's block_size); None: bidirectional
     tie_embeddings: bool
     rotary_dim: int | None = None  # RoPE on the first rotary_dim dims of a head (LLaDA2: half); None = all
     fused_qkv: bool = False  # one query_key_value tensor (LLaDA2) instead of q/k/v
@@ -299,7 +299,7 @@ class ArchSpec:
                       eos_token_id=int(eos), tie_embeddings=bool(get("tie_word_embeddings", False)))
         if model_type == "Dream":
             return cls("dream", **common, qkv_bias=True, qk_norm=False, shift_logits=True,
-                       attention="bidirectional", block_size=None)
+                       attention="bidirectional", attention_block=None)
         if model_type == "llada2_moe":
             return cls._llada2(common, get)
         block = get("block_size")
@@ -309,7 +309,7 @@ class ArchSpec:
         if not isinstance(block, int) or isinstance(block, bool) or block < 1:
             raise ValueError(f"config.json: block_size {json.dumps(block)}; an SDAR block size is a positive integer")
         return cls("sdar", **common, qkv_bias=False, qk_norm=True, shift_logits=False,
-                   attention="block_causal", block_size=block)
+                   attention="block_causal", attention_block=block)
 
     @classmethod
     def _llada2(cls, common: dict, get) -> "ArchSpec":
@@ -354,7 +354,7 @@ class ArchSpec:
         common = {**common, "intermediate_size": int(dense or 0)}
         return cls("llada2", **common, qkv_bias=bool(get("use_qkv_bias", False)),
                    qk_norm=bool(get("use_qk_norm", True)), shift_logits=False, attention="block_causal",
-                   block_size=block, rotary_dim=rotary, fused_qkv=True, moe=moe)
+                   attention_block=block, rotary_dim=rotary, fused_qkv=True, moe=moe)
 
 
 @functools.lru_cache(maxsize=None)

@@ -81,7 +81,7 @@ def attention_mask(spec: ArchSpec, q_pos: torch.Tensor, k_pos: torch.Tensor) -> 
     if spec.attention == "bidirectional":
         return None
     if spec.attention == "block_causal":
-        bs = spec.block_size
+        bs = spec.attention_block
         return ((k_pos[:, None, :] // bs) <= (q_pos[:, :, None] // bs))[:, None]
     return (k_pos[:, None, :] <= q_pos[:, :, None])[:, None]
 

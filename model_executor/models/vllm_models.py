@@ -77,7 +77,7 @@ class DLLMDecoderLayer(nn.Module):
         self.rotary_emb = get_rope(d, max_position=spec.max_position, is_neox_style=True, rope_parameters=rope,
                                    dtype=torch.float32 if self.rope_fp32 else None)
         self.attn = PSDAttention(spec.num_heads, d, d**-0.5, num_kv_heads=spec.num_kv_heads,
-                                 pattern=spec.attention, block_size=spec.block_size or 0,
+                                 pattern=spec.attention, block_size=spec.attention_block or 0,
                                  cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
         self.mlp_norm = RMSNorm(h, eps=spec.rms_norm_eps)
         moe = spec.moe

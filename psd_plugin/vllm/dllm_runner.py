@@ -145,7 +145,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         return s
 
     def _plan(self, s: _Served, proposal) -> None:
-        s.req.plan(proposal, self.cfg.cache, self.shift, self.spec.block_size or 1)
+        s.req.plan(proposal, self.cfg.cache, self.shift, self.spec.attention_block or 1)
 
     def _on_request_state_removed(self, req_id, req_state) -> None:
         s = self.served.pop(req_id, None)
@@ -248,7 +248,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                     self._record(rid, s)
             elif s.req.step is None and self.spec.attention == "block_causal" and s.req.nfe == 0:
                 # vLLM's prefill wrote exact K/V for the prompt's finished attention blocks
-                s.req.cached = s.req.prompt_len // self.spec.block_size * self.spec.block_size
+                s.req.cached = s.req.prompt_len // self.spec.attention_block * self.spec.attention_block
             outs.append(emit)
         width = max(2, max((len(o) for o in outs), default=0))
         sampled = torch.full((len(outs), width), -1, dtype=torch.int32)
@@ -269,7 +269,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             s = self._served(rid)
             r = s.req
             if r.phase == "rebuild" and r.step is None:
-                r.plan_rebuild(self.cfg.cache, self.shift, self.spec.block_size or 1)
+                r.plan_rebuild(self.cfg.cache, self.shift, self.spec.attention_block or 1)
             elif id(s) in proposals:
                 self._plan(s, proposals[id(s)])
             st = None if r.done else r.step

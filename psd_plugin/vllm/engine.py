@@ -73,13 +73,13 @@ class VLLMEngine:
                 raise ValueError(f"prompt of {len(p)} tokens + max_tokens {max_tokens} exceeds the model's "
                                  f"context of {self.spec.max_position} tokens")
         fields = set(PSDSpeculativeConfig.__struct_fields__)
-        spec = {"method": "psd", "decoding": method, "cache": cache,
-                **{k: v for k, v in knobs.items() if k in fields and v is not None}}
+        spec_config = {"method": "psd", "decoding": method, "cache": cache,
+                       **{k: v for k, v in knobs.items() if k in fields and v is not None}}
         if self.spec.attention != "block_causal":
-            spec["block_size"] = block_size
+            spec_config["block_size"] = block_size
         if graph is not None:
-            spec["graph"] = str(graph)  # a path; the runner loads and checks it
-        llm = self._engine({k: v for k, v in spec.items() if v is not None})
+            spec_config["graph"] = str(graph)  # a path; the runner loads and checks it
+        llm = self._engine({k: v for k, v in spec_config.items() if v is not None})
         params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                  seed=(seed * 1_000_003 + i) if temperature > 0 else None)
                   for i in range(len(prompts))]

@@ -63,7 +63,7 @@ class PrestoRunnerMixin(PSDRunnerMixin):
                                   adaptive=(cfg.adaptive_beta, cfg.adaptive_c) if cfg.adaptive_beta else None,
                                   draft_len=cfg.draft_len, candidates=cfg.candidates)
         # one drafter sequence per running request; torch.empty pages stay untouched until written
-        self.max_len = self.model_config.max_model_len + self.opts["k"] + drafter.spec.block_size
+        self.max_len = self.model_config.max_model_len + self.opts["k"] + drafter.spec.attention_block
         self.drafting.allocate([self.max_len] * self.scheduler_config.max_num_seqs)
         self.free_slots = list(range(self.scheduler_config.max_num_seqs))
         logger.info("PRESTO: drafter %s (%s search, budget %d)", cfg.model, cfg.search, cfg.tree_budget)
@@ -143,7 +143,7 @@ class PrestoRunnerMixin(PSDRunnerMixin):
                 st.rho = self.drafting.new_rho([])
                 self.states[rid] = st
             self.drafting.accepted(st, seq[len(st.seq):])
-            if limit - L - 1 <= 0 or L + self.opts["k"] + self.drafting.drafter.spec.block_size > min(self.max_len,
+            if limit - L - 1 <= 0 or L + self.opts["k"] + self.drafting.drafter.spec.attention_block > min(self.max_len,
                                                                                                      max_pos):
                 continue
             live.append((i, rid, st))
