@@ -98,8 +98,8 @@ class DLLMRequest:
     eos_id: int
     aligned: bool = False  # blocks cut at multiples of block_size (SDAR's attention blocks)
     ignore_eos: bool = False
-    device: torch.device | str = "cpu"
-    tokens: torch.Tensor = field(init=False)  # [prompt | answer region], mask id where undecoded
+    tokens: torch.Tensor = field(init=False)  # [prompt | answer region], mask id where undecoded (host, as all
+    # of the request's decoding state: the engines copy a step's rows to their device once)
     blocks: list[tuple[int, int]] = field(init=False)
     blk: int = 0
     dec: BlockDecoder | None = None
@@ -120,8 +120,7 @@ class DLLMRequest:
         if not self.prompt:
             raise ValueError("empty prompt: at least one token is needed")
         P = len(self.prompt)
-        self.tokens = torch.tensor(list(self.prompt) + [self.mask_id] * self.max_tokens, dtype=torch.long,
-                                   device=self.device)
+        self.tokens = torch.tensor(list(self.prompt) + [self.mask_id] * self.max_tokens, dtype=torch.long)
         self.blocks = plan_blocks(P, self.max_tokens, self.block_size, self.aligned)
         self._start_block()
 
@@ -194,7 +193,7 @@ class DLLMRequest:
         keep = cached_after_step(cache, (b0, b1), w0, fresh=self.fresh, cached=self.cached, shift=shift,
                                  attention_block=attention_block)
         rows = self.tokens[w0:w1].repeat(len(canvases), 1)
-        rows[:, b0 - w0: b1 - w0] = torch.stack(canvases).to(rows.device)
+        rows[:, b0 - w0: b1 - w0] = torch.stack(canvases)
         return DLLMStep(w0, w1, b0, b1, rows, keep, shift, kept_suffix(cache, (b0, b1), self.total), proposal)
 
     def first_step(self, cache: str, shift: int, attention_block: int = 1) -> DLLMStep:
@@ -218,7 +217,7 @@ class DLLMRequest:
         if not self.dec.done:
             return []
         b0, b1 = self.block
-        block = self.dec.state.to(self.tokens.device)
+        block = self.dec.state
         self.tokens[b0:b1] = block
         self.stats = merge_stats([self.stats, self.dec.stats()])  # method counters summed over blocks
         out = block.tolist()
@@ -239,18 +238,22 @@ class DLLMRequest:
         position in ``self.logprobs`` (:meth:`logprobs_of`); a position is committed once, so once recorded."""
         if self.dec is None:
             return
-        after = self.dec.state.to(before.device)
+        after = self.dec.state
         new = ((before == self.mask_id) & (after != self.mask_id)).nonzero().flatten()
         if not new.numel():
             return
-        lp = torch.log_softmax(rows[new.to(rows.device)].double(), -1)
-        chosen = lp.gather(1, after[new].to(lp.device)[:, None])[:, 0]
+        dev = rows.device  # the logits' device: computed there, one copy back
+        lp = torch.log_softmax(rows[new.to(dev)].double(), -1)
+        chosen = lp.gather(1, after[new].to(dev)[:, None])
+        ranks = (lp > chosen).sum(-1, keepdim=True).double() + 1
         top = lp.topk(k, -1) if k > 0 else None
+        parts = [chosen, ranks] + ([top.indices.double(), top.values] if top is not None else [])
+        host = torch.cat(parts, 1).cpu()  # [n, 2 + 2k]: logprob, rank, top ids, top logprobs
         b0, _ = self.block
-        ranks = (lp > chosen[:, None]).sum(-1) + 1
         for i, pos in enumerate(new.tolist()):
-            alts = {} if top is None else dict(zip(top.indices[i].tolist(), top.values[i].tolist()))
-            self.logprobs[b0 + pos - self.prompt_len] = (int(after[pos]), float(chosen[i]), alts, int(ranks[i]))
+            row = host[i].tolist()
+            alts = dict(zip(map(int, row[2: 2 + k]), row[2 + k:])) if k > 0 else {}
+            self.logprobs[b0 + pos - self.prompt_len] = (int(after[pos]), row[0], alts, int(row[1]))
 
     def logprobs_of(self, start: int, n: int) -> list[tuple[int, float, dict[int, float], int]]:
         """``(token, logprob, {top token: logprob}, rank)`` of answer positions ``[start, start + n)``."""
@@ -262,7 +265,7 @@ class DLLMRequest:
         b0, _ = self.block
         done = self.tokens[self.prompt_len: b0]
         if self.dec is not None:
-            state = self.dec.state.to(self.tokens.device)
+            state = self.dec.state
             done = torch.cat([done, state[state != self.mask_id]])
         return self.tokens[: self.prompt_len], done[done != self.mask_id]
 

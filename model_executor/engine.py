@@ -113,7 +113,7 @@ class ReferenceEngine:
                 make = decoder_factory or config.decoder_factory(spec.mask_token_id, temperature=temperature,
                                                                  top_k=top_k, top_p=top_p, min_p=min_p, generator=gen)
                 reqs.append(DLLMRequest(list(prompts[i]), max_tokens, config.block_size, make, spec.mask_token_id,
-                                        spec.eos_token_id, aligned=config.aligned, device=self.device))
+                                        spec.eos_token_id, aligned=config.aligned))
             w = next(self.model.parameters())
             self.kv = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, [r.total for r in reqs],
                                    self.page_size, w.dtype, w.device)

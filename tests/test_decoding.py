@@ -198,6 +198,46 @@ def test_batched_predictions_equal_the_softmax_per_canvas(dtype):
         assert got.conf[1] == float("-inf") and got.conf[4] == float("-inf") and bool((got.conf[[0, 2]] > 0).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["static", "confidence", "localleap"])
+def test_half_precision_commits_equal_a_float64_softmax(name, dtype):
+    """From bfloat16 / float16 logits every policy commits what a float64 softmax of the same logits commits,
+    near its thresholds and between near-ties: the confidences are computed in float32 (in bfloat16 they move
+    in steps of about 0.004 near 0.9, and everything above about 0.996 is 1.0)."""
+    from model_executor.decoding.base import predict_rows
+    from model_executor.decoding.policies import make_policy
+
+    g = torch.Generator().manual_seed(5)
+    L, V, M = 16, 512, 511  # M: the mask token
+    rule = make_policy(name, threshold=0.9, relaxed_threshold=0.75, radius=2)
+    # one dominant logit t over zeros: confidence e^t / (e^t + V - 2) swept across 0.75, 0.9 and 0.996..1
+    target = torch.tensor([0.7, 0.74, 0.749, 0.751, 0.76, 0.89, 0.898, 0.8995, 0.9005, 0.902, 0.95, 0.9965, 0.997,
+                           0.998, 0.999, 0.9995], dtype=torch.float64)
+    grid = torch.log(target * (V - 2) / (1 - target))
+    flips = 0
+    for trial in range(60):
+        logits = torch.randn(L, V, generator=g, dtype=torch.float64) * 0.05
+        peaks = grid[torch.randint(len(grid), (L,), generator=g)] + torch.randn(L, generator=g, dtype=torch.float64) * 0.01
+        logits[torch.arange(L), torch.randint(M, (L,), generator=g)] += peaks
+        logits = logits.to(dtype)
+        if trial % 3 == 0:
+            logits[5] = logits[9]  # an exact tie: the lower position first, in both
+        decoded = torch.rand(L, generator=g) < 0.2
+        rows = predict_rows(logits.clone(), mask_id=M)
+        assert rows.conf.dtype == torch.float32
+        ref = logits.double()
+        ref[:, M] = float("-inf")
+        p64 = torch.softmax(ref, -1).max(-1)
+        assert torch.equal(rows.tokens, p64.indices)
+        got = rule(rows.conf.masked_fill(decoded, float("-inf")))
+        want = rule(p64.values.masked_fill(decoded, float("-inf")))
+        assert torch.equal(got, want), (trial, got.nonzero().flatten().tolist(), want.nonzero().flatten().tolist())
+        # the same rows in the logits' own dtype would have decided differently somewhere (the test bites)
+        own = torch.softmax(logits.masked_fill(torch.arange(V) == M, float("-inf")), -1).max(-1).values
+        flips += not torch.equal(rule(own.masked_fill(decoded, float("-inf"))), want)
+    assert flips > 0
+
+
 @pytest.mark.parametrize("name", ["static", "confidence", "localleap"])
 def test_policies_over_a_batch_of_blocks_equal_them_block_by_block(name):
     """``[R, L]`` confidences (decoded positions and padding at -inf, ties included) give each row's own result."""

@@ -43,16 +43,17 @@ class Prediction:
 
 @dataclass
 class RowPredictions:
-    """Top-1 of every logits row of one forward, computed once, batched, in the logits' dtype.
+    """Top-1 of every logits row of one forward, computed once, batched (:func:`predict_rows`).
 
-    An engine computes it over all rows of all requests (:func:`predict_rows`) and hands each decoder the
-    slice of each of its canvases (``rows[a:b]``); :func:`predict` then only masks decoded positions. The
-    logits stay attached (a view) for decoders that sample.
+    An engine computes it over all rows of all requests and hands each decoder the slice of each of its
+    canvases (``rows[a:b]``); :func:`predict` then only masks decoded positions. ``tokens`` and ``conf`` are
+    on the host, with the decoders' state; the logits stay attached, on the engine's device, for decoders that
+    sample or rank tokens.
     """
 
-    logits: torch.Tensor  # [N, V]
-    tokens: torch.Tensor  # [N] argmax
-    conf: torch.Tensor  # [N] softmax probability of the argmax
+    logits: torch.Tensor  # [N, V] on the engine's device
+    tokens: torch.Tensor  # [N] argmax (host)
+    conf: torch.Tensor  # [N] softmax probability of the argmax (host; float32 at least: confidence_dtype)
 
     def __getitem__(self, rows: slice) -> "RowPredictions":
         return RowPredictions(self.logits[rows], self.tokens[rows], self.conf[rows])
@@ -66,38 +67,65 @@ def exclude_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     return logits
 
 
+def confidence_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype confidences are computed in from logits of ``dtype``: float32 at least (a bfloat16 softmax
+    moves in steps of about 0.004 near 0.9 and rounds everything above about 0.996 to 1.0, which flips
+    threshold decisions and makes ties; the authors' code takes the softmax in float32/float64), float64
+    logits keep float64 (the exactness path)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def predict_rows(logits: torch.Tensor, mask_id: int | None = None, need: torch.Tensor | None = None
                  ) -> RowPredictions:
-    """Argmax and its probability of every row of ``logits [N, V]``, in the logits' dtype, without
-    materialising a softmax: per row the max (first index on ties, as ``argmax``) and ``sum(exp(x - max))``. On CPU the rows go in chunks of about 16 MB, so the
-    second pass over a chunk reads it from cache (at a 126k vocabulary a whole batch is gigabytes).
+    """Argmax and its probability of every row of ``logits [N, V]``, without materialising a softmax: per row
+    the max (first index on ties, as ``argmax``, in the logits' dtype) and ``sum(exp(x - max))`` in
+    :func:`confidence_dtype` (float32 from bfloat16/float16 logits). On CPU the rows go in chunks of about
+    16 MB, so the second pass over a chunk reads it from cache (at a 126k vocabulary a whole batch is
+    gigabytes).
+
     ``mask_id``: the mask token is excluded first, in place (:func:`exclude_mask_token`); the engines pass it.
-    ``need [N]`` (bool): only these rows are computed; the others get token -1 and confidence -inf (a decoded
-    position). The engines pass the rows of masked canvas positions
-    (:meth:`~model_executor.dllm_request.DLLMStep.masked_rows`): no decoder reads a prediction elsewhere."""
+    ``need [N]`` (bool, on the host): only these rows are computed; the others get token -1 and confidence
+    -inf (a decoded position). The engines pass the rows of masked canvas positions
+    (:meth:`~model_executor.dllm_request.DLLMStep.masked_rows`): no decoder reads a prediction elsewhere.
+
+    Device discipline: the tokens and confidences come back **on the host** (the decoders' state lives there),
+    in one device-to-host copy (both packed into one float64 tensor: token ids are exact in it); the logits
+    stay where they are, for what needs them (sampling, Spiffy's top tokens, logprobs)."""
     if mask_id is not None:
         exclude_mask_token(logits, mask_id)
     N, V = logits.shape
     dev = logits.device
-    sel = None if need is None or bool(need.all()) else need.to(dev).nonzero().flatten()
+    cdt = confidence_dtype(logits.dtype)
+    sel = None
+    if need is not None and not bool(need.all()):  # ``need`` is a host tensor: no sync
+        sel = need.nonzero().flatten()
+        sel = sel.to(dev, non_blocking=True) if dev.type != "cpu" else sel
     fill = (lambda *shape, dtype, v: torch.full(shape, v, dtype=dtype, device=dev)) if sel is not None else \
         (lambda *shape, dtype, v: torch.empty(shape, dtype=dtype, device=dev))
     tokens = fill(N, dtype=torch.long, v=-1)
-    conf = fill(N, dtype=logits.dtype, v=float("-inf"))
+    conf = fill(N, dtype=cdt, v=float("-inf"))
     n = N if sel is None else sel.numel()
     chunk = max(1, (16 << 20) // max(1, V * logits.element_size())) if dev.type == "cpu" else max(n, 1)
-    work = torch.empty(min(chunk, n), V, dtype=logits.dtype, device=dev)  # reused: no fresh pages
+    work = torch.empty(min(chunk, n), V, dtype=cdt, device=dev)  # reused: no fresh pages
+    gather = None if cdt == logits.dtype else torch.empty(min(chunk, n), V, dtype=logits.dtype, device=dev)
     for a in range(0, n, chunk):
         if sel is None:
             at = slice(a, a + chunk)
             x = logits[at]
-        else:  # the needed rows, gathered into the work buffer
+        else:  # the needed rows, gathered (into the work buffer when it has the logits' dtype)
             at = sel[a: a + chunk]
-            x = torch.index_select(logits, 0, at, out=work[: at.numel()])
+            x = torch.index_select(logits, 0, at, out=(work if gather is None else gather)[: at.numel()])
         best, idx = x.max(-1)
-        w = torch.sub(x, best[:, None], out=work[: x.shape[0]]).exp_()
-        z = w.sum(-1)  # >= 1: the max contributes exp(0)
+        w = work[: x.shape[0]]
+        if gather is None:
+            torch.sub(x, best[:, None], out=w)
+        else:  # upcast first: the difference of two bfloat16 logits is not a bfloat16
+            w.copy_(x).sub_(best[:, None].to(cdt))
+        z = w.exp_().sum(-1)  # >= 1: the max contributes exp(0)
         tokens[at], conf[at] = idx, 1.0 / z
+    if dev.type != "cpu":  # one copy back: [2, N] float64 (ids < 2**53 are exact)
+        both = torch.stack([tokens.to(torch.float64), conf.to(torch.float64)]).cpu()
+        tokens, conf = both[0].long(), both[1].to(cdt)
     return RowPredictions(logits, tokens, conf)
 
 
@@ -113,14 +141,14 @@ def top_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, c
     ids = torch.zeros(n, k, dtype=torch.long)
     gaps = torch.zeros(n, k, dtype=torch.float64)
     if n:
-        rows = rows.to(logits.device)
+        rows = rows.to(logits.device, non_blocking=True)
         chunk = max(1, (16 << 20) // max(1, V * logits.element_size())) if logits.device.type == "cpu" else n
         work = torch.empty(min(chunk, n), V, dtype=logits.dtype, device=logits.device)
         for a in range(0, n, chunk):
             x = torch.index_select(logits, 0, rows[a: a + chunk], out=work[: min(chunk, n - a)])
             top = x.topk(k, dim=-1)
-            ids[a: a + chunk] = top.indices.cpu()
-            gaps[a: a + chunk] = (top.values - top.values[:, :1]).double().cpu()
+            both = torch.cat([top.indices.double(), (top.values - top.values[:, :1]).double()], 1).cpu()  # one copy
+            ids[a: a + chunk], gaps[a: a + chunk] = both[:, :k].long(), both[:, k:]
         ids[:, 0] = tokens.cpu()
     probs = torch.tensor([[c * math.exp(g) for g in row] for c, row in zip(conf.double().cpu().tolist(),
                                                                            gaps.tolist())], dtype=torch.float64)
@@ -133,8 +161,8 @@ def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: in
     """Greedy (or Gumbel-max sampled, LLaDA ``generate.py``) tokens and confidences over masked positions of
     one canvas, from its logits ``[L, V]`` or its slice of the step's :class:`RowPredictions`.
 
-    Greedy predictions come from the batched rows (computed here when given bare logits), in the logits'
-    dtype, so a float64 model gives float64 confidences (the exactness path), and keep the canvas's logits
+    Greedy predictions come from the batched rows (computed here when given bare logits; confidences in
+    :func:`confidence_dtype`, so a float64 model gives float64 confidences, the exactness path), and keep the canvas's logits
     (``Prediction.logits``) for a decoder that ranks tokens at a few positions (:func:`top_tokens`). Sampling
     and ``keep_probs`` (full distributions, for calibration) work on the logits in float64; ``topk`` gives a
     sampled prediction its ``k`` likeliest tokens (Spiffy's ranks), rank 1 being the sampled one. ``sample_filter = (top_k, top_p, min_p)`` restricts sampling
@@ -160,12 +188,15 @@ def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: in
             top = probs.topk(topk, dim=-1)
             top_ids, top_probs = top.indices.clone(), top.values.clone()
             top_ids[:, 0], top_probs[:, 0] = tokens, conf
+        if lg.device.type != "cpu":  # drawn where the logits and the generator are; the decoder reads it on the host
+            tokens, conf = tokens.cpu(), conf.cpu()
+            top_ids, top_probs = (None, None) if top_ids is None else (top_ids.cpu(), top_probs.cpu())
         pred = Prediction(tokens, conf, probs if keep_probs else None, top_ids, top_probs)
     else:
         if rows is None:
             rows = predict_rows(logits)
         pred = Prediction(rows.tokens, rows.conf, logits=rows.logits)
-    pred.conf = torch.where(state.to(pred.conf.device) == mask_id, pred.conf, torch.full_like(pred.conf, float("-inf")))
+    pred.conf = torch.where(state == mask_id, pred.conf, torch.full_like(pred.conf, float("-inf")))
     return pred
 
 
