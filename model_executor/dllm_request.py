@@ -231,30 +231,6 @@ class DLLMRequest:
             self.finish_reason = "stop" if eos and not self.ignore_eos else "length"
         return out
 
-    def record_logprobs(self, before: torch.Tensor, rows: torch.Tensor, k: int) -> None:
-        """Log-probabilities of the positions the decoder committed in this step (``before``: its state before
-        the step), under the state canvas's distribution of this forward (``rows [block_len, V]``: its logits
-        after the request's rules, mask token excluded), with the ``k`` most likely tokens. Stored per answer
-        position in ``self.logprobs`` (:meth:`logprobs_of`); a position is committed once, so once recorded."""
-        if self.dec is None:
-            return
-        after = self.dec.state
-        new = ((before == self.mask_id) & (after != self.mask_id)).nonzero().flatten()
-        if not new.numel():
-            return
-        dev = rows.device  # the logits' device: computed there, one copy back
-        lp = torch.log_softmax(rows[new.to(dev)].double(), -1)
-        chosen = lp.gather(1, after[new].to(dev)[:, None])
-        ranks = (lp > chosen).sum(-1, keepdim=True).double() + 1
-        top = lp.topk(k, -1) if k > 0 else None
-        parts = [chosen, ranks] + ([top.indices.double(), top.values] if top is not None else [])
-        host = torch.cat(parts, 1).cpu()  # [n, 2 + 2k]: logprob, rank, top ids, top logprobs
-        b0, _ = self.block
-        for i, pos in enumerate(new.tolist()):
-            row = host[i].tolist()
-            alts = dict(zip(map(int, row[2: 2 + k]), row[2 + k:])) if k > 0 else {}
-            self.logprobs[b0 + pos - self.prompt_len] = (int(after[pos]), row[0], alts, int(row[1]))
-
     def logprobs_of(self, start: int, n: int) -> list[tuple[int, float, dict[int, float], int]]:
         """``(token, logprob, {top token: logprob}, rank)`` of answer positions ``[start, start + n)``."""
         return [self.logprobs[j] for j in range(start, start + n)]
@@ -275,3 +251,37 @@ class DLLMRequest:
         if self.eos_id in gen and not self.ignore_eos:
             return gen[: gen.index(self.eos_id) + 1]
         return [t for t in gen if t != self.mask_id]
+
+
+def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], logits: torch.Tensor,
+                    firsts: list[int], ks: list[int]) -> None:
+    """Log-probabilities of the positions each request's decoder committed in this step (``befores[i]``: its
+    state before the step), under its state canvas's distribution of this forward (the block's rows of
+    ``logits`` from row ``firsts[i]``: after the request's rules, mask token excluded), with its ``ks[i]`` most
+    likely tokens. Stored per answer position in ``DLLMRequest.logprobs`` (:meth:`DLLMRequest.logprobs_of`); a
+    position is committed once, so once recorded. Every request's rows are computed at once on the logits'
+    device and come back in one copy."""
+    picks, want = [], []  # per request: its committed block positions; per committed position: (request, pos)
+    for i, (r, before) in enumerate(zip(requests, befores)):
+        if r.dec is None:
+            continue
+        new = ((before == r.mask_id) & (r.dec.state != r.mask_id)).nonzero().flatten()
+        picks.append(firsts[i] + new)
+        want.extend((i, pos) for pos in new.tolist())
+    if not want:
+        return
+    dev, k = logits.device, max(ks)
+    rows = torch.cat(picks)
+    chosen_ids = torch.tensor([int(requests[i].dec.state[pos]) for i, pos in want])
+    lp = torch.log_softmax(logits[rows.to(dev, non_blocking=True)].double(), -1)
+    chosen = lp.gather(1, chosen_ids.to(dev, non_blocking=True)[:, None])
+    ranks = (lp > chosen).sum(-1, keepdim=True).double() + 1
+    parts = [chosen, ranks]
+    if k > 0:
+        top = lp.topk(k, -1)
+        parts += [top.indices.double(), top.values]
+    host = torch.cat(parts, 1).cpu()  # [n, 2 + 2k]: logprob, rank, top ids, top logprobs; one copy
+    for (i, pos), tok, row in zip(want, chosen_ids.tolist(), host.tolist()):
+        r, ki = requests[i], ks[i]
+        alts = dict(zip(map(int, row[2: 2 + ki]), row[2 + k: 2 + k + ki])) if ki > 0 else {}
+        r.logprobs[r.block[0] + pos - r.prompt_len] = (tok, row[0], alts, int(row[1]))

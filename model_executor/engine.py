@@ -42,7 +42,7 @@ import msgspec
 
 from .decode_config import ConfigError, DecodeConfig, DecodeKnobs, resolve
 from .decoding import BlockDecoder, LogitsRules, apply_rules, predict_rows, propose_all, update_all
-from .dllm_request import DLLMRequest
+from .dllm_request import DLLMRequest, record_logprobs
 from .models.reference import ReferenceDLLM
 from .outputs import GenerationResult
 
@@ -155,9 +155,9 @@ class ReferenceEngine:
         preds = predict_rows(logits, mask_id=mask, need=torch.cat([st.masked_rows(mask) for st in steps]))
         before = [r.dec.state.clone() for _, r in live] if logprobs is not None else None
         update_all([r.dec for _, r in live], proposals, preds, firsts)  # a method at a time
-        for j, ((_, r), st) in enumerate(zip(live, steps)):
-            if before is not None:  # under the state canvas's distribution (rules applied, mask excluded)
-                r.record_logprobs(before[j], logits[firsts[j][0]: firsts[j][0] + st.block_len], logprobs)
+        if before is not None:  # under the state canvas's distribution (rules applied, mask excluded)
+            record_logprobs([r for _, r in live], before, logits, [f[0] for f in firsts], [logprobs] * len(live))
+        for (_, r), st in zip(live, steps):
             r.stepped(st)
 
     def _forward(self, seqs: list[int], batch: StepBatch) -> torch.Tensor:

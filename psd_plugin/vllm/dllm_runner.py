@@ -40,7 +40,7 @@ from vllm.v1.outputs import SamplerOutput
 
 from attention_backends.step_batch import Rows, StepBatch, build_step_batch
 from model_executor.decoding import LogitsRules, apply_rules, merge_stats, predict_rows, propose_all, update_all
-from model_executor.dllm_request import DLLMRequest
+from model_executor.dllm_request import DLLMRequest, record_logprobs
 from model_executor.models.configs import ArchSpec
 
 from . import compat
@@ -230,9 +230,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         before = {i: self._served(req_ids[i]).req.dec.state.clone() for i in want_lp}
         update_all([self._stepping[i].req.dec for i in decoding], [steps[i].proposal for i in decoding],
                    preds, [canvas_rows[i] for i in decoding])  # a method at a time
-        for i, k in want_lp.items():  # under the state canvas's distribution, as the reference engine
-            first = canvas_rows[i][0]
-            self._stepping[i].req.record_logprobs(before[i], logits[first: first + steps[i].block_len], max(k, 0))
+        if want_lp:  # under the state canvas's distribution, as the reference engine
+            record_logprobs([self._stepping[i].req for i in want_lp], list(before.values()), logits,
+                            [canvas_rows[i][0] for i in want_lp], [max(k, 0) for k in want_lp.values()])
         outs: list[list[int]] = []
         lps: dict[int, list] = {}  # batch row -> (token, logprob, top, rank) of each emitted token
         for i, rid in enumerate(req_ids):
