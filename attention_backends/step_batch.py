@@ -25,9 +25,7 @@ it (:func:`current_step`): one writer, readers that never recompute it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import NamedTuple
-
+from dataclasses import dataclass
 import torch
 
 from .prefix_attention import AttentionPlan, MaskKind
@@ -44,11 +42,6 @@ class Rows:
     positions: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
-
-
-class DeviceInputs(NamedTuple):
-    positions: torch.Tensor  # [T + E]
-    extra_ids: torch.Tensor | None  # [E]
 
 
 @dataclass
@@ -70,7 +63,6 @@ class StepBatch:
     custom_masks: list[torch.Tensor] | None
     logits_rows: torch.Tensor  # [N] model rows whose logits the decoders read: every canvas's block rows
     canvas_rows: list[list[int] | None]  # per entry: the first index into ``logits_rows`` of each canvas
-    _on: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_requests(self) -> int:
@@ -84,15 +76,15 @@ class StepBatch:
     def num_rows(self) -> int:
         return self.num_scheduled + self.num_extra
 
-    def on(self, device) -> "DeviceInputs":
-        """The model's inputs on ``device`` (positions, extra ids), copied once per batch and device."""
-        dev = torch.device(device)
-        got = self._on.get(dev)
-        if got is None:
-            got = self._on[dev] = DeviceInputs(
-                self.positions.to(dev, non_blocking=True),
-                None if self.extra_ids is None else self.extra_ids.to(dev, non_blocking=True))
-        return got
+    def host_inputs(self) -> torch.Tensor:
+        """``[2, T + E]`` int64 on the host: row 0 the extra rows' token ids (from column ``T``; the scheduled
+        rows' are vLLM's), row 1 every row's position: what the runner writes into vLLM's input buffers, in one
+        copy."""
+        out = torch.zeros(2, self.num_rows, dtype=torch.long)
+        if self.extra_ids is not None:
+            out[0, self.num_scheduled:] = self.extra_ids
+        out[1] = self.positions
+        return out
 
     def plan_positions(self) -> torch.Tensor:
         """``positions`` in plan order."""

@@ -16,8 +16,8 @@ backend's metadata once per forward:
   scheduled request over its cached prefix ``seq_len - query_len``, under the layer's pattern. The builder
   turns it into the plan and the planned backend (``CPUPrefixAttention`` on CPU, ``FlashInferPrefixAttention``
   on CUDA with fp16/bf16), which every layer then runs.
-- **Extra rows**: draft canvases beyond a request's first are not vLLM tokens. They are rows the model
-  appends to the scheduled ones (:func:`step_inputs`) at the positions of the canvas they draft; their K/V is
+- **Extra rows**: draft canvases beyond a request's first are not vLLM tokens. They are rows after the
+  scheduled ones (the runner writes them into vLLM's input buffers) at the positions of the canvas they draft; their K/V is
   never written to the cache (they see the shared prefix and themselves only), so they take no KV pages and
   do not count against ``max_model_len``. Rows vLLM scheduled write their K/V through vLLM's slot mapping,
   inside ``forward`` (``forward_includes_kv_cache_update``), before attending; a row reads only the prefix
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, replace
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
@@ -224,21 +224,3 @@ class PSDAttention(Attention):
         if self.pattern != "causal" and isinstance(spec, FullAttentionSpec):
             spec = replace(spec, non_causal=True)
         return spec
-
-
-def step_inputs(input_ids: torch.Tensor | None, positions: torch.Tensor,
-                embed: Callable[[torch.Tensor], torch.Tensor], inputs_embeds: torch.Tensor | None = None):
-    """The model's inputs for this forward: vLLM's rows plus the step's extra rows, and the positions of all of
-    them, from the runner's :class:`~.step_batch.StepBatch` (vLLM's own inputs outside a runner's step).
-    Returns ``(hidden [T + E, h], positions [T + E])``."""
-    x = inputs_embeds if inputs_embeds is not None else embed(input_ids)
-    batch = current_step()
-    if batch is None:
-        return x, positions
-    if x.shape[0] != batch.num_scheduled:
-        raise RuntimeError(f"psd attention backend: {x.shape[0]} input rows for {batch.num_scheduled} scheduled "
-                           "rows; a step batch needs an unpadded batch (no CUDA-graph padding, no data parallelism)")
-    dev = batch.on(x.device)
-    if dev.extra_ids is not None:
-        x = torch.cat([x, embed(dev.extra_ids)])
-    return x, dev.positions.to(positions.dtype)

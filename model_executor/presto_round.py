@@ -158,12 +158,14 @@ def verify_layout(tree: TokenTree, pending: int, n: int) -> tuple[torch.Tensor, 
 
 
 def accept(tree: TokenTree, logits: torch.Tensor, temperature: float = 0.0,
-           generator: torch.Generator | None = None) -> list[int]:
+           generator: torch.Generator | None = None, argmax: torch.Tensor | None = None) -> list[int]:
     """The target's verdict on ``tree`` from its logits at the root and every node (``[1 + N, V]``, the root
-    first): the accepted path plus the bonus token."""
+    first): the accepted path plus the bonus token. ``argmax``: the rows' argmax on the host, when the engine
+    took every request's at once (one copy per step); sampling draws on the generator's device."""
     lg = logits[: len(tree) + 1]
     if temperature > 0:
-        out, _ = accept_sampling(tree, torch.softmax(lg.double() / temperature, -1).cpu(), generator)
+        dev = generator.device if generator is not None else torch.device("cpu")
+        out, _ = accept_sampling(tree, torch.softmax(lg.double() / temperature, -1).to(dev), generator)
     else:
-        out, _ = accept_greedy(tree, lg.argmax(-1).cpu())
+        out, _ = accept_greedy(tree, (argmax[: len(tree) + 1] if argmax is not None else lg.argmax(-1)).cpu())
     return out

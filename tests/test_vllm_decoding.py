@@ -138,6 +138,33 @@ def test_compiled_model_matches_reference(heldout_prompts):
             > before.num_aot_compiles + before.num_aot_artifacts_loaded)  # and ran compiled (fresh or cached)
 
 
+def test_model_inputs_are_vllms_persistent_buffers(monkeypatch, heldout_prompts):
+    """Every row of a step, extra draft rows included, reaches the compiled module through vLLM's persistent
+    ``input_ids`` / ``positions`` buffers (what a CUDA graph captures): the same addresses every step, with
+    and without extra rows, the extra rows' ids and positions in them, and the outputs still the reference
+    engine's."""
+    from attention_backends.step_batch import current_step
+    from model_executor.models.vllm_models import DLLMDecoder
+
+    seen = []
+    forward = DLLMDecoder.forward
+
+    def spy(self, input_ids, positions, inputs_embeds=None):
+        batch = current_step()
+        if batch is not None:
+            n, T = batch.num_rows, batch.num_scheduled
+            assert input_ids.shape[0] >= n and torch.equal(positions[:n].cpu(), batch.positions)
+            if batch.extra_ids is not None:
+                assert torch.equal(input_ids[T:n].long().cpu(), batch.extra_ids)
+            seen.append((input_ids.data_ptr(), positions.data_ptr(), batch.num_extra > 0))
+        return forward(self, input_ids, positions, inputs_embeds)
+
+    monkeypatch.setattr(DLLMDecoder, "forward", spy)
+    _check_parity(DEFAULT_DLLM, heldout_prompts[:6], "psd", cache="prefix")
+    assert {extra for *_, extra in seen} == {True, False}  # steps with and without extra rows
+    assert len({ids for ids, _, _ in seen}) == 1 and len({pos for _, pos, _ in seen}) == 1
+
+
 @pytest.mark.parametrize("method", ("confidence", "psd", "lopa", "freedave", "spiffy"))
 @pytest.mark.parametrize("family", ("dream", "sdar"))
 def test_random_dream_and_sdar_match_reference(tiny_checkpoints, random_prompts, family, method):

@@ -100,9 +100,9 @@ def test_sdar_config_fields_from_hf_overrides(tiny_checkpoints, tmp_path):
     ref = ReferenceDLLM.from_pretrained(src)
     p = torch.tensor([PROMPTS[0]])
     with torch.no_grad():
-        ref.spec = dataclasses.replace(ref.spec, block_size=2)
+        ref.spec = dataclasses.replace(ref.spec, attention_block=2)
         want2 = torch.log_softmax(ref(p).float()[0, :-1], -1)
-        ref.spec = dataclasses.replace(ref.spec, block_size=4)
+        ref.spec = dataclasses.replace(ref.spec, attention_block=4)
         want4 = torch.log_softmax(ref(p).float()[0, :-1], -1)
     assert (rows[0] - want2).abs().max().item() < 1e-4
     assert (rows[0] - want4).abs().max().item() > 1e-3

@@ -200,7 +200,8 @@ def accept_greedy(tree: TokenTree, target_tokens: torch.Tensor) -> tuple[list[in
 def accept_sampling(tree: TokenTree, target_probs: torch.Tensor,
                     generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
     """Lossless tree speculative sampling (module docstring). ``target_probs [N + 1, V]``: the target's
-    (temperature-scaled) distribution after the root (row 0) and after node ``i`` (row ``i + 1``)."""
+    (temperature-scaled) distribution after the root (row 0) and after node ``i`` (row ``i + 1``), on the
+    generator's device (the draws are made there)."""
     ch = tree.children()
     out, nodes, cur = [], [], len(tree)
     while True:
@@ -209,7 +210,7 @@ def accept_sampling(tree: TokenTree, target_probs: torch.Tensor,
         for c in ch[cur]:
             x = tree.tokens[c]
             px = float(p[x] / p.sum())
-            if float(torch.rand((), generator=generator, dtype=torch.float64)) < px:
+            if float(torch.rand((), generator=generator, dtype=torch.float64, device=p.device)) < px:
                 chosen = c
                 break
             p[x] = 0.0

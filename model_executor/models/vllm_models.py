@@ -10,15 +10,18 @@ sigmoid router and expert-score bias; the router itself runs in float32, as LLaD
 
 Every attention layer runs the project's backend (:mod:`attention_backends.vllm_backend`), handed to vLLM's
 ``Attention`` per layer (``attn_backend=``), so the same classes serve dLLM canvases, SDAR's block-causal
-blocks and PRESTO's token trees on any platform. A forward may carry more rows than vLLM scheduled: the
-step's extra draft canvases, which :func:`~attention_backends.vllm_backend.step_inputs` appends.
+blocks and PRESTO's token trees on any platform. A forward may carry more rows than vLLM scheduled (the
+step's extra draft canvases): the runner writes their token ids and every row's position into vLLM's own
+persistent ``input_ids`` / ``positions`` buffers (:class:`psd_plugin.vllm.runner.PSDRunnerMixin`), so the
+model's inputs are always views of those buffers, as for vLLM's own models.
 
-vLLM compiles the decoder layers and the final norm (:class:`DLLMDecoder`, ``@support_torch_compile``) as it
-compiles its own models: on CPU by default one Dynamo trace with Inductor and no guards, the attention an
-opaque op that reads the step's metadata at run time; ``enforce_eager=True`` turns it off. The embedding,
-:func:`~attention_backends.vllm_backend.step_inputs` (which appends the extra rows, a shape only the step
-knows) and the LM head stay eager, so the traced graph has no branch that depends on the step: any number of
-rows, any canvases, trees or kept suffix run through the same compiled code.
+vLLM compiles the embedding, the decoder layers and the final norm (:class:`DLLMDecoder`,
+``@support_torch_compile``) as it compiles its own models (``LlamaModel``): on CPU by default one Dynamo
+trace with Inductor and no guards, the attention an opaque op that reads the step's metadata at run time;
+``enforce_eager=True`` turns it off. The compiled module reads only its inputs (token ids, positions: the
+persistent buffers, the addresses a CUDA graph captures), so the traced graph has no branch that depends on
+the step: any number of rows, any canvases, trees or kept suffix run through the same compiled code. The LM
+head stays eager.
 
 Why PRESTO's target is a class of the project rather than vLLM's ``LlamaForCausalLM``: tree verification
 needs ancestor masks and node positions in the attention metadata, and vLLM's Llama takes its backend
@@ -50,7 +53,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, 
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import maybe_prefix
 
-from attention_backends.vllm_backend import PSDAttention, step_inputs
+from attention_backends.vllm_backend import PSDAttention
 
 from .configs import ArchSpec
 from .weights import CheckpointError, canonical_shapes, checkpoint_names
@@ -137,20 +140,22 @@ class SwiGLU(nn.Module):
         return self.down(self.act(self.gate_up(x)[0]))[0]
 
 
-@support_torch_compile(dynamic_arg_dims={"x": 0, "positions": 0})
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
 class DLLMDecoder(nn.Module):
-    """The decoder layers and the final norm: the part vLLM compiles (its CPU default: one Dynamo trace,
-    Inductor, guards dropped), with the attention an opaque op. Its inputs are already the step's rows,
-    extra draft rows included (:func:`~attention_backends.vllm_backend.step_inputs` runs before it, eagerly),
-    so the traced code has no branch on the step."""
+    """The embedding, the decoder layers and the final norm: the part vLLM compiles (its CPU default: one
+    Dynamo trace, Inductor, guards dropped), with the attention an opaque op. Its inputs are every row of the
+    step, extra draft rows included, in vLLM's persistent buffers (module docstring)."""
 
     def __init__(self, *, vllm_config: VllmConfig, spec: ArchSpec, prefix: str = ""):
         super().__init__()
+        self.embed = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, prefix=maybe_prefix(prefix, "embed"))
         self.layers = nn.ModuleList(DLLMDecoderLayer(spec, vllm_config, i, prefix=maybe_prefix(prefix, f"layers.{i}"))
                                     for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)
@@ -163,10 +168,9 @@ class DLLMForVLLM(nn.Module):
         super().__init__()
         self.spec = spec = self.arch_spec(vllm_config.model_config.hf_config)
         self.config = vllm_config.model_config.hf_config
-        self.embed = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, prefix=maybe_prefix(prefix, "embed"))
         self.model = DLLMDecoder(vllm_config=vllm_config, spec=spec, prefix=maybe_prefix(prefix, "model"))
         if spec.tie_embeddings:
-            self.lm_head = self.embed
+            self.lm_head = self.model.embed
         else:
             self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(spec.vocab_size)
@@ -176,13 +180,12 @@ class DLLMForVLLM(nn.Module):
         return ArchSpec.from_hf_config(hf_config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed(input_ids)
+        return self.model.embed(input_ids)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        """Hidden states of vLLM's rows, then of the step's extra rows (module docstring)."""
-        x, positions = step_inputs(input_ids, positions, self.embed, inputs_embeds)
-        return self.model(x, positions)
+        """Hidden states of every row of the step (module docstring)."""
+        return self.model(input_ids, positions, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
@@ -211,7 +214,7 @@ class DLLMForVLLM(nn.Module):
             base = canon.removesuffix(".bias")
             leaf = base.rsplit(".", 1)[-1]
             suffix = ".bias" if is_bias else ".weight"
-            owner = "model." if base.startswith("layers.") or base == "norm" else ""  # inside the compiled decoder
+            owner = "model." if base.startswith("layers.") or base in ("norm", "embed") else ""  # in the compiled module
             layer, _, rest = base.removeprefix("layers.").partition(".")
             if rest.startswith("experts."):  # LLaDA2 expert e's gate/up/down -> vLLM's stacked expert weights
                 _, e, part = rest.split(".")

@@ -37,6 +37,12 @@ RUNNER_HOOKS = {
     "sample_tokens": ("self", "grammar_output"),
     "initialize_kv_cache": ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"),
     "load_model": ("self", "load_dummy_weights"),
+    # every row of a step in vLLM's persistent input buffers, the forward sized on all of them
+    "_preprocess": ("self", "scheduler_output", "num_input_tokens", "intermediate_tensors"),
+    "_determine_batch_execution_and_padding": ("self", "num_tokens", "num_reqs", "num_scheduled_tokens_np",
+                                               "max_num_scheduled_tokens", "use_cascade_attn", "allow_microbatching",
+                                               "force_eager", "force_uniform_decode", "force_has_lora",
+                                               "force_num_active_loras", "num_encoder_reqs"),
 }
 
 # Methods of vLLM's V1 ``Scheduler`` that psd-plugin's schedulers override.
@@ -49,7 +55,7 @@ SCHEDULER_HOOKS = {
 
 # Attributes read or set on a live runner / scheduler / input batch.
 RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups", "model_config", "scheduler_config",
-                     "device")
+                     "device", "input_ids", "positions", "max_num_tokens")
 INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators")
 WORKER_ATTRIBUTES = ("model_runner",)
 SCHEDULER_ATTRIBUTES = ("running", "requests", "max_num_scheduled_tokens", "max_num_running_reqs", "max_num_active_reqs",
@@ -86,7 +92,7 @@ DATA_FIELDS = {
     "vllm.v1.outputs:DraftTokenIds": ("req_ids", "draft_token_ids"),  # subclassed: PSDDraftTokenIds
     "vllm.v1.outputs:SamplerOutput": ("sampled_token_ids", "logprobs_tensors"),  # built by both ``_sample``s
     "vllm.v1.outputs:ModelRunnerOutput": ("sampled_token_ids", "req_id_to_index", "prompt_logprobs_dict"),
-    "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("cu_num_sampled_tokens",),
+    "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("num_draft_tokens",),
     "vllm.v1.spec_decode.metrics:SpecDecodingStats": ("new", "observe_draft"),
     "vllm.v1.request:Request": ("request_id", "spec_token_ids", "num_computed_tokens", "num_tokens_with_spec",
                                 "is_finished", "num_tokens", "num_in_flight_tokens", "sampling_params"),
@@ -99,7 +105,7 @@ DATA_FIELDS = {
     "vllm.v1.worker.gpu_input_batch:CachedRequestState": ("prompt_token_ids", "output_token_ids",
                                                           "sampling_params"),
     "vllm.v1.worker.utils:AttentionGroup": ("metadata_builders",),
-    "vllm.v1.utils:CpuGpuBuffer": ("np",),
+    "vllm.v1.utils:CpuGpuBuffer": ("np", "gpu"),
     "vllm.v1.engine:EngineCoreRequest": ("sampling_params", "prompt_token_ids"),
     "vllm.v1.engine.input_processor:InputProcessor": ("vllm_config",),
     "vllm.v1.outputs:LogprobsTensors": ("logprob_token_ids", "logprobs", "selected_token_ranks"),
@@ -150,6 +156,12 @@ def request_tokens(runner, req_id: str) -> tuple[list[int], list[int]]:
     return list(rs.prompt_token_ids), list(rs.output_token_ids)
 
 
+def input_buffers(runner) -> tuple:
+    """vLLM's persistent model-input buffers on the runner's device: token ids ``[max_num_tokens]`` (int32) and
+    positions ``[max_num_tokens]`` (int64); the forward's inputs are their leading rows."""
+    return runner.input_ids.gpu, runner.positions
+
+
 def sampling_params(runner, req_id: str):
     return runner.requests[req_id].sampling_params
 
@@ -169,6 +181,12 @@ def request_generator(runner, row: int):
 
 def request_temperature(runner, row: int) -> float:
     return float(runner.input_batch.temperature_cpu[row])
+
+
+def sampled_rows_end(spec_decode_metadata) -> list[int]:
+    """Per request, the end of its rows in the step's sampled logits (the root and every draft), from the
+    host-side draft counts (``cu_num_sampled_tokens`` is the same on the device)."""
+    return np.cumsum([n + 1 for n in spec_decode_metadata.num_draft_tokens]).tolist()
 
 
 def metadata_builders(runner) -> Iterator:

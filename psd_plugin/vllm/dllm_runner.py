@@ -8,7 +8,7 @@ drives too); this runner only decides how a step's rows reach vLLM (:mod:`.runne
   current state plus the masks after it ``[b0, w1)`` are its draft tokens. So what vLLM schedules never goes
   past ``prompt + max_tokens`` (it fits ``max_model_len`` and the request's own KV pages).
 - Further canvases (PSD, LoPA, FreeDave, Spiffy drafts) are extra rows of the same step, at the same
-  positions ``[w0, w1)``: the model appends them (:func:`attention_backends.vllm_backend.step_inputs`), the
+  positions ``[w0, w1)``: they follow the scheduled rows in vLLM's input buffers (:class:`.runner.PSDRunnerMixin`), the
   attention backend gives each canvas its own segment over the shared paged prefix, and their K/V is never
   written, so they take no KV pages.
 - Under ``cache: "dual"`` a block's first step forwards the whole answer region, so vLLM writes the K/V of

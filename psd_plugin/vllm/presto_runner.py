@@ -25,7 +25,7 @@ import torch
 from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
-from attention_backends.torch_backend import TorchPrefixAttention
+from attention_backends.prefix_attention import make_backend
 from attention_backends.step_batch import Rows, build_step_batch
 from model_executor.decoding.ngram import NGramModel
 from model_executor.decoding.tree import TokenTree
@@ -55,9 +55,11 @@ class PrestoRunnerMixin(PSDRunnerMixin):
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         cfg = self.presto
-        drafter = ReferenceDLLM.from_pretrained(cfg.model, dtype=self.model_config.dtype)
+        # on the runner's device, beside the target; its paged cache (below) is allocated after vLLM profiled
+        # the target's memory, so on a GPU it comes out of gpu_memory_utilization's headroom (README: PRESTO)
+        drafter = ReferenceDLLM.from_pretrained(cfg.model, dtype=self.model_config.dtype, device=self.device)
         ngram = NGramModel.load(cfg.ngram) if cfg.ngram else None
-        self.drafting = TreeDrafter(drafter, ngram, TorchPrefixAttention())
+        self.drafting = TreeDrafter(drafter, ngram, make_backend("auto", self.device, self.model_config.dtype))
         self.opts = draft_options(drafter, search=cfg.search, tree_budget=cfg.tree_budget, width=cfg.width,
                                   top_b=cfg.top_b, lam=cfg.lam,
                                   adaptive=(cfg.adaptive_beta, cfg.adaptive_c) if cfg.adaptive_beta else None,
@@ -97,15 +99,16 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         if spec_decode_metadata is None:
             return super()._sample(logits, spec_decode_metadata)
         req_ids, _, _ = compat.batch_rows(self)
-        cu = spec_decode_metadata.cu_num_sampled_tokens.tolist()
+        cu = compat.sampled_rows_end(spec_decode_metadata)  # host counts: no device read
+        greedy = logits.argmax(-1).cpu()  # every request's greedy verdict rows, one copy
         outs, start = [], 0
         for i, rid in enumerate(req_ids):
-            lg, start = logits[start: cu[i]], cu[i]
+            lg, top, start = logits[start: cu[i]], greedy[start: cu[i]], cu[i]
             if compat.prefill_unfinished(self, i):  # vLLM discards it: draw nothing from the request's generator
                 outs.append([])
                 continue
             tree = self._verifying.get(rid) or TokenTree()
-            out = accept(tree, lg, compat.request_temperature(self, i), compat.request_generator(self, i))
+            out = accept(tree, lg, compat.request_temperature(self, i), compat.request_generator(self, i), argmax=top)
             self.accepted[rid] = len(out) - 1
             if len(tree):
                 self.totals["steps"] += 1

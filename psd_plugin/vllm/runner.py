@@ -20,9 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from vllm.v1.outputs import DraftTokenIds
 
-from attention_backends.step_batch import StepBatch, set_step
+from attention_backends.step_batch import StepBatch, current_step, set_step
 from attention_backends.vllm_backend import PSDMetadataBuilder
 
 from . import compat
@@ -42,6 +44,7 @@ class PSDRunnerMixin:
     in before vLLM's runner class (:func:`psd_plugin.vllm.worker.runner_class`)."""
 
     _next_drafts: PSDDraftTokenIds | None = None
+    _staging: torch.Tensor | None = None  # pinned host rows for the input buffers (on a GPU)
 
     def initialize_kv_cache(self, *args, **kwargs) -> None:
         super().initialize_kv_cache(*args, **kwargs)
@@ -52,6 +55,41 @@ class PSDRunnerMixin:
     def _publish(self, batch: StepBatch | None) -> None:
         """The forward about to run is ``batch`` (None: the forward is over)."""
         set_step(batch)
+
+    # ------------------------------------------------------------------ every row in vLLM's input buffers
+    def _step_rows(self) -> int:
+        """Rows of the forward about to run: vLLM's scheduled tokens plus the step's extra rows."""
+        batch = current_step()
+        return 0 if batch is None else batch.num_extra
+
+    def _determine_batch_execution_and_padding(self, num_tokens: int, *args, **kwargs):
+        """vLLM sizes the forward (padding, CUDA-graph dispatch, data-parallel token counts) on its scheduled
+        tokens; a step's extra rows are rows of the forward too, so it is sized on all of them."""
+        return super()._determine_batch_execution_and_padding(num_tokens + self._step_rows(), *args, **kwargs)
+
+    def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
+        """vLLM's inputs for the forward are views of its persistent ``input_ids`` and ``positions`` buffers
+        (the addresses a CUDA graph captured). The step's rows go there too: the extra rows' token ids after
+        the scheduled ones, and every row's position (a tree node's is its depth; an extra canvas repeats its
+        window's), so the model reads nothing but those buffers. Rows past them (padding) keep position 0 and
+        are inert: no K/V write (no slot), no logits row, a zero attention output."""
+        out = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
+        batch = current_step()
+        if batch is not None:
+            T, n = batch.num_scheduled, batch.num_rows
+            if n > num_input_tokens:
+                raise RuntimeError(f"psd-plugin: the forward has {n} rows but vLLM sized it for {num_input_tokens}")
+            ids, pos = compat.input_buffers(self)
+            rows = batch.host_inputs()  # [2, T + E]: extra ids (after T), positions
+            if pos.device.type != "cpu":  # one copy, from pinned memory, without waiting for it
+                if self._staging is None:
+                    self._staging = torch.zeros(2, pos.numel(), dtype=torch.long, pin_memory=True)
+                self._staging[:, :n].copy_(rows)
+                rows = self._staging[:, :n].to(pos.device, non_blocking=True)
+            if n > T:
+                ids[T:n].copy_(rows[0, T:n])
+            pos[:n].copy_(rows[1])
+        return out
 
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         return True  # drafts are sized by the modes themselves, to the room each request has left
