@@ -97,18 +97,23 @@ def registered():
     psd_plugin.register()
 
 
-def _translate(monkeypatch, model=DEFAULT_DLLM, platform="cuda", spec=None, **engine_kw):
+def _translate(monkeypatch, model=DEFAULT_DLLM, platform="cuda", spec=None, model_dtype=None, bf16=True,
+               **engine_kw):
     """``translate`` as ``EngineArgs.create_engine_config`` calls it (the model and parallel configs built from
-    the engine args), on ``platform``; returns (engine_args, model_config, parallel_config)."""
+    the engine args), on ``platform``; returns (engine_args, model_config, parallel_config). ``model_dtype``:
+    the dtype vLLM resolved (it resolves "auto" per platform, so the test sets what a GPU's would be); ``bf16``:
+    whether the platform computes in bfloat16."""
     from vllm.config import ParallelConfig
     from vllm.engine.arg_utils import EngineArgs
 
     monkeypatch.setattr(compat, "platform", lambda: platform)
-    monkeypatch.setattr(compat, "platform_supports", lambda dtype: True)
+    monkeypatch.setattr(compat, "platform_supports", lambda dtype: bf16 or str(dtype) != "torch.bfloat16")
     monkeypatch.setenv(compat.V2_RUNNER_ENV, "0")
     monkeypatch.delenv(compat.V2_RUNNER_ENV)  # unset; restored afterwards
     args = EngineArgs(model=str(model), speculative_config=spec or {"method": "psd"}, **engine_kw)
     model_config = args.create_model_config()
+    if model_dtype is not None:
+        model_config.dtype = model_dtype
     parallel = ParallelConfig(data_parallel_size=args.data_parallel_size,
                               enable_expert_parallel=args.enable_expert_parallel)
     config.translate(args, model_config, parallel)
@@ -234,15 +239,20 @@ def test_cuda_graph_mode_default_and_allowed(registered, monkeypatch):
 
 
 def test_gpu_dtype_auto_is_bfloat16(registered, monkeypatch, tiny_checkpoints):
+    """On CUDA, ``dtype="auto"`` is bfloat16 whatever vLLM resolved (float16 for a float16 checkpoint, float32 on
+    a GPU without bfloat16); a user's float32 stays; CPU keeps vLLM's choice."""
     import torch
 
-    llada = tiny_checkpoints["llada"]  # a float32 checkpoint
-    args, model_config, _ = _translate(monkeypatch, llada)
-    assert args.dtype == "bfloat16" and model_config.dtype == torch.bfloat16
-    args, model_config, _ = _translate(monkeypatch, llada, dtype="float32")  # a user's float32 stays
+    llada = tiny_checkpoints["llada"]
+    for resolved in (torch.float16, torch.float32):
+        args, model_config, _ = _translate(monkeypatch, llada, model_dtype=resolved)
+        assert args.dtype == "bfloat16" and model_config.dtype == torch.bfloat16
+    args, model_config, _ = _translate(monkeypatch, llada, dtype="float32")
     assert args.dtype == "float32" and model_config.dtype == torch.float32
-    args, model_config, _ = _translate(monkeypatch, llada, platform="cpu")
-    assert args.dtype == "auto"  # CPU: vLLM's choice
+    args, model_config, _ = _translate(monkeypatch, llada, platform="cpu", model_dtype=torch.float32)
+    assert args.dtype == "auto" and model_config.dtype == torch.float32
+    args, model_config, _ = _translate(monkeypatch, llada, model_dtype=torch.float16, bf16=False)  # e.g. a V100
+    assert args.dtype == "auto" and model_config.dtype == torch.float16  # vLLM's choice for "auto" stands
 
 
 def test_vllm_engine_dtype_default(monkeypatch):
