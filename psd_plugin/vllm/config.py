@@ -10,7 +10,11 @@ plugin translates in the front end, before vLLM validates anything (:func:`trans
 2. hands vLLM a ``custom_class`` speculative config whose proposer is :class:`RunnerProposer` (the mode's
    runner produces the drafts);
 3. stores the resolved config in ``additional_config["psd"]`` or ``["presto"]`` (it travels to the engine
-   core and the workers with ``VllmConfig``) and selects the mode's scheduler and worker classes.
+   core and the workers with ``VllmConfig``) and selects the mode's scheduler and the platform's worker class
+   for the mode (:data:`WORKER_CLS`);
+4. settles what the platform needs (:func:`platform_settings`): vLLM's V1 model runner pinned
+   (``VLLM_USE_V2_MODEL_RUNNER=0``), on CUDA no full CUDA graphs and bfloat16 for ``dtype="auto"``, and a
+   refusal of what has not been shown to work (data or expert parallelism with an MoE model).
 
 Modes:
 
@@ -23,6 +27,8 @@ Modes:
 
 from __future__ import annotations
 
+import logging
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -36,7 +42,21 @@ from ..knobs import ConfigError, DecodeKnobs, TreeKnobs, parse_config, resolve_f
 from . import compat
 
 SCHEDULER_CLS = {"psd": "psd_plugin.vllm.scheduler.DLLMScheduler", "presto": "psd_plugin.vllm.scheduler.PrestoScheduler"}
-WORKER_CLS = {"psd": "psd_plugin.vllm.worker.DLLMWorker", "presto": "psd_plugin.vllm.worker.PrestoWorker"}
+# The worker per platform and mode: the CPU workers import vLLM's CPU worker, which patches torch.cuda
+# process-wide, so GPU engines get workers from a module that never imports it (:mod:`.gpu_worker`).
+WORKER_CLS = {
+    "cpu": {"psd": "psd_plugin.vllm.cpu_worker.DLLMWorker", "presto": "psd_plugin.vllm.cpu_worker.PrestoWorker"},
+    "cuda": {"psd": "psd_plugin.vllm.gpu_worker.DLLMGPUWorker", "presto": "psd_plugin.vllm.gpu_worker.PrestoGPUWorker"},
+}
+# The CUDA-graph mode the plugin's engines get on GPUs when the user sets none (``compilation_config
+# .cudagraph_mode``). NONE because PIECEWISE replays captured addresses of inputs the model builds eagerly
+# each step (docs/vllm-adapter.md, "GPU"); it is being made safe (persistent input buffers, graphs dispatched
+# on every row the step forwards), and this flips to "PIECEWISE" then. FULL graphs are refused until the
+# attention backend reports CUDA-graph support.
+GPU_CUDAGRAPH_MODE = "NONE"
+GPU_CUDAGRAPH_MODES = ("NONE", "PIECEWISE")  # what a user may set on a GPU
+GPU_DTYPE = "bfloat16"  # for ``dtype="auto"`` on CUDA, where the GPU computes in it
+logger = logging.getLogger(__name__)
 PROPOSER_CLS = "psd_plugin.vllm.config.RunnerProposer"
 PRESTO_TARGET_ARCH = "PSDLlamaForCausalLM"
 
@@ -131,27 +151,98 @@ def is_dllm_config(hf_config) -> bool:
     return getattr(hf_config, "model_type", None) in CONFIG_CLASSES
 
 
-def _require_cpu(what: str) -> None:
-    if not compat.platform_is_cpu():
-        raise ConfigError(f"psd-plugin's {what} has run on vLLM's V1 CPU runner only; its GPU runner is built "
-                          "(attention through FlashInfer) but has not run on a GPU yet, so GPU platforms are refused "
-                          "until it has. Decode with the reference engines on GPUs (`psd generate --engine "
-                          "reference`, `--method presto`)")
+def worker_cls(mode: str, platform: str) -> str:
+    """The worker class (``worker_cls``) of ``mode`` ("psd" or "presto") on ``platform`` ("cpu" or "cuda")."""
+    if platform not in WORKER_CLS:
+        raise ConfigError(f"psd-plugin's vLLM path runs on CPU and CUDA platforms; this is {platform!r}. Decode "
+                          "with the reference engines there (`psd generate --engine reference`)")
+    return WORKER_CLS[platform][mode]
 
 
-def _select(engine_args, target_parallel_config, mode: str, cfg, num_spec_tokens: int) -> None:
-    """Store the resolved config and select the mode's proposer, scheduler and worker."""
+def _pin_v1_runner() -> None:
+    """The plugin's runners are V1 runners (hooks of vLLM's V1 ``GPUModelRunner``): pin vLLM's choice of model
+    runner before any engine process starts (they inherit the environment), and refuse a user's V2."""
+    if compat.v2_runner_requested():
+        raise ConfigError(f"{compat.V2_RUNNER_ENV}={os.environ[compat.V2_RUNNER_ENV]!r}: psd-plugin's runners are "
+                          "built on vLLM's V1 model runner (Model Runner V2 has none of the hooks they override); "
+                          f"unset it or set it to 0")
+    os.environ.setdefault(compat.V2_RUNNER_ENV, "0")
+
+
+def _refuse_unproven_parallelism(parallel_config, model: str, moe: bool) -> None:
+    """Refuse parallelism whose token accounting the plugin's extra canvas rows break. With an MoE model (LLaDA2)
+    data-parallel ranks run in lockstep and the MoE layers size their buffers from per-rank token counts that
+    leave out the extra rows; expert parallelism shares that accounting (and its padding masks). On every
+    platform, CPU included."""
+    if not moe:
+        return
+    if parallel_config.enable_expert_parallel:
+        raise ConfigError(f"enable_expert_parallel: {model} is a mixture-of-experts model, and psd-plugin's extra "
+                          "canvas rows are not counted in the token counts expert parallelism dispatches by; "
+                          "leave it off (tensor parallelism shards the experts instead)")
+    if parallel_config.data_parallel_size > 1:
+        raise ConfigError(f"data_parallel_size {parallel_config.data_parallel_size}: {model} is a "
+                          "mixture-of-experts model, whose data-parallel ranks run in lockstep on token counts "
+                          "that leave out psd-plugin's extra canvas rows; allowed: 1 (run separate servers "
+                          "instead)")
+
+
+def _gpu_settings(engine_args, model_config) -> dict:
+    """On a GPU: the CUDA-graph mode (the user's if allowed, else :data:`GPU_CUDAGRAPH_MODE`) and bfloat16 for
+    ``dtype="auto"``. Returns what it settled, for the start-up line."""
+    mode = compat.cudagraph_mode(engine_args.compilation_config)
+    if mode is not None and mode not in GPU_CUDAGRAPH_MODES:
+        raise ConfigError(f"compilation_config.cudagraph_mode {mode}: psd-plugin's attention backend does not "
+                          f"support full CUDA graphs; allowed: {', '.join(GPU_CUDAGRAPH_MODES)} (unset: "
+                          f"{GPU_CUDAGRAPH_MODE})")
+    if mode is None:
+        mode = GPU_CUDAGRAPH_MODE
+        compat.set_cudagraph_mode(engine_args, mode)
+    if engine_args.dtype == "auto":
+        import torch
+
+        dtype = getattr(torch, GPU_DTYPE)
+        if compat.platform_supports(dtype):  # else vLLM's own choice for "auto" stands (float16 on older GPUs)
+            engine_args.dtype = GPU_DTYPE
+            model_config.dtype = dtype  # the model config is built before the speculative config
+    return {"cudagraph_mode": mode, "dtype": str(model_config.dtype).removeprefix("torch.")}
+
+
+def platform_settings(engine_args, model_config, parallel_config, mode: str, moe: bool) -> str:
+    """What the platform needs before vLLM builds its config (module docstring, 4.); returns the platform."""
+    platform = compat.platform()
+    worker_cls(mode, platform)  # refuses a platform without a worker
+    _pin_v1_runner()
+    _refuse_unproven_parallelism(parallel_config, model_config.model, moe)
+    path = "dLLM decoding path" if mode == "psd" else "PRESTO path"
+    if platform == "cpu":
+        logger.info("psd-plugin on cpu: the %s on vLLM's V1 CPU runner (the platform it is tested on)", path)
+        return platform
+    gpu = _gpu_settings(engine_args, model_config)
+    graphs = "off" if gpu["cudagraph_mode"] == "NONE" else gpu["cudagraph_mode"]
+    logger.warning("psd-plugin on %s: not yet run on a GPU: the vLLM runner (the %s's hooks on vLLM's V1 "
+                   "GPUModelRunner, built by the plugin's GPU worker), FlashInfer attention (the torch backend "
+                   "without FlashInfer or in float32), %s weights, CUDA graphs (%s)%s. Nothing of psd-plugin's "
+                   "vLLM path has run on a GPU yet: compare outputs with the reference engine (`psd generate "
+                   "--engine reference`)", platform, path, gpu["dtype"], graphs,
+                   ", PRESTO's drafter (on the CPU)" if mode == "presto" else "")
+    return platform
+
+
+def _select(engine_args, target_parallel_config, mode: str, cfg, num_spec_tokens: int, platform: str) -> None:
+    """Store the resolved config and select the mode's proposer, scheduler and worker (the platform's)."""
     engine_args.additional_config = {**dict(engine_args.additional_config or {}), mode: msgspec.to_builtins(cfg)}
     engine_args.speculative_config = {"method": "custom_class", "model": PROPOSER_CLS,
                                       "num_speculative_tokens": num_spec_tokens}
+    worker = worker_cls(mode, platform)
     for name, want, have in (("scheduler_cls", SCHEDULER_CLS[mode], engine_args.scheduler_cls),
-                             ("worker_cls", WORKER_CLS[mode], target_parallel_config.worker_cls)):
+                             ("worker_cls", worker, target_parallel_config.worker_cls)):
         if have not in (None, "auto", want):
             raise ConfigError(f"{name} {have!r}: psd-plugin's {'dLLM' if mode == 'psd' else 'PRESTO'} path needs "
                               f"its own; leave {name} unset")
     engine_args.scheduler_cls = SCHEDULER_CLS[mode]
-    target_parallel_config.worker_cls = WORKER_CLS[mode]
-    engine_args.worker_cls = WORKER_CLS[mode]
+    target_parallel_config.worker_cls = worker
+    engine_args.worker_cls = worker
 
 
 def translate(engine_args, target_model_config, target_parallel_config) -> None:
@@ -183,9 +274,12 @@ def translate(engine_args, target_model_config, target_parallel_config) -> None:
                           "as its 'model', or serve this model with {\"method\": \"psd\"}")
     cfg = parse(raw if is_psd else {"decoding": "confidence"})
     resolved = resolve(cfg, hf, target_model_config.model)
-    _require_cpu("dLLM decoding path")
+    from model_executor.models.configs import ArchSpec
+
+    platform = platform_settings(engine_args, target_model_config, target_parallel_config, "psd",
+                                 moe=ArchSpec.from_hf_config(hf).moe is not None)
     cfg = msgspec.structs.replace(cfg, block_size=resolved.block_size, cache=resolved.cache)
-    _select(engine_args, target_parallel_config, "psd", cfg, resolved.block_size)
+    _select(engine_args, target_parallel_config, "psd", cfg, resolved.block_size, platform)
 
 
 def translate_presto(engine_args, target_model_config, target_parallel_config, raw: dict) -> None:
@@ -217,10 +311,11 @@ def translate_presto(engine_args, target_model_config, target_parallel_config, r
             NGramModel.load(ngram)  # a missing or corrupt file fails here, before the engine starts
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"speculative_config.ngram: {e}") from None
-    _require_cpu("PRESTO path")
+    platform = platform_settings(engine_args, target_model_config, target_parallel_config, "presto",
+                                 moe=False)  # a Llama-format target
     resolved = msgspec.structs.replace(cfg, model=str(drafter), ngram=str(ngram) if ngram else None)
     compat.serve_with_architecture(target_model_config, PRESTO_TARGET_ARCH)  # its attention verifies trees
-    _select(engine_args, target_parallel_config, "presto", resolved, cfg.tree_budget)
+    _select(engine_args, target_parallel_config, "presto", resolved, cfg.tree_budget, platform)
 
 
 class RunnerProposer:

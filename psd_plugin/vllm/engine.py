@@ -21,14 +21,17 @@ from .config import PSDSpeculativeConfig
 
 
 class VLLMEngine:
-    def __init__(self, path, dtype: str = "float32", **llm_kwargs):
+    def __init__(self, path, dtype: str = "auto", **llm_kwargs):
+        """``dtype`` "auto": float32 on CPU (the reference engine's exactness), bfloat16 on CUDA."""
         from model_executor.models.configs import ArchSpec, register_configs
         from model_executor.models.reference import read_config
+
+        from .config import GPU_DTYPE
 
         register_configs()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         self.path = str(path)
-        self.dtype = dtype
+        self.dtype = dtype if dtype != "auto" else "float32" if compat.platform_is_cpu() else GPU_DTYPE
         self.spec = ArchSpec.from_hf_config(read_config(path))
         # vLLM's defaults otherwise: on CPU the model's decoder layers are compiled (``enforce_eager=True`` to skip)
         self.llm_kwargs = {"max_model_len": min(self.spec.max_position, 4096), **llm_kwargs}

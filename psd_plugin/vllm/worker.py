@@ -1,60 +1,69 @@
-"""The workers both modes select (``worker_cls``): vLLM's worker building the mode's model runner.
+"""What the workers of both modes share on every platform (``worker_cls``: vLLM's worker building the mode's
+model runner).
 
-The runners are mixins over vLLM's runner API (:mod:`.runner`), combined here with the platform's runner
-class. vLLM's CPU worker builds ``CPUModelRunner`` by its module-level name, so the CPU workers build theirs
-inside :func:`psd_plugin.vllm.compat.cpu_worker_builds`. GPU platforms are refused at configuration time
-(:func:`psd_plugin.vllm.config._require_cpu`) until the GPU runner has run on one; nothing in the runners
-depends on the CPU (the KV layout and the attention kernels are the attention backend's).
+The runners are mixins over vLLM's runner API (:mod:`.runner`), combined with the platform's runner class by
+:func:`runner_class`. The workers themselves are per platform, each in its own module, because vLLM's CPU and
+GPU workers cannot share a process:
+
+- :mod:`.cpu_worker`: over vLLM's ``CPUWorker`` and ``CPUModelRunner`` (importing vLLM's CPU worker patches
+  ``torch.cuda.Event``/``Stream`` and ``Tensor.pin_memory`` process-wide, and it calls a CPU-only op);
+- :mod:`.gpu_worker`: over vLLM's GPU ``Worker`` and V1 ``GPUModelRunner``; it never imports the CPU worker.
+
+:mod:`.config` picks the platform's worker (``config.WORKER_CLS``). This module imports neither platform's
+worker. The names ``worker.DLLMWorker``, ``worker.PrestoWorker``, ``worker.DLLMModelRunner`` and
+``worker.PrestoModelRunner`` still resolve (to the CPU classes), lazily, so importing this module stays
+platform-neutral.
 """
 
 from __future__ import annotations
 
 import functools
-
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-from vllm.v1.worker.cpu_worker import CPUWorker
-
-from . import compat
-from .dllm_runner import DLLMRunnerMixin
-from .presto_runner import PrestoRunnerMixin
+import importlib
 
 
 @functools.lru_cache
 def runner_class(mixin: type, base: type) -> type:
-    """``mixin`` over vLLM's runner ``base`` (``CPUModelRunner``, or ``GPUModelRunner`` on GPUs)."""
+    """``mixin`` over vLLM's runner ``base`` (``CPUModelRunner``, or the V1 ``GPUModelRunner`` on GPUs)."""
     return type(f"{mixin.__name__.removesuffix('Mixin')}On{base.__name__}", (mixin, base), {})
 
 
-DLLMModelRunner = runner_class(DLLMRunnerMixin, CPUModelRunner)
-PrestoModelRunner = runner_class(PrestoRunnerMixin, CPUModelRunner)
+class PSDWorkerMixin:
+    """Mixed in before vLLM's worker class: the runner class the worker must build (``runner_cls``, set per
+    mode and platform) and the check that it did."""
+
+    runner_cls: type
+
+    def check_runner(self) -> None:
+        """Raise unless the worker built :attr:`runner_cls` (e.g. vLLM chose Model Runner V2, which the plugin's
+        V1 runner hooks cannot drive)."""
+        runner = getattr(self, "model_runner", None)
+        if not isinstance(runner, self.runner_cls):
+            raise RuntimeError(f"psd-plugin needs its {self.runner_cls.__name__} (vLLM's V1 model runner with the "
+                               f"plugin's hooks); the worker built {type(runner).__name__}. Leave "
+                               "VLLM_USE_V2_MODEL_RUNNER unset (or 0) and worker_cls unset")
 
 
-class _PSDCPUWorker(CPUWorker):
-    runner_cls: type = CPUModelRunner
-
-    def init_device(self):
-        with compat.cpu_worker_builds(self.runner_cls):
-            super().init_device()
-        if not isinstance(self.model_runner, self.runner_cls):  # e.g. Model Runner V2, which the swap misses
-            raise RuntimeError(f"psd-plugin needs vLLM's V1 model runner; the worker built "
-                               f"{type(self.model_runner).__name__} (unset VLLM_USE_V2_MODEL_RUNNER)")
-
-
-class DLLMWorker(_PSDCPUWorker):
-    """Builds the dLLM runner (``worker_cls`` set by the ``psd`` method on a dLLM)."""
-
-    runner_cls = DLLMModelRunner
+class DLLMWorkerMixin(PSDWorkerMixin):
+    """The dLLM mode's worker RPCs (``worker_cls`` set by the ``psd`` method on a dLLM)."""
 
     def psd_stats(self) -> dict:
         """Decoding figures (``LLM.collective_rpc("psd_stats")``): totals and recent finished requests."""
         return self.model_runner.psd_stats()
 
 
-class PrestoWorker(_PSDCPUWorker):
-    """Builds the PRESTO runner (``worker_cls`` set by PRESTO mode)."""
-
-    runner_cls = PrestoModelRunner
+class PrestoWorkerMixin(PSDWorkerMixin):
+    """The PRESTO mode's worker RPCs (``worker_cls`` set by PRESTO mode)."""
 
     def presto_stats(self) -> dict:
         """Verification figures (``LLM.collective_rpc("presto_stats")``): forwards, tree steps, nodes."""
         return self.model_runner.presto_stats()
+
+
+# Names this module had when it held the CPU workers; they now live in :mod:`.cpu_worker`.
+_CPU_NAMES = ("DLLMWorker", "PrestoWorker", "DLLMModelRunner", "PrestoModelRunner")
+
+
+def __getattr__(name: str):
+    if name in _CPU_NAMES:  # imported only when asked for: importing vLLM's CPU worker patches torch.cuda
+        return getattr(importlib.import_module(".cpu_worker", __package__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
