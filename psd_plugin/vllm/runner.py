@@ -40,7 +40,7 @@ class PSDDraftTokenIds(DraftTokenIds):
 
 
 class PSDRunnerMixin:
-    """Shared by :class:`~.dllm_runner.DLLMModelRunner` and :class:`~.presto_runner.PrestoModelRunner`; mixed
+    """Shared by :class:`~.dllm_runner.DLLMRunnerMixin` and :class:`~.presto_runner.PrestoRunnerMixin`; mixed
     in before vLLM's runner class (:func:`psd_plugin.vllm.worker.runner_class`)."""
 
     _next_drafts: PSDDraftTokenIds | None = None
