@@ -48,19 +48,17 @@ def _on_device(engine, monkeypatch, proxy):
     monkeypatch.setattr(type(engine), "_step", proxied_step)
 
 
-@pytest.mark.parametrize("options", [{}, {"logprobs": 2}, {"rules": "bias"}], ids=["plain", "logprobs", "rules"])
-@pytest.mark.parametrize("method", METHODS)
-def test_decoding_with_device_logits_and_host_state(engine, prompts, monkeypatch, method, options):
+CASES = [(m, "plain") for m in METHODS] + [("confidence", "logprobs"), ("spiffy", "logprobs"), ("confidence", "rules")]
+
+
+@pytest.mark.parametrize("method, case", CASES, ids=[f"{m}-{c}" for m, c in CASES])
+def test_decoding_with_device_logits_and_host_state(engine, prompts, monkeypatch, method, case):
     """Every method, from logits on the device: the same tokens and NFE as on the host, no operation mixes a
     device tensor with a host one, and the device is read once per step (the predictions' one copy), plus once
     per step for what needs the logits themselves (Spiffy's top tokens, logprobs)."""
-    if options.get("rules"):
-        if method != "confidence":
-            pytest.skip("rules: one method is enough")
-        options = {"rules": LogitsRules(logit_bias={5: 2.0, 9: -3.0}, min_tokens=3,
-                                        stop_token_ids=(engine.spec.eos_token_id,))}
-    if options.get("logprobs") and method not in ("confidence", "spiffy"):
-        pytest.skip("logprobs: two methods are enough")
+    options = {"plain": {}, "logprobs": {"logprobs": 2},
+               "rules": {"rules": LogitsRules(logit_bias={5: 2.0, 9: -3.0}, min_tokens=3,
+                                              stop_token_ids=(engine.spec.eos_token_id,))}}[case]
     if method == "spiffy":
         from model_executor.decoding import load_graph
         from psd_plugin import default_graph

@@ -57,15 +57,15 @@ class PSDRunnerMixin:
         set_step(batch)
 
     # ------------------------------------------------------------------ every row in vLLM's input buffers
-    def _step_rows(self) -> int:
-        """Rows of the forward about to run: vLLM's scheduled tokens plus the step's extra rows."""
+    def _extra_rows(self) -> int:
+        """Rows the forward about to run has beyond vLLM's scheduled tokens (its extra canvases)."""
         batch = current_step()
         return 0 if batch is None else batch.num_extra
 
     def _determine_batch_execution_and_padding(self, num_tokens: int, *args, **kwargs):
         """vLLM sizes the forward (padding, CUDA-graph dispatch, data-parallel token counts) on its scheduled
         tokens; a step's extra rows are rows of the forward too, so it is sized on all of them."""
-        return super()._determine_batch_execution_and_padding(num_tokens + self._step_rows(), *args, **kwargs)
+        return super()._determine_batch_execution_and_padding(num_tokens + self._extra_rows(), *args, **kwargs)
 
     def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
         """vLLM's inputs for the forward are views of its persistent ``input_ids`` and ``positions`` buffers
