@@ -46,6 +46,25 @@ class Rows:
     tokens: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class HostPages:
+    """Where each request's KV pages are, as host tensors, for one forward: per KV-cache group, the layers it
+    serves, its page size and its block table rows of the batch's requests (``[R, max_pages]``). A model
+    runner publishes them with the batch (vLLM keeps a host copy of every block table, which it copies to the
+    device each step), so that planning attention reads no device memory."""
+
+    layers: tuple[frozenset[str], ...]
+    page_sizes: tuple[int, ...]
+    block_tables: tuple[torch.Tensor, ...]
+
+    def group(self, layer: str) -> int:
+        """The KV-cache group of ``layer``."""
+        for g, names in enumerate(self.layers):
+            if layer in names:
+                return g
+        raise KeyError(f"layer {layer!r} is in no KV-cache group of the step")
+
+
 class DeviceInputs(NamedTuple):
     positions: torch.Tensor  # [T + E]
     extra_ids: torch.Tensor | None  # [E]
@@ -71,6 +90,7 @@ class StepBatch:
     logits_rows: torch.Tensor  # [N] model rows whose logits the decoders read: every canvas's block rows
     canvas_rows: list[list[int] | None]  # per entry: the first index into ``logits_rows`` of each canvas
     _on: dict = field(default_factory=dict, repr=False)
+    pages: HostPages | None = field(default=None, repr=False)  # set by a runner that publishes the batch
 
     @property
     def num_requests(self) -> int:
@@ -100,8 +120,8 @@ class StepBatch:
 
     def plan(self, block_table: torch.Tensor, page_size: int, pattern: MaskKind, block_size: int = 0
              ) -> AttentionPlan:
-        """The attention plan of this batch over a paged cache (``block_table [R, pages]``), for layers of
-        ``pattern`` (``block_size``: SDAR's attention block)."""
+        """The attention plan of this batch over a paged cache (``block_table [R, pages]``, a host tensor), for
+        layers of ``pattern`` (``block_size``: SDAR's attention block)."""
         kind = self.kind or pattern
         return AttentionPlan(self.qo_indptr, self.prefix_lens, block_table, page_size, kind=kind,
                              seg_indptr=self.seg_indptr, block_size=block_size,

@@ -49,8 +49,9 @@ SCHEDULER_HOOKS = {
 
 # Attributes read or set on a live runner / scheduler / input batch.
 RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups", "model_config", "scheduler_config",
-                     "device")
-INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators")
+                     "device", "kv_cache_config")
+INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators",
+                          "block_table")
 WORKER_ATTRIBUTES = ("model_runner",)
 SCHEDULER_ATTRIBUTES = ("running", "requests", "max_num_scheduled_tokens", "max_num_running_reqs", "max_num_active_reqs",
                         "num_sampled_tokens_per_step", "num_spec_tokens", "log_stats", "kv_cache_manager",
@@ -99,20 +100,27 @@ DATA_FIELDS = {
     "vllm.v1.worker.gpu_input_batch:CachedRequestState": ("prompt_token_ids", "output_token_ids",
                                                           "sampling_params"),
     "vllm.v1.worker.utils:AttentionGroup": ("metadata_builders",),
-    "vllm.v1.utils:CpuGpuBuffer": ("np",),
+    "vllm.v1.utils:CpuGpuBuffer": ("np", "cpu"),
+    # the host block tables the runner publishes for the attention builder (``host_pages``)
+    "vllm.v1.worker.block_table:MultiGroupBlockTable": ("block_tables",),
+    "vllm.v1.worker.block_table:BlockTable": ("block_table", "block_size"),
+    "vllm.v1.kv_cache_interface:KVCacheConfig": ("kv_cache_groups",),
+    "vllm.v1.kv_cache_interface:KVCacheGroupSpec": ("layer_names",),
     "vllm.v1.engine:EngineCoreRequest": ("sampling_params", "prompt_token_ids"),
     "vllm.v1.engine.input_processor:InputProcessor": ("vllm_config",),
     "vllm.v1.outputs:LogprobsTensors": ("logprob_token_ids", "logprobs", "selected_token_ranks"),
     "vllm.sampling_params:SamplingParams": ("all_stop_token_ids", "bad_words_token_ids", "logit_bias", "min_p",
                                             "allowed_token_ids", "min_tokens", "_validate_spec_decode"),
     "vllm.v1.attention.backend:CommonAttentionMetadata": ("num_reqs", "query_start_loc_cpu", "seq_lens",
-                                                          "block_table_tensor", "slot_mapping"),
+                                                          "seq_lens_cpu_upper_bound", "block_table_tensor",
+                                                          "slot_mapping"),
     "vllm.v1.attention.backend:AttentionBackend": ("forward_includes_kv_cache_update",),
     "vllm.v1.attention.backend:AttentionMetadataBuilder": ("device",),
     "vllm.v1.kv_cache_interface:FullAttentionSpec": ("non_causal", "num_kv_heads", "head_size", "block_size"),
     "vllm.model_executor.layers.attention:Attention": ("impl", "layer_name"),
     "vllm.forward_context:ForwardContext": ("attn_metadata",),
     "vllm.config:ModelConfig": ("get_num_attention_heads", "hf_config"),
+    "vllm.config:ParallelConfig": ("decode_context_parallel_size", "prefill_context_parallel_size"),
     "vllm.entrypoints.llm:LLM": ("llm_engine",),
     "vllm.v1.engine.llm_engine:LLMEngine": ("engine_core",),
     "vllm.v1.engine.core_client:EngineCoreClient": ("shutdown",),
@@ -169,6 +177,19 @@ def request_generator(runner, row: int):
 
 def request_temperature(runner, row: int) -> float:
     return float(runner.input_batch.temperature_cpu[row])
+
+
+def host_pages(runner, num_reqs: int):
+    """The host copies of the block tables of every KV-cache group, rows of the step's first ``num_reqs``
+    requests (views of vLLM's ``BlockTable.block_table.cpu``, which the runner fills and copies to the device
+    each step), with each group's layers and page size. vLLM 0.32 keeps no host slot mapping on CUDA (a Triton
+    kernel computes it on the device), so the attention builder derives the slots from these tables."""
+    from attention_backends.step_batch import HostPages
+
+    groups = runner.kv_cache_config.kv_cache_groups
+    tables = runner.input_batch.block_table.block_tables
+    return HostPages(tuple(frozenset(g.layer_names) for g in groups), tuple(t.block_size for t in tables),
+                     tuple(t.block_table.cpu[:num_reqs] for t in tables))
 
 
 def metadata_builders(runner) -> Iterator:

@@ -7,8 +7,8 @@ A step of either mode goes through the same hooks (their vLLM names are in :mod:
    :class:`~attention_backends.step_batch.StepBatch` (one entry per request: segments, masks, positions,
    extra rows, the rows whose logits it needs), built by
    :func:`~attention_backends.step_batch.build_step_batch` as the reference engine builds its own, and
-   publishes it for the forward (:func:`~attention_backends.step_batch.set_step`); the attention metadata
-   builders and the model read it from there.
+   publishes it for the forward (:func:`~attention_backends.step_batch.set_step`) with the host copies of
+   the block tables; the attention metadata builders and the model read it from there.
 2. ``_sample``: the mode turns those logits into tokens (a dLLM's committed block, or PRESTO's accepted path
    plus bonus token); vLLM's bookkeeping records them.
 3. ``propose_draft_token_ids``: the mode's next drafts (a dLLM's next canvas, or PRESTO's next tree), and
@@ -50,7 +50,11 @@ class PSDRunnerMixin:
                                "speculative method serves the project's model classes only")
 
     def _publish(self, batch: StepBatch | None) -> None:
-        """The forward about to run is ``batch`` (None: the forward is over)."""
+        """The forward about to run is ``batch`` (None: the forward is over), with the host copies of vLLM's
+        block tables for its requests (:func:`.compat.host_pages`): the attention builders plan from them and
+        read no device tensor."""
+        if batch is not None:
+            batch.pages = compat.host_pages(self, batch.num_requests)
         set_step(batch)
 
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
