@@ -43,7 +43,8 @@ BACKENDS = ("auto", "torch", "flashinfer")
 
 @dataclass
 class AttentionPlan:
-    """One batch of prefix + new-token attention (module docstring). Index tensors are int64 on any device."""
+    """One batch of prefix + new-token attention (module docstring). Every tensor is a host (CPU) tensor: a plan
+    is made on the host, and a backend copies what its device needs once per forward."""
 
     qo_indptr: torch.Tensor  # [R + 1]
     prefix_lens: torch.Tensor  # [R]
@@ -62,8 +63,11 @@ class AttentionPlan:
     def __post_init__(self):
         if self.kind not in MASK_KINDS:
             raise ValueError(f"mask kind {self.kind!r}; allowed: {', '.join(MASK_KINDS)}")
-        qo = self.qo_indptr = self.qo_indptr.long().cpu()
-        self.prefix_lens = self.prefix_lens.long().cpu()
+        for name in ("qo_indptr", "prefix_lens", "block_table", "seg_indptr", "positions", "suffix_starts",
+                     "suffix_lens"):
+            _on_host(name, getattr(self, name))
+        qo = self.qo_indptr = self.qo_indptr.long()
+        self.prefix_lens = self.prefix_lens.long()
         R = qo.numel() - 1
         if R < 0 or int(qo[0]) != 0 or bool((qo[1:] < qo[:-1]).any()):
             raise ValueError("qo_indptr must start at 0 and not decrease")
@@ -78,7 +82,7 @@ class AttentionPlan:
         if (self.suffix_starts is None) != (self.suffix_lens is None):
             raise ValueError("suffix_starts and suffix_lens go together")
         if self.suffix_lens is not None:
-            self.suffix_starts, self.suffix_lens = self.suffix_starts.long().cpu(), self.suffix_lens.long().cpu()
+            self.suffix_starts, self.suffix_lens = self.suffix_starts.long(), self.suffix_lens.long()
             if self.suffix_lens.shape != (R,) or self.suffix_starts.shape != (R,):
                 raise ValueError(f"suffix_starts and suffix_lens must have one entry per request ({R})")
             if bool((self.suffix_lens < 0).any()) or bool(((self.suffix_lens > 0)
@@ -90,7 +94,7 @@ class AttentionPlan:
         if need > self.block_table.shape[1]:
             raise ValueError(f"block_table has {self.block_table.shape[1]} pages per request; the cached keys "
                              f"need {need}")
-        seg = qo if self.seg_indptr is None else self.seg_indptr.long().cpu()
+        seg = qo if self.seg_indptr is None else self.seg_indptr.long()
         if int(seg[0]) != 0 or int(seg[-1]) != int(qo[-1]) or bool((seg[1:] < seg[:-1]).any()):
             raise ValueError("seg_indptr must run from 0 to the number of new tokens without decreasing")
         if not bool(torch.isin(qo, seg).all()):
@@ -107,6 +111,7 @@ class AttentionPlan:
             for s, (m, n) in enumerate(zip(self.custom_masks, lens)):
                 if m.shape != (n, n) or m.dtype != torch.bool:
                     raise ValueError(f"custom mask of segment {s} must be bool [{n}, {n}], got {m.dtype} {tuple(m.shape)}")
+                _on_host(f"custom mask of segment {s}", m)
 
     @property
     def num_tokens(self) -> int:
@@ -116,6 +121,48 @@ class AttentionPlan:
     def seg_lens(self) -> torch.Tensor:
         return self.seg_indptr[1:] - self.seg_indptr[:-1]
 
+    def segment_blocks(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The segments' masks, grouped by segment length: per distinct length ``n``, the segments of that length
+        ``[k]`` and their masks ``[k, n, n]`` (row ``i`` sees row ``j``) under the mask kind."""
+        n = self.seg_lens
+        out = []
+        for length in torch.unique(n).tolist():
+            segs = (n == length).nonzero().flatten()
+            k, a = segs.numel(), torch.arange(length)
+            if self.kind == "bidirectional":
+                vis = torch.ones(k, length, length, dtype=torch.bool)
+            elif self.kind == "causal":
+                vis = torch.ones(length, length, dtype=torch.bool).tril().expand(k, length, length)
+            elif self.kind == "block_causal":
+                blk = (self.positions.long() // self.block_size)[self.seg_indptr[segs][:, None] + a]  # [k, n]
+                vis = blk[:, None, :] <= blk[:, :, None]
+            else:
+                vis = torch.stack([self.custom_masks[i] for i in segs.tolist()]) if k \
+                    else torch.zeros(0, length, length, dtype=torch.bool)
+            out.append((segs, vis))
+        return out
+
+    def segment_pairs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every ordered pair of rows of one segment, segment by segment and row-major within it: plan rows
+        ``i [N]`` and ``j [N]`` and whether row ``i`` sees row ``j`` under the mask kind (``N = sum n_s ** 2``;
+        FlashInfer's flattened per-segment mask order)."""
+        N, at = self._flat_layout()
+        i, j = torch.empty(N, dtype=torch.long), torch.empty(N, dtype=torch.long)
+        vis = torch.empty(N, dtype=torch.bool)
+        for segs, m in self.segment_blocks():
+            length = m.shape[-1]
+            idx = (at[segs][:, None] + torch.arange(length * length)).flatten()
+            rows = self.seg_indptr[segs][:, None] + torch.arange(length)  # [k, n]
+            i[idx] = rows[:, :, None].expand(-1, length, length).flatten()
+            j[idx] = rows[:, None, :].expand(-1, length, length).flatten()
+            vis[idx] = m.flatten()
+        return i, j, vis
+
+    def _flat_layout(self) -> tuple[int, torch.Tensor]:
+        """``N = sum n_s ** 2`` and where each segment's flattened mask starts."""
+        sq = self.seg_lens ** 2
+        return int(sq.sum()), torch.cumsum(sq, 0) - sq
+
     def segment_mask(self, s: int) -> torch.Tensor | None:
         """Visibility ``[n_s, n_s]`` among segment ``s``'s rows (None: all visible)."""
         a, b = int(self.seg_indptr[s]), int(self.seg_indptr[s + 1])
@@ -124,9 +171,19 @@ class AttentionPlan:
         if self.kind == "causal":
             return torch.ones(b - a, b - a, dtype=torch.bool).tril()
         if self.kind == "block_causal":
-            blk = self.positions[a:b].cpu() // self.block_size
+            blk = self.positions[a:b] // self.block_size
             return blk[None, :] <= blk[:, None]
-        return self.custom_masks[s].cpu()
+        return self.custom_masks[s]
+
+    def packed_segment_masks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every segment's mask packed as FlashInfer's ``segment_packbits(..., bitorder="little")`` packs it
+        (:func:`pack_mask`): ``(packed uint8 [bytes], byte indptr int64 [S + 1])``, host tensors."""
+        N, at = self._flat_layout()
+        bits = torch.empty(N, dtype=torch.bool)
+        for segs, m in self.segment_blocks():
+            length = m.shape[-1]
+            bits[(at[segs][:, None] + torch.arange(length * length)).flatten()] = m.flatten()
+        return _pack_bits(bits, self.seg_lens ** 2)
 
     @property
     def cached_lens(self) -> torch.Tensor:
@@ -146,7 +203,7 @@ class AttentionPlan:
         """``[R, max_cached]`` flat cache slots (``page * page_size + offset``) of each request's cached keys
         (prefix, then suffix), 0 past their end."""
         pos = self.cached_positions()
-        pages = self.block_table.long().cpu().gather(1, pos // self.page_size)
+        pages = self.block_table.gather(1, pos // self.page_size).long()
         slots = pages * self.page_size + pos % self.page_size
         return torch.where(torch.arange(pos.shape[1]) < self.cached_lens[:, None], slots, torch.zeros_like(slots))
 
@@ -227,13 +284,22 @@ def pack_mask(masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack per-segment boolean masks as FlashInfer's ``segment_packbits(..., bitorder="little")`` does:
     row-major bits, little-endian within a byte, each segment starting on a byte. Returns ``(packed uint8,
     byte indptr)``."""
-    chunks, indptr = [], [0]
-    for m in masks:
-        bits = m.flatten().to(torch.uint8).cpu()
-        bits = torch.cat([bits, bits.new_zeros((-bits.numel()) % 8)]).view(-1, 8)
-        chunks.append((bits << torch.arange(8, dtype=torch.uint8)).sum(1, dtype=torch.uint8))
-        indptr.append(indptr[-1] + chunks[-1].numel())
-    return torch.cat(chunks) if chunks else torch.zeros(0, dtype=torch.uint8), torch.tensor(indptr)
+    if not masks:
+        return torch.zeros(0, dtype=torch.uint8), torch.zeros(1, dtype=torch.long)
+    return _pack_bits(torch.cat([m.reshape(-1).cpu() for m in masks]),
+                      torch.tensor([m.numel() for m in masks], dtype=torch.long))
+
+
+def _pack_bits(bits: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``bits [sum counts]`` (bool, segment after segment) packed little-endian, each segment from a new byte."""
+    nbytes = (counts + 7) // 8
+    indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(nbytes, 0)])
+    N = bits.numel()
+    seg = torch.repeat_interleave(torch.arange(counts.numel()), counts, output_size=N)
+    local = torch.arange(N) - (torch.cumsum(counts, 0) - counts)[seg]
+    packed = torch.zeros(int(indptr[-1]), dtype=torch.int32).index_add_(
+        0, indptr[:-1][seg] + local // 8, bits.to(torch.int32) << (local % 8).to(torch.int32))
+    return packed.to(torch.uint8), indptr
 
 
 def unpack_mask(packed: torch.Tensor, indptr: torch.Tensor, s: int, n: int) -> torch.Tensor:
@@ -241,3 +307,35 @@ def unpack_mask(packed: torch.Tensor, indptr: torch.Tensor, s: int, n: int) -> t
     b = packed[int(indptr[s]): int(indptr[s + 1])]
     bits = (b[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1
     return bits.flatten()[: n * n].view(n, n).bool()
+
+
+def _on_host(name: str, t: torch.Tensor | None) -> None:
+    if t is not None and t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}: a plan is built on the host from host tensors (reading a device "
+                         "tensor here would stall the device every forward)")
+
+
+def to_device(tensors: dict[str, torch.Tensor | None], device: torch.device | str) -> dict[str, torch.Tensor | None]:
+    """Host tensors on ``device`` in one transfer: on the CPU the tensors themselves (no copy); elsewhere packed
+    into one buffer (pinned on CUDA), copied with one ``non_blocking`` copy, and viewed back per tensor."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return dict(tensors)
+    parts, offset, layout = [], 0, {}
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        t = t.contiguous()
+        n = t.numel() * t.element_size()
+        layout[name] = (offset, t.dtype, t.shape)
+        parts.append((offset, t))
+        offset += (n + 15) // 16 * 16  # every view starts aligned for its dtype
+    buf = torch.empty(offset, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    for o, t in parts:
+        buf[o: o + t.numel() * t.element_size()].view(t.dtype).copy_(t.reshape(-1))
+    dev = buf.to(device, non_blocking=True)
+    out = {name: None for name in tensors}
+    for name, (o, dtype, shape) in layout.items():
+        n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        out[name] = dev[o: o + n].view(dtype).view(shape)
+    return out

@@ -25,7 +25,7 @@ it (:func:`current_step`): one writer, readers that never recompute it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 import torch
 
 from .prefix_attention import AttentionPlan, MaskKind
@@ -42,6 +42,26 @@ class Rows:
     positions: torch.Tensor | None = None
     mask: torch.Tensor | None = None
     tokens: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class HostPages:
+    """Where each request's KV pages are, as host tensors, for one forward: per KV-cache group, the layers it
+    serves, its page size and its block table rows of the batch's requests (``[R, max_pages]``). A model
+    runner publishes them with the batch (vLLM keeps a host copy of every block table, which it copies to the
+    device each step), so that planning attention reads no device memory."""
+
+    layers: tuple[frozenset[str], ...]
+    page_sizes: tuple[int, ...]
+    block_tables: tuple[torch.Tensor, ...]
+
+    def group(self, layer: str) -> int:
+        """The KV-cache group of ``layer``."""
+        for g, names in enumerate(self.layers):
+            if layer in names:
+                return g
+        raise KeyError(f"layer {layer!r} is in no KV-cache group of the step")
+
 
 
 @dataclass
@@ -63,6 +83,7 @@ class StepBatch:
     custom_masks: list[torch.Tensor] | None
     logits_rows: torch.Tensor  # [N] model rows whose logits the decoders read: every canvas's block rows
     canvas_rows: list[list[int] | None]  # per entry: the first index into ``logits_rows`` of each canvas
+    pages: HostPages | None = field(default=None, repr=False)  # set by a runner that publishes the batch
 
     @property
     def num_requests(self) -> int:
@@ -92,8 +113,8 @@ class StepBatch:
 
     def plan(self, block_table: torch.Tensor, page_size: int, pattern: MaskKind, block_size: int = 0
              ) -> AttentionPlan:
-        """The attention plan of this batch over a paged cache (``block_table [R, pages]``), for layers of
-        ``pattern`` (``block_size``: SDAR's attention block)."""
+        """The attention plan of this batch over a paged cache (``block_table [R, pages]``, a host tensor), for
+        layers of ``pattern`` (``block_size``: SDAR's attention block)."""
         kind = self.kind or pattern
         return AttentionPlan(self.qo_indptr, self.prefix_lens, block_table, page_size, kind=kind,
                              seg_indptr=self.seg_indptr, block_size=block_size,

@@ -3,27 +3,43 @@
 One attention per batch entry and layer. An entry is a request (its new rows: every canvas or tree node of
 it) or, where that pads less, one segment of a request; its rows (``[R, Lq]`` padded) attend over its keys
 ``[cached | new rows]`` (``[R, Lk]`` padded; cached = the prefix, and the kept suffix when the plan has one)
-under one visibility mask that ``plan`` builds once per forward: every cached key for every row, and among
-the new rows the plan's segments under its mask kind. Per layer ``run`` is a handful of tensor ops: the
-cached slots gathered from the pages, one index that lays out every request's keys, the query gather, one
-fused attention call, one output gather. On CPU the attention is PyTorch's
-fused flash-attention kernel (grouped-query heads native, the mask as an additive bias); elsewhere plain
-matmuls with a softmax.
+under one visibility mask that ``plan`` builds once per forward, on the host: every cached key for every row,
+and among the new rows the plan's segments under its mask kind. Everything ``run`` needs reaches the device in
+one copy per forward (none on the CPU). Per layer ``run`` is a handful of tensor ops: the cached slots
+gathered from the pages, one index that lays out every request's keys, the query gather, one fused attention
+call, one output gather. The attention call (``kernel``):
 
-Scores accumulate in float32 (float64 for float64 inputs: the exactness path). A row with no visible key
-gets 0. Padded key positions point at a real row's key (never at an unwritten cache slot), so caches may be
-allocated uninitialised: nothing outside the cached keys is read.
+- ``cpu_flash`` (the default on the CPU): PyTorch's fused CPU flash-attention kernel, grouped-query heads
+  native, the mask as an additive float32 bias, inputs in float32 (float64 on the exactness path);
+- ``sdpa`` (the default elsewhere, CUDA included): ``torch.nn.functional.scaled_dot_product_attention`` with
+  the boolean mask, in the inputs' dtype (its kernels accumulate in float32). Grouped-query heads are folded
+  into the query rows (``[R, Hkv, G * Lq, D]`` against ``[R, Hkv, Lk, D]``) rather than passed as
+  ``enable_gqa=True``: PyTorch runs ``enable_gqa`` only in its flash kernel (which takes no mask) and its
+  math kernel (which materialises float32 scores for every query head), so with a mask the fold is what lets
+  the memory-efficient kernel run, with no K/V repeated per query head.
+
+A row with no visible key gets 0. Padded key positions point at a real row's key (never at an unwritten
+cache slot), so caches may be allocated uninitialised: nothing outside the cached keys is read.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from .prefix_attention import AttentionPlan, check_run_inputs
+from .prefix_attention import AttentionPlan, check_run_inputs, to_device
+
+KERNELS = ("cpu_flash", "sdpa")
 
 
 class TorchPrefixAttention:
     name = "torch"
+
+    def __init__(self, kernel: str | None = None):
+        """``kernel``: ``cpu_flash`` or ``sdpa`` (module docstring); None: ``cpu_flash`` on the CPU, else ``sdpa``."""
+        if kernel is not None and kernel not in KERNELS:
+            raise ValueError(f"attention kernel {kernel!r}; allowed: {', '.join(KERNELS)}")
+        self.kernel_choice = kernel
 
     def plan(self, plan: AttentionPlan, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
              scale: float | None = None, device: torch.device | str | None = None,
@@ -32,22 +48,24 @@ class TorchPrefixAttention:
         ``rows[i]``, a permutation), so a caller whose rows are not request by request needs no gather.
         ``cached``: ``[T]`` flat cache slots where the caller has written each input row's K/V before ``run``
         (-1: not written); when every row is there, ``run`` reads all keys from the cache in one gather.
-        ``entries``: one batch entry per ``request`` or per ``segment``; ``auto`` picks the one that pads less."""
+        ``entries``: one batch entry per ``request`` or per ``segment``; ``auto`` picks the one that pads less.
+        Host tensors all (the plan's and these); the device gets what ``run`` needs in one copy."""
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-        dev = torch.device(device) if device is not None else plan.block_table.device
+        dev = torch.device(device) if device is not None else torch.device("cpu")
         self.geom = (num_heads, num_kv_heads, head_dim)
-        self.fused = dev.type == "cpu"  # PyTorch's fused CPU kernel; matmuls elsewhere
+        self.kernel = self.kernel_choice or ("cpu_flash" if dev.type == "cpu" else "sdpa")
         self.scale = head_dim ** -0.5 if scale is None else scale
-        self.acc = torch.promote_types(dtype, torch.float32)
+        # cpu_flash computes in float32 (float64 stays); sdpa in the inputs' dtype, accumulating in float32
+        self.acc = torch.promote_types(dtype, torch.float32) if self.kernel == "cpu_flash" else dtype
         T = self.T = plan.num_tokens
         P = plan.cached_lens  # cached keys per request: its prefix (and its kept suffix)
-        model_row = torch.arange(T) if rows is None else rows.long().cpu()  # plan row -> input row
+        model_row = torch.arange(T) if rows is None else rows.long()  # plan row -> input row
         # a batch entry per request (keys: its prefix and all its rows) or per segment (its prefix and the
         # segment's rows), whichever pads less; both read the prefix once per entry
         req_lens, seg_lens = plan.qo_indptr.diff(), plan.seg_lens
-        seg_req = torch.repeat_interleave(torch.arange(req_lens.numel()), req_lens)[plan.seg_indptr[:-1]] \
-            if T else torch.zeros(seg_lens.numel(), dtype=torch.long)
+        seg_req = torch.repeat_interleave(torch.arange(req_lens.numel()), req_lens, output_size=T)[
+            plan.seg_indptr[:-1].clamp(max=max(T - 1, 0))] if T else torch.zeros(seg_lens.numel(), dtype=torch.long)
         req_cost = _padded_cost(req_lens, P, num_heads, num_kv_heads)
         seg_cost = _padded_cost(seg_lens, P[seg_req], num_heads, num_kv_heads)
         if entries not in ("auto", "request", "segment"):
@@ -66,12 +84,11 @@ class TorchPrefixAttention:
         i = torch.arange(Lq)
         q_ok = i < n[:, None]
         q_plan = torch.where(q_ok, ptr[:-1, None] + i, torch.zeros_like(i))
-        self.q_idx = torch.where(q_ok, model_row[q_plan.clamp(max=last)] if T else q_plan, 0).flatten().to(dev)
+        q_idx = torch.where(q_ok, model_row[q_plan.clamp(max=last)] if T else q_plan, 0).flatten()
         self.shape = (R, Lq, Lk)
         # keys [R, Lk] index the run's source rows: the T new rows, then every prefix slot request by request
         slots = plan.cached_slots()
         p_slots = slots[torch.arange(slots.shape[1]) < P[:, None]]
-        self.p_slots = p_slots.to(dev)
         j = torch.arange(Lk)
         in_prefix = j < Pe[:, None]
         local = j - Pe[:, None]  # key j of entry r is its new row `local` when 0 <= local < n_r
@@ -79,39 +96,50 @@ class TorchPrefixAttention:
         new_row = model_row[(ptr[:-1, None] + local.clamp(min=0)).clamp(max=last)] if T else local
         k_idx = torch.where(in_prefix, T + (torch.cumsum(P, 0) - P)[ent_req, None] + j, 0)
         k_idx = torch.where(is_new, new_row, k_idx)  # padding: source row 0, a real key
-        self.k_slots = None
+        k_slots = None
         if cached is not None and T and bool((cached >= 0).all()):  # source rows as cache slots
-            self.k_slots = torch.cat([cached.long().cpu(), p_slots])[k_idx].flatten().to(dev)
-        self.k_idx = k_idx.flatten().to(dev)
+            k_slots = torch.cat([cached.long(), p_slots])[k_idx].flatten()
         # visibility [R, Lq, Lk]: the prefix, and the new rows of the row's own segment under the mask kind
-        seg_of = torch.repeat_interleave(torch.arange(seg_lens.numel()), seg_lens)  # plan row -> segment
+        seg_of = torch.repeat_interleave(torch.arange(seg_lens.numel()), seg_lens, output_size=T)  # plan row -> seg
         seg = seg_of[q_plan] if T else q_plan
         new = (seg[:, :, None] == seg[:, None, :]) & q_ok[:, :, None] & q_ok[:, None, :]  # [R, Lq, Lq]
         if plan.kind == "causal":
             new &= torch.ones(Lq, Lq, dtype=torch.bool).tril()
         elif plan.kind == "block_causal":
-            blk = plan.positions.long().cpu()[q_plan] // plan.block_size
+            blk = plan.positions.long()[q_plan] // plan.block_size
             new &= blk[:, None, :] <= blk[:, :, None]
-        elif plan.kind == "custom":
+        elif plan.kind == "custom":  # each segment's mask at its entry's rows, segments of a length at once
+            ent_of = torch.repeat_interleave(torch.arange(R), n, output_size=T)  # plan row -> entry
             m = torch.zeros(R, Lq, Lq, dtype=torch.bool)
-            ent_of = torch.repeat_interleave(torch.arange(R), n)
-            for s, cm in enumerate(plan.custom_masks):
-                a = int(plan.seg_indptr[s])
-                if cm.shape[0]:
-                    r = int(ent_of[a])
-                    o = a - int(ptr[r])
-                    m[r, o: o + cm.shape[0], o: o + cm.shape[0]] = cm.cpu()
+            for segs, blocks in plan.segment_blocks():
+                if not segs.numel() or not blocks.shape[-1]:
+                    continue
+                first = plan.seg_indptr[segs]
+                e = ent_of[first]
+                at = (first - ptr[e])[:, None] + torch.arange(blocks.shape[-1])  # [k, n] rows in the entry
+                m[e[:, None, None], at[:, :, None], at[:, None, :]] = blocks
             new &= m
         vis = new.gather(2, local.clamp(0, max(Lq - 1, 0))[:, None, :].expand(R, Lq, Lk)) & is_new[:, None, :]
         vis |= in_prefix[:, None, :] & q_ok[:, :, None]
-        self.bias = torch.zeros(R, 1, Lq, Lk, dtype=self.acc).masked_fill_(~vis[:, None], float("-inf")).to(dev)
-        self.seen = vis.any(-1)[:, None, :, None].to(dev)  # [R, 1, Lq, 1]: rows with a visible key
+        seen = vis.any(-1)  # [R, Lq]
+        unseen = None if bool(seen[q_ok].all()) else ~seen[:, None, :, None]  # real rows that see no key get 0
+        if self.kernel == "cpu_flash":
+            mask = torch.zeros(R, 1, Lq, Lk, dtype=self.acc).masked_fill_(~vis[:, None], float("-inf"))
+        else:  # padded query rows see key 0 (a real key): no row of the kernel's is fully masked
+            vis[:, :, 0] |= ~q_ok
+            mask = vis[:, None]
         # output: input row t is entry o_ent[t]'s query o_pos[t]
-        ent_of_row = torch.repeat_interleave(torch.arange(R), n)
+        ent_of_row = torch.repeat_interleave(torch.arange(R), n, output_size=T)
         o_ent, o_pos = torch.empty(T, dtype=torch.long), torch.empty(T, dtype=torch.long)
         o_ent[model_row] = ent_of_row
         o_pos[model_row] = torch.arange(T) - ptr[ent_of_row]
-        self.o_idx = (o_ent * Lq + o_pos).to(dev)  # into the output's [R * Lq] query rows
+        d = to_device({"q_idx": q_idx, "k_idx": k_idx.flatten(), "p_slots": p_slots, "k_slots": k_slots,
+                       "mask": mask, "unseen": unseen, "o_idx": o_ent * Lq + o_pos}, dev)
+        self.q_idx, self.k_idx, self.p_slots, self.k_slots = d["q_idx"], d["k_idx"], d["p_slots"], d["k_slots"]
+        self.o_idx, self.unseen = d["o_idx"], d["unseen"]  # o_idx: into the output's [R * Lq] query rows
+        G = num_heads // num_kv_heads
+        # sdpa folds the G query heads of a KV head into its rows: the mask repeats per group (on the device)
+        self.mask = d["mask"] if self.kernel == "cpu_flash" or G == 1 else d["mask"].repeat(1, 1, G, 1)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor) -> torch.Tensor:
@@ -142,14 +170,17 @@ class TorchPrefixAttention:
             vs = torch.cat([v.to(acc), v_cache.flatten(0, 1).index_select(0, self.p_slots).to(acc)]) \
                 .index_select(0, self.k_idx).view(R, Lk, Hkv, D)
         qs = q.to(acc).index_select(0, self.q_idx).view(R, Lq, H, D)
-        qh, kh, vh = qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2)
-        if self.fused:
+        kh, vh = ks.transpose(1, 2), vs.transpose(1, 2)
+        if self.kernel == "cpu_flash":
             o, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                qh, kh, vh, 0.0, False, attn_mask=self.bias, scale=self.scale)
-        else:
+                qs.transpose(1, 2), kh, vh, 0.0, False, attn_mask=self.mask, scale=self.scale)
+        else:  # [R, Hkv, G * Lq, D]: query head h = kv head h // G, group h % G
             G = H // Hkv
-            s = qh @ kh.repeat_interleave(G, 1).transpose(2, 3) * self.scale + self.bias
-            o = torch.softmax(s, -1).masked_fill(~self.seen, 0.0) @ vh.repeat_interleave(G, 1)
+            qf = qs.view(R, Lq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(R, Hkv, G * Lq, D)
+            o = F.scaled_dot_product_attention(qf, kh, vh, attn_mask=self.mask, scale=self.scale)
+            o = o.view(R, Hkv, G, Lq, D).reshape(R, H, Lq, D)
+        if self.unseen is not None:
+            o = o.masked_fill(self.unseen, 0.0)
         # [T, H, D] in input row order
         return o.transpose(1, 2).reshape(R * Lq, H, D).index_select(0, self.o_idx).to(q.dtype)
 

@@ -12,10 +12,18 @@ backend's metadata once per forward:
   kv_heads, head_dim]`` views of K and V without copying.
 - **Metadata** (:class:`PSDMetadataBuilder`): a plan per forward, from the step's
   :class:`~.step_batch.StepBatch`, which a model runner of the project publishes for the forward
-  (:func:`~.step_batch.set_step`); without one (a prefill of vLLM's own, a profiling run), one segment per
-  scheduled request over its cached prefix ``seq_len - query_len``, under the layer's pattern. The builder
-  turns it into the plan and the planned backend (``CPUPrefixAttention`` on CPU, ``FlashInferPrefixAttention``
-  on CUDA with fp16/bf16), which every layer then runs.
+  (:func:`~.step_batch.set_step`) with the host copies of vLLM's block tables
+  (:class:`~.step_batch.HostPages`). The builder turns it into the plan and the planned backend
+  (``TorchPrefixAttention`` on CPU, ``FlashInferPrefixAttention`` on CUDA with fp16/bf16), which every layer
+  then runs. It plans on the host and reads no device tensor: the request layout from
+  ``query_start_loc_cpu``, the prefixes from ``seq_lens_cpu_upper_bound`` (exact outside async scheduling,
+  which vLLM turns off for the plugin's ``custom_class`` method), the pages from the published block tables,
+  the new rows' slots from those (vLLM's slot formula; on CUDA vLLM 0.32 computes its slot mapping on the
+  device only), and the K/V writes use vLLM's device slot mapping as it is. Without a published batch (a
+  forward no runner of the project prepared: vLLM's own runner, a dummy run) it lays out one segment per
+  scheduled request over its cached prefix ``seq_len - query_len``, under the layer's pattern, and reads the
+  block table and slot mapping back from the device (:meth:`PSDMetadataBuilder.device_pages`, the builder's
+  only device reads).
 - **Extra rows**: draft canvases beyond a request's first are not vLLM tokens. They are rows after the
   scheduled ones (the runner writes them into vLLM's input buffers) at the positions of the canvas they draft; their K/V is
   never written to the cache (they see the shared prefix and themselves only), so they take no KV pages and
@@ -42,9 +50,8 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
                                        CommonAttentionMetadata)
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
 
-from .prefix_attention import AttentionPlan, make_backend
-from .step_batch import Rows, build_step_batch, current_step
-from .torch_backend import TorchPrefixAttention as CPUPrefixAttention
+from .prefix_attention import AttentionPlan, make_backend, to_device
+from .step_batch import Rows, StepBatch, build_step_batch, current_step
 
 PATTERNS = ("bidirectional", "causal", "block_causal")
 
@@ -52,11 +59,10 @@ PATTERNS = ("bidirectional", "causal", "block_causal")
 @dataclass
 class PSDAttentionMetadata:
     plan: AttentionPlan
-    attn: object  # the planned PrefixAttention backend
+    attn: object  # the planned PrefixAttention backend (planned with the step's row order)
     write_rows: torch.Tensor | None  # rows of vLLM's whose K/V is written at ``write_slots`` (None: all ``T``)
     write_slots: torch.Tensor
     num_tokens: int  # T: the rows vLLM scheduled
-    order: torch.Tensor | None = None  # plan order -> model rows (None: identity, or the backend remaps)
 
 
 class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
@@ -67,18 +73,32 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        pc = vllm_config.parallel_config
+        if pc.decode_context_parallel_size > 1 or pc.prefill_context_parallel_size > 1:
+            raise ValueError("psd attention backend: context parallelism is not supported (the plan derives each "
+                             "new row's cache slot from the block table, one rank owning every page)")
         mc = vllm_config.model_config
-        self.num_heads = mc.get_num_attention_heads(vllm_config.parallel_config)
-        self.num_kv_heads = kv_cache_spec.num_kv_heads
-        self.head_dim = kv_cache_spec.head_size
-        self.page_size = kv_cache_spec.block_size
-        self.dtype = mc.dtype
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
         scales = {layer.impl.scale for layer in layers.values()}
         if len(scales) > 1:
             raise ValueError(f"psd attention backend: layers {layer_names} use different scales {sorted(scales)}")
-        self.scale = scales.pop() if scales else None
-        self.attn = make_backend("auto", device, self.dtype)  # one per builder: planned anew every forward
+        self._geometry(mc.get_num_attention_heads(pc), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
+                       kv_cache_spec.block_size, mc.dtype, scales.pop() if scales else None)
+
+    @classmethod
+    def for_geometry(cls, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                     device, scale: float | None = None, layer_names: tuple[str, ...] = ("layer",)):
+        """A builder outside a vLLM config (tests, benchmarks): the same ``build``."""
+        self = cls.__new__(cls)
+        AttentionMetadataBuilder.__init__(self, None, list(layer_names), None, torch.device(device))
+        self._geometry(num_heads, num_kv_heads, head_dim, page_size, dtype, scale)
+        return self
+
+    def _geometry(self, num_heads, num_kv_heads, head_dim, page_size, dtype, scale) -> None:
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.page_size, self.dtype, self.scale = page_size, dtype, scale
+        self.attn = make_backend("auto", self.device, self.dtype)  # one per builder: planned anew every forward
+        self._group: int | None = None  # this builder's KV-cache group in the published pages
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PSDAttentionMetadata:
@@ -86,27 +106,88 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
         R = cam.num_reqs
         qsl = cam.query_start_loc_cpu[: R + 1].long()
         T = int(qsl[-1])
-        prefix = cam.seq_lens[:R].long().cpu() - qsl.diff()
         batch = current_step()
-        if batch is None:  # vLLM's own layout (a prefill, a profiling run): one segment per request
-            batch = build_step_batch([Rows(int(n), int(p)) for n, p in zip(qsl.diff(), prefix)])
-        elif batch.num_requests != R or batch.num_scheduled != T or not torch.equal(batch.prefix_lens, prefix):
-            raise RuntimeError(f"psd attention backend: the runner's step ({batch.num_requests} requests, "
-                               f"{batch.num_scheduled} scheduled rows, prefixes {batch.prefix_lens.tolist()}) is not "
-                               f"the batch vLLM scheduled ({R} requests, {T} rows, prefixes {prefix.tolist()})")
-        E = batch.num_extra
-        plan = batch.plan(cam.block_table_tensor[:R].long(), self.page_size, self.pattern, self.block_size)
-        slots = cam.slot_mapping[:T].long()
-        remap = batch.order is not None and isinstance(self.attn, CPUPrefixAttention)
+        if batch is None:  # a forward no runner of the project prepared
+            batch = self.vllm_layout(cam, R, qsl)
+            table, slots = self.device_pages(cam, R, T)
+        else:
+            prefix = _host_seq_lens(cam, R) - qsl.diff()
+            if batch.num_requests != R or batch.num_scheduled != T or not torch.equal(batch.prefix_lens, prefix):
+                raise RuntimeError(f"psd attention backend: the runner's step ({batch.num_requests} requests, "
+                                   f"{batch.num_scheduled} scheduled rows, prefixes {batch.prefix_lens.tolist()}) "
+                                   f"is not the batch vLLM scheduled ({R} requests, {T} rows, prefixes "
+                                   f"{prefix.tolist()})")
+            if batch.pages is None:  # published without the host block tables
+                table, slots = self.device_pages(cam, R, T)
+            else:
+                table = self._published_table(batch, R)
+                slots = vllm_slots(table, prefix, qsl, self.page_size)
+                if self.device.type == "cpu" and not torch.equal(slots, cam.slot_mapping[:T].long()):
+                    # on the CPU vLLM's slot mapping is a host tensor: the host slots are checked against it
+                    raise RuntimeError("psd attention backend: the slots derived from the host block table differ "
+                                       "from vLLM's slot mapping")
         # rows vLLM scheduled have their K/V written (``forward``) before attending; extra rows do not
-        cached = torch.cat([slots.cpu(), torch.full((E,), -1, dtype=torch.long)])
+        E = batch.num_extra
+        plan = batch.plan(table, self.page_size, self.pattern, self.block_size)
         self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
-                       device=self.device, cached=cached, **({"rows": batch.order} if remap else {}))
+                       device=self.device, cached=torch.cat([slots, torch.full((E,), -1, dtype=torch.long)]),
+                       rows=batch.order)
         ok = slots >= 0
-        rows = None if bool(ok.all()) else ok.nonzero().flatten()
-        return PSDAttentionMetadata(
-            plan, self.attn, rows, slots if rows is None else slots[rows], T,
-            order=batch.order.to(self.device) if batch.order is not None and not remap else None)
+        if bool(ok.all()):  # vLLM's own slot mapping, where it is (every published step)
+            return PSDAttentionMetadata(plan, self.attn, None, cam.slot_mapping[:T], T)
+        rows = ok.nonzero().flatten()  # a dummy run's -1 slots: nothing written there
+        d = to_device({"rows": rows, "slots": slots[rows]}, self.device)
+        return PSDAttentionMetadata(plan, self.attn, d["rows"], d["slots"], T)
+
+    def _published_table(self, batch: StepBatch, R: int) -> torch.Tensor:
+        """This builder's host block table rows of the published step."""
+        pages = batch.pages
+        if self._group is None:
+            self._group = pages.group(self.layer_names[0])
+        g = self._group
+        if pages.page_sizes[g] != self.page_size:
+            raise RuntimeError(f"psd attention backend: KV-cache group {g} has {pages.page_sizes[g]}-token pages "
+                               f"and the layers {self.page_size}-token ones (vLLM's kernel blocks are not supported)")
+        table = pages.block_tables[g]
+        if table.shape[0] < R:
+            raise RuntimeError(f"psd attention backend: the published block table has {table.shape[0]} rows for "
+                               f"{R} requests")
+        return table[:R]
+
+    @staticmethod
+    def vllm_layout(cam: CommonAttentionMetadata, R: int, qsl: torch.Tensor) -> StepBatch:
+        """The step of a forward no runner of the project published (vLLM's own runner; a dummy or profiling
+        run): one segment per scheduled request over its cached prefix."""
+        prefix = _host_seq_lens(cam, R) - qsl.diff()
+        return build_step_batch([Rows(n, p) for n, p in zip(qsl.diff().tolist(), prefix.tolist())])
+
+    @staticmethod
+    def device_pages(cam: CommonAttentionMetadata, R: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block table and slot mapping (-1: a row not to write, as in dummy runs) read back from the device,
+        for a forward whose runner published no host block tables: the builder's only device reads (a sync),
+        off the project's runners' steps."""
+        return cam.block_table_tensor[:R].cpu(), cam.slot_mapping[:T].long().cpu()
+
+
+def _host_seq_lens(cam: CommonAttentionMetadata, R: int) -> torch.Tensor:
+    """``[R]`` sequence lengths (cached + scheduled) on the host: vLLM's ``seq_lens_cpu_upper_bound``, exact
+    outside async scheduling (off for the plugin's method; the consistency check in ``build`` would fail
+    otherwise). vLLM 0.32's runner always sets it; without it, the device's seq lens are read back."""
+    if cam.seq_lens_cpu_upper_bound is not None:
+        return cam.seq_lens_cpu_upper_bound[:R].long()
+    return cam.seq_lens[:R].long().cpu()
+
+
+def vllm_slots(block_table: torch.Tensor, prefix_lens: torch.Tensor, query_start_loc: torch.Tensor,
+               page_size: int) -> torch.Tensor:
+    """``[T]`` flat cache slots of the rows vLLM scheduled, on the host: request ``r``'s rows are at positions
+    ``prefix_lens[r] + i``, and slot = ``block_table[r, pos // page_size] * page_size + pos % page_size``
+    (vLLM's slot mapping without context parallelism, ``vllm/v1/worker/block_table.py``)."""
+    lens = query_start_loc.diff()
+    T = int(query_start_loc[-1])
+    req = torch.repeat_interleave(torch.arange(lens.numel()), lens, output_size=T)
+    pos = prefix_lens[req] + torch.arange(T) - query_start_loc[:-1][req]
+    return block_table[req, pos // page_size].long() * page_size + pos % page_size
 
 
 class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
@@ -144,12 +225,10 @@ class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
             v_new = value[:T] if md.write_rows is None else value[md.write_rows]
             kc.flatten(0, 1).index_copy_(0, md.write_slots, k_new.to(kc.dtype))
             vc.flatten(0, 1).index_copy_(0, md.write_slots, v_new.to(vc.dtype))
-        if md.order is not None:
-            o = md.attn.run(query[md.order], key[md.order], value[md.order], kc, vc)
-            output[md.order] = o.to(output.dtype)
-        else:  # the plan's rows are the model's (or the backend reads them through its row map)
-            T = md.plan.num_tokens
-            output[:T] = md.attn.run(query[:T], key[:T], value[:T], kc, vc).to(output.dtype)
+        T = md.plan.num_tokens  # the backend reads the rows in the model's order (planned with the row map)
+        output[:T] = md.attn.run(query[:T], key[:T], value[:T], kc, vc).to(output.dtype)
+        if output.shape[0] > T:  # padding rows (vLLM sizes a forward up, for CUDA graphs): inert
+            output[T:].zero_()
         return output
 
 

@@ -73,6 +73,11 @@ class DLLMStep:
     def block_len(self) -> int:
         return self.b1 - self.b0
 
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows of this step whose logits are computed: each canvas's block."""
+        return self.num_canvases * self.block_len
+
     def masked_rows(self, mask_id: int) -> torch.Tensor:
         """``[K * block_len]`` bool, in logits-row order (canvas by canvas): the block positions each canvas
         leaves masked, the only rows a decoder reads a prediction of (:func:`~model_executor.decoding.predict_rows`)."""

@@ -2,16 +2,19 @@
 
 The oracle builds, per request, the full key set ``[prefix | new tokens]`` and one dense boolean mask, and runs a
 plain softmax. Cases vary page sizes, head counts and GQA ratios, prefix lengths (0 included), segment counts
-and mask kinds, in float64 and float32. The FlashInfer backend is checked against the same oracle on CUDA
-(``gpu`` marker).
+and mask kinds, in float64, float32 and bfloat16, for both kernels of the PyTorch backend. The FlashInfer backend
+is checked against the same oracle on CUDA (``gpu`` marker), and its planning on the CPU against a stand-in for
+flashinfer 0.7.0.post1 written from its source (``tests/oracles/fake_flashinfer.py``).
 """
+
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from attention_backends.prefix_attention import AttentionPlan, make_backend, pack_mask, unpack_mask
-from attention_backends.torch_backend import TorchPrefixAttention
+from attention_backends.prefix_attention import AttentionPlan, make_backend, pack_mask, to_device, unpack_mask
+from attention_backends.torch_backend import KERNELS, TorchPrefixAttention
 
 KINDS = ["bidirectional", "causal", "block_causal", "custom"]
 
@@ -102,27 +105,56 @@ def _oracle(plan: AttentionPlan, q, k, v, k_cache, v_cache, scale):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("geom", [(4, 4, 16, 1), (4, 2, 16, 4), (8, 1, 32, 16), (6, 3, 8, 5)])
 @pytest.mark.parametrize("suffix", [False, True])
-def test_torch_backend_matches_dense_oracle(kind, geom, suffix):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_torch_backend_matches_dense_oracle(kind, geom, suffix, kernel):
+    """Both kernels (the CPU's fused kernel, the SDPA path other devices take, run here on the CPU)."""
     H, Hkv, D, page = geom
     for seed in range(4):
-        for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5)):
+        for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-5), (torch.bfloat16, 2e-2)):
             plan, q, k, v, kc, vc = _case(seed, kind, H, Hkv, D, page, dtype, suffix=suffix)
             want = _oracle(plan, q, k, v, kc, vc, 0.3)
-            be = TorchPrefixAttention()
+            be = TorchPrefixAttention(kernel)
             be.plan(plan, H, Hkv, D, dtype, scale=0.3)
-            for fused in (True, False):  # PyTorch's CPU kernel, and the matmul path other devices take
-                be.fused = fused
-                out = be.run(q, k, v, kc, vc)
-                assert out.dtype == dtype and out.shape == q.shape
-                assert torch.allclose(out.double(), want, atol=tol), (kind, geom, seed, dtype, fused)
+            assert be.kernel == kernel
+            out = be.run(q, k, v, kc, vc)
+            assert out.dtype == dtype and out.shape == q.shape
+            assert torch.allclose(out.double(), want, atol=tol, rtol=tol), (kind, geom, seed, dtype, kernel)
     if suffix:  # the suffix is read: without it the output differs
         plan, q, k, v, kc, vc = _case(1, kind, H, Hkv, D, page, suffix=True)
         assert int(plan.suffix_lens.sum()) > 0
         plan.suffix_lens = torch.zeros_like(plan.suffix_lens)
-        be = TorchPrefixAttention()
+        be = TorchPrefixAttention(kernel)
         be.plan(plan, H, Hkv, D, torch.float64, scale=0.3)
         plan2, *_ = _case(1, kind, H, Hkv, D, page, suffix=True)
         assert not torch.allclose(be.run(q, k, v, kc, vc), _oracle(plan2, q, k, v, kc, vc, 0.3))
+
+
+def test_kernel_follows_the_device():
+    plan, *_ = _case(0, "causal")
+    be = TorchPrefixAttention()
+    be.plan(plan, 4, 2, 16, torch.float32)
+    assert be.kernel == "cpu_flash"
+    be.plan(plan, 4, 2, 16, torch.float32, device="meta")  # any other device: SDPA
+    assert be.kernel == "sdpa" and be.mask.device.type == "meta" and be.q_idx.device.type == "meta"
+    with pytest.raises(ValueError, match="attention kernel 'matmul'; allowed: cpu_flash, sdpa"):
+        TorchPrefixAttention("matmul")
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_row_that_sees_no_key_gets_zero(kernel):
+    """A custom mask may leave a row without any key (no prefix, not even itself): its output is 0, the others'
+    are the oracle's."""
+    plan, q, k, v, kc, vc = _case(4, "custom")
+    masks = [m.clone() for m in plan.custom_masks]
+    masks[0][0] = False  # the first request has no prefix: segment 0's first row sees nothing
+    plan.custom_masks = masks
+    be = TorchPrefixAttention(kernel)
+    be.plan(plan, 4, 2, 16, torch.float64, scale=0.3)
+    assert be.unseen is not None
+    got = be.run(q, k, v, kc, vc)
+    want = _oracle(plan, q, k, v, kc, vc, 0.3)
+    assert torch.equal(got[0], torch.zeros_like(got[0])) and torch.isnan(want[0]).all()
+    assert torch.allclose(got[1:], want[1:], atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -220,6 +252,54 @@ def test_bad_plans_and_shapes_raise_clear_errors():
         be.plan(plan, 4, 3, 16, torch.float64)
 
 
+def test_segment_pairs_and_packed_masks_follow_the_segments():
+    """The vectorised per-segment masks (FlashInfer's flattened order) are the segments' masks, and their packing
+    is :func:`pack_mask` of them."""
+    for kind in KINDS:
+        for seed in range(4):
+            plan, *_ = _case(seed, kind)
+            i, j, vis = plan.segment_pairs()
+            masks, at = [], 0
+            for s in range(plan.seg_indptr.numel() - 1):
+                a, b = int(plan.seg_indptr[s]), int(plan.seg_indptr[s + 1])
+                n = b - a
+                rows = torch.arange(a, b)
+                assert torch.equal(i[at: at + n * n], rows.repeat_interleave(n))
+                assert torch.equal(j[at: at + n * n], rows.repeat(n))
+                m = plan.segment_mask(s)
+                m = torch.ones(n, n, dtype=torch.bool) if m is None else m
+                if kind == "causal":
+                    assert torch.equal(m, torch.ones(n, n, dtype=torch.bool).tril())
+                if kind == "block_causal":
+                    blk = plan.positions[a:b] // plan.block_size
+                    assert torch.equal(m, blk[None, :] <= blk[:, None])
+                assert torch.equal(vis[at: at + n * n].view(n, n), m)
+                masks.append(m)
+                at += n * n
+            packed, indptr = plan.packed_segment_masks()
+            want, want_indptr = pack_mask(masks)
+            assert torch.equal(packed, want) and torch.equal(indptr, want_indptr)
+
+
+def test_plans_take_host_tensors_only():
+    plan, *_ = _case(0, "bidirectional")
+    with pytest.raises(ValueError, match="block_table is on meta: a plan is built on the host"):
+        AttentionPlan(plan.qo_indptr, plan.prefix_lens, plan.block_table.to("meta"), 4)
+
+
+def test_to_device_is_one_copy_elsewhere_and_none_on_the_cpu():
+    t = {"a": torch.arange(5), "b": torch.ones(2, 3, dtype=torch.bool), "c": None, "d": torch.rand(3, 1, 2)}
+    same = to_device(t, "cpu")
+    assert all(same[k] is t[k] for k in t)
+    moved = to_device(t, "meta")
+    assert moved["c"] is None
+    for k in ("a", "b", "d"):
+        assert moved[k].device.type == "meta" and moved[k].dtype == t[k].dtype and moved[k].shape == t[k].shape
+    # views of one buffer (one transfer), each at its own aligned offset
+    assert {moved[k].untyped_storage().nbytes() for k in ("a", "b", "d")} == {48 + 16 + 32}
+    assert [moved[k].storage_offset() * moved[k].element_size() for k in ("a", "b", "d")] == [0, 48, 64]
+
+
 def test_backend_choice():
     assert make_backend("auto", "cpu").name == "torch"
     assert make_backend("torch").name == "torch"
@@ -238,6 +318,50 @@ def test_pack_mask_round_trip_and_bit_order():
     # little-endian bits within a byte, as numpy.packbits(bitorder="little") and FlashInfer's segment_packbits
     flat = masks[3].flatten().numpy()
     assert packed[int(indptr[3]): int(indptr[4])].tolist() == np.packbits(flat, bitorder="little").tolist()
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    from oracles import fake_flashinfer
+
+    monkeypatch.setitem(sys.modules, "flashinfer", fake_flashinfer)
+    fake_flashinfer.PLANNED.clear()
+    return fake_flashinfer
+
+
+FLASHINFER_GEOMS = [(4, 4, 64, 1), (8, 2, 128, 16), (32, 8, 128, 32)]  # page sizes 1, 16, 32
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("suffix", [False, True])
+def test_flashinfer_planning_against_its_cpu_stand_in(fake_flashinfer, kind, suffix):
+    """The FlashInfer backend's plan (host int32 indptrs, pages or one-token pages, the packed mask and its byte
+    offsets, the row map) over a CPU stand-in of flashinfer 0.7.0.post1's wrappers equals the oracle, for
+    contiguous caches and vLLM's strided K|V pages."""
+    from attention_backends.flashinfer_backend import FlashInferPrefixAttention
+
+    fi = FlashInferPrefixAttention("cpu", workspace_bytes=16)
+    for H, Hkv, D, page in FLASHINFER_GEOMS:
+        for seed in range(4):
+            plan, q, k, v, kc, vc = _case(seed, kind, H, Hkv, D, page, torch.bfloat16, suffix=suffix)
+            T = q.shape[0]
+            rows = torch.randperm(T, generator=torch.Generator().manual_seed(seed)) if seed % 2 else None
+            fake_flashinfer.PLANNED.clear()
+            fi.plan(plan, H, Hkv, D, torch.bfloat16, rows=rows)
+            assert fi.flat == bool(suffix and int(plan.suffix_lens.sum()))  # one-token pages only for a suffix
+            for call in fake_flashinfer.PLANNED:  # host int32 index tensors, as vLLM passes them
+                tensors = {name: got for name, got in call.items() if name != "wrapper"}
+                assert all(dev == "cpu" for dev, _ in tensors.values()), call
+                assert all(dt == torch.int32 for name, (_, dt) in tensors.items() if name != "packed_custom_mask"), call
+            want = _oracle(plan, q, k, v, kc, vc, D ** -0.5)
+            joint = torch.cat([kc, vc], -1)
+            for k_cache, v_cache in ((kc, vc), (joint[..., :D], joint[..., D:])):
+                if rows is None:
+                    got = fi.run(q, k, v, k_cache, v_cache)
+                else:  # the model's rows: plan row i is input row rows[i]
+                    inp = lambda t: torch.empty_like(t).index_copy_(0, rows, t)  # noqa: E731
+                    got = fi.run(inp(q), inp(k), inp(v), k_cache, v_cache)[rows]
+                assert torch.allclose(got.double(), want, atol=2e-2, rtol=2e-2), (kind, (H, Hkv, D, page), seed)
 
 
 @pytest.mark.gpu
@@ -260,6 +384,48 @@ def test_flashinfer_matches_torch_backend(kind, dtype, suffix):
             for k_cache, v_cache in ((kc, vc), (joint[..., :D], joint[..., D:])):
                 got = fi.run(q, k, v, k_cache, v_cache)
                 assert torch.allclose(got.double().cpu(), want, atol=2e-2, rtol=2e-2), (kind, geom, seed, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flashinfer_reads_the_models_row_order(kind, dtype):
+    """Planned with a row map (vLLM's extra canvases after its scheduled rows), FlashInfer reads and writes the
+    rows in the model's order."""
+    pytest.importorskip("flashinfer")
+    fi = make_backend("flashinfer", "cuda", dtype)
+    for H, Hkv, D, page in FLASHINFER_GEOMS:
+        for seed in range(4):
+            plan, q, k, v, kc, vc = _case(seed, kind, H, Hkv, D, page, dtype, "cuda", suffix=seed % 2 == 1)
+            rows = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(seed))
+            fi.plan(plan, H, Hkv, D, dtype, rows=rows)
+            want = _oracle(plan, q, k, v, kc, vc, D ** -0.5)
+            r = rows.cuda()
+            inp = lambda t: torch.empty_like(t).index_copy_(0, r, t)  # noqa: E731
+            joint = torch.cat([kc, vc], -1)
+            got = fi.run(inp(q), inp(k), inp(v), joint[..., :D], joint[..., D:])[r]
+            assert torch.allclose(got.double().cpu(), want, atol=2e-2, rtol=2e-2), (kind, (H, Hkv, D, page), seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("suffix", [False, True])
+def test_torch_backends_sdpa_kernel_on_cuda(kind, suffix):
+    """The PyTorch backend on CUDA (SDPA, grouped-query heads folded into the rows) equals the oracle, with the
+    new rows read from vLLM's strided K|V pages or from ``k, v``."""
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2), (torch.float16, 2e-2)):
+        for H, Hkv, D, page in [(4, 4, 64, 1), (8, 2, 128, 16), (32, 8, 128, 32)]:
+            for seed in range(2):
+                plan, q, k, v, kc, vc = _case(seed, kind, H, Hkv, D, page, dtype, "cuda", suffix=suffix)
+                be = TorchPrefixAttention()
+                be.plan(plan, H, Hkv, D, dtype, scale=0.3, device="cuda")
+                assert be.kernel == "sdpa"
+                want = _oracle(plan, q, k, v, kc, vc, 0.3)
+                joint = torch.cat([kc, vc], -1)
+                got = be.run(q, k, v, joint[..., :D], joint[..., D:])
+                assert torch.allclose(got.double().cpu(), want, atol=tol, rtol=tol), (kind, dtype, (H, Hkv, D, page))
 
 
 @pytest.mark.gpu

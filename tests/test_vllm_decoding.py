@@ -9,6 +9,8 @@ sampling determinism, and the errors users get for bad configs and unsupported r
 """
 
 
+import re
+
 import pytest
 import torch
 
@@ -558,3 +560,42 @@ def test_spiffy_samples_its_base_policys_tokens_in_vllm(heldout_prompts):
             del llm
     assert runs["spiffy"][0] == runs["static"][0]
     assert runs["spiffy"][1] < runs["static"][1]
+
+
+def test_max_logits_rows_bounds_every_step(monkeypatch, heldout_prompts):
+    """``max_logits_rows``: no step computes more logits rows than the budget (requests whose canvases do not
+    fit wait, whole), outputs and forwards stay the reference engine's; a budget below one request's step is
+    refused, naming the field and the least allowed; vLLM's memory profile computes the budget's rows."""
+    from psd_plugin.vllm import dllm_runner
+
+    with pytest.raises(ValueError, match=r"max_logits_rows 1: one step of a request computes up to (\d+) logits rows"
+                                         r".*allowed: \1 or more") as err:
+        _llm(DEFAULT_DLLM, decoding="psd", max_logits_rows=1)
+    one_step = int(re.search(r"computes up to (\d+)", str(err.value)).group(1))
+    rows, sample = [], dllm_runner.DLLMRunnerMixin._sample
+
+    def spy(self, logits, meta):
+        rows.append(logits.shape[0])
+        return sample(self, logits, meta)
+
+    monkeypatch.setattr(dllm_runner.DLLMRunnerMixin, "_sample", spy)
+    ref = ReferenceEngine.from_pretrained(DEFAULT_DLLM).generate(heldout_prompts, max_tokens=32, method="psd")
+    llm = _llm(DEFAULT_DLLM, decoding="psd", max_logits_rows=one_step, llm_kw={"max_num_seqs": 4})
+    try:
+        tokens, nfe = _generate(llm, heldout_prompts, merged=False)  # a first canvas may wait for its own step
+        profiled = []
+
+        def profile(worker):
+            model = worker.model_runner.model
+            logits = model.compute_logits
+            model.compute_logits = lambda h: profiled.append(h.shape[0]) or logits(h)
+            try:
+                worker.model_runner._dummy_sampler_run(torch.zeros(3, model.config.hidden_size))
+            finally:
+                del model.compute_logits
+        llm.collective_rpc(profile)
+    finally:
+        del llm
+    assert tokens == [r.token_ids for r in ref] and nfe == [r.nfe for r in ref]
+    assert max(rows) <= one_step < 4 * one_step  # four requests running, one decoding step's rows at a time
+    assert profiled[0] == one_step  # the profile's logits: the budget's rows (then vLLM's own, a row a request)

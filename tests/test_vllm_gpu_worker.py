@@ -176,7 +176,8 @@ def test_make_model_runner_builds_the_mixin_over_the_v1_gpu_runner(registered, m
 
     monkeypatch.setattr(GPUModelRunner, "__init__", gpu_runner_init)
     worker = object.__new__(DLLMGPUWorker)
-    worker.vllm_config = SimpleNamespace(additional_config=args.additional_config, model_config=model_config)
+    worker.vllm_config = SimpleNamespace(additional_config=args.additional_config, model_config=model_config,
+                                         scheduler_config=SimpleNamespace(max_num_batched_tokens=2048))
     worker.device, worker.use_v2_model_runner = "cuda:0", False
     runner = worker._make_model_runner()
     assert isinstance(runner, DLLMRunnerMixin) and isinstance(runner, GPUModelRunner)

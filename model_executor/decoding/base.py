@@ -67,6 +67,13 @@ def exclude_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     return logits
 
 
+def work_bytes(device: torch.device) -> int:
+    """The most memory a row-wise pass over logits (:func:`predict_rows`, :func:`top_tokens`) takes for its work
+    buffers, so a step's cost beyond its logits is bounded whatever its rows: about 16 MB on a CPU (a chunk's
+    second pass reads it from cache), 256 MB on an accelerator (few, large launches)."""
+    return (16 << 20) if device.type == "cpu" else (256 << 20)
+
+
 def confidence_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype confidences are computed in from logits of ``dtype``: float32 at least (a bfloat16 softmax
     moves in steps of about 0.004 near 0.9 and rounds everything above about 0.996 to 1.0, which flips
@@ -79,9 +86,9 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, need: torch.T
                  ) -> RowPredictions:
     """Argmax and its probability of every row of ``logits [N, V]``, without materialising a softmax: per row
     the max (first index on ties, as ``argmax``, in the logits' dtype) and ``sum(exp(x - max))`` in
-    :func:`confidence_dtype` (float32 from bfloat16/float16 logits). On CPU the rows go in chunks of about
-    16 MB, so the second pass over a chunk reads it from cache (at a 126k vocabulary a whole batch is
-    gigabytes).
+    :func:`confidence_dtype` (float32 from bfloat16/float16 logits). The rows go in chunks whose work buffer
+    fits :func:`work_bytes` (on a CPU about 16 MB, so the second pass reads it from cache; at a 126k vocabulary
+    a whole batch would be gigabytes).
 
     ``mask_id``: the mask token is excluded first, in place (:func:`exclude_mask_token`); the engines pass it.
     ``need [N]`` (bool, on the host): only these rows are computed; the others get token -1 and confidence
@@ -94,20 +101,18 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, need: torch.T
     if mask_id is not None:
         exclude_mask_token(logits, mask_id)
     N, V = logits.shape
-    dev = logits.device
     cdt = confidence_dtype(logits.dtype)
     sel = None
     if need is not None and not bool(need.all()):  # ``need`` is a host tensor: no sync
-        sel = need.nonzero().flatten()
-        sel = sel.to(dev, non_blocking=True) if dev.type != "cpu" else sel
-    fill = (lambda *shape, dtype, v: torch.full(shape, v, dtype=dtype, device=dev)) if sel is not None else \
-        (lambda *shape, dtype, v: torch.empty(shape, dtype=dtype, device=dev))
-    tokens = fill(N, dtype=torch.long, v=-1)
-    conf = fill(N, dtype=cdt, v=float("-inf"))
+        sel = need.nonzero().flatten().to(logits.device, non_blocking=True)
+    # allocated as the logits are (``new_*``: their device): the work is there, the host waits once, below
+    make = logits.new_full if sel is not None else (lambda shape, v, dtype: logits.new_empty(shape, dtype=dtype))
+    tokens = make((N,), -1, dtype=torch.long)
+    conf = make((N,), float("-inf"), dtype=cdt)
     n = N if sel is None else sel.numel()
-    chunk = max(1, (16 << 20) // max(1, V * logits.element_size())) if dev.type == "cpu" else max(n, 1)
-    work = torch.empty(min(chunk, n), V, dtype=cdt, device=dev)  # reused: no fresh pages
-    gather = None if cdt == logits.dtype else torch.empty(min(chunk, n), V, dtype=logits.dtype, device=dev)
+    chunk = max(1, work_bytes(logits.device) // max(1, V * torch.finfo(cdt).bits // 8))
+    work = logits.new_empty((min(chunk, n), V), dtype=cdt)  # reused: no fresh pages
+    gather = None if cdt == logits.dtype else logits.new_empty((min(chunk, n), V))
     for a in range(0, n, chunk):
         if sel is None:
             at = slice(a, a + chunk)
@@ -123,10 +128,9 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, need: torch.T
             w.copy_(x).sub_(best[:, None].to(cdt))
         z = w.exp_().sum(-1)  # >= 1: the max contributes exp(0)
         tokens[at], conf[at] = idx, 1.0 / z
-    if dev.type != "cpu":  # one copy back: [2, N] float64 (ids < 2**53 are exact)
-        both = torch.stack([tokens.to(torch.float64), conf.to(torch.float64)]).cpu()
-        tokens, conf = both[0].long(), both[1].to(cdt)
-    return RowPredictions(logits, tokens, conf)
+    # one copy to the host: [2, N] float64 (ids < 2**53 are exact); on a CPU a copy of the host tensor
+    both = torch.stack([tokens.to(torch.float64), conf.to(torch.float64)]).cpu()
+    return RowPredictions(logits, both[0].long(), both[1].to(cdt))
 
 
 def top_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, conf: torch.Tensor, k: int
@@ -134,7 +138,7 @@ def top_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, c
     """The ``k`` likeliest tokens of the rows ``rows [n]`` of ``logits [N, V]`` and their probabilities ``[n, k]``
     (float64, on the CPU): rank 1 is the row's prediction ``tokens`` with its probability ``conf``, rank ``j`` has
     ``conf * exp(logit_j - logit_1)``. Only for the rows a decoder reads (Spiffy: a few per request), never a
-    whole step's; on CPU they are gathered in chunks of about 16 MB into one reused buffer, as
+    whole step's; they are gathered in chunks of :func:`work_bytes` into one reused buffer, as
     :func:`predict_rows` does. The exponentials are Python's, so equal inputs give equal outputs wherever a row
     sits in a batch (a vectorised kernel may round a batch's tail differently)."""
     n, V = rows.numel(), logits.shape[1]
@@ -142,7 +146,7 @@ def top_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, c
     gaps = torch.zeros(n, k, dtype=torch.float64)
     if n:
         rows = rows.to(logits.device, non_blocking=True)
-        chunk = max(1, (16 << 20) // max(1, V * logits.element_size())) if logits.device.type == "cpu" else n
+        chunk = max(1, work_bytes(logits.device) // max(1, V * logits.element_size()))
         work = torch.empty(min(chunk, n), V, dtype=logits.dtype, device=logits.device)
         for a in range(0, n, chunk):
             x = torch.index_select(logits, 0, rows[a: a + chunk], out=work[: min(chunk, n - a)])
@@ -162,42 +166,69 @@ def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: in
     one canvas, from its logits ``[L, V]`` or its slice of the step's :class:`RowPredictions`.
 
     Greedy predictions come from the batched rows (computed here when given bare logits; confidences in
-    :func:`confidence_dtype`, so a float64 model gives float64 confidences, the exactness path), and keep the canvas's logits
-    (``Prediction.logits``) for a decoder that ranks tokens at a few positions (:func:`top_tokens`). Sampling
-    and ``keep_probs`` (full distributions, for calibration) work on the logits in float64; ``topk`` gives a
-    sampled prediction its ``k`` likeliest tokens (Spiffy's ranks), rank 1 being the sampled one. ``sample_filter = (top_k, top_p, min_p)`` restricts sampling
+    :func:`confidence_dtype`, so a float64 model gives float64 confidences, the exactness path), and keep the
+    canvas's logits (``Prediction.logits``) for a decoder that ranks tokens at a few positions
+    (:func:`top_tokens`). Sampling and ``keep_probs`` (full distributions, for calibration) work on the logits
+    in float64; ``topk`` gives a sampled prediction its ``k`` likeliest tokens (Spiffy's ranks), rank 1 being
+    the sampled one. ``sample_filter = (top_k, top_p, min_p)`` restricts sampling
     (:func:`~model_executor.decoding.logits_rules.filter_logits`, after temperature); a confidence is still the
-    model's probability of the chosen token."""
+    model's probability of the chosen token. Several canvases: :func:`predict_each`."""
+    return predict_each([(out, state, dict(keep_probs=keep_probs, temperature=temperature, generator=generator,
+                                           topk=topk, sample_filter=sample_filter))], mask_id)[0]
+
+
+def predict_each(jobs: list[tuple[torch.Tensor | RowPredictions, torch.Tensor, dict]], mask_id: int
+                 ) -> list[Prediction]:
+    """:func:`predict` ``(out, state, mask_id, **options)`` of every job ``(out, state, options)``: the draws are
+    made where the logits and each job's generator are, and what the decoders read of them (tokens,
+    confidences, top tokens) reaches the host in one copy for all jobs."""
+    preds, drawn = [], []
+    for out, state, kw in jobs:
+        p = _predict_here(out, mask_id, **kw)
+        preds.append(p)
+        if p.logits is None:  # drawn: still where the logits are
+            drawn.append(p)
+    fields = ("tokens", "conf", "top_ids", "top_probs")
+    parts = [(p, f, getattr(p, f)) for p in drawn for f in fields if getattr(p, f) is not None]
+    if parts:  # one copy: float64 holds the token ids exactly
+        flat = torch.cat([t.reshape(-1).to(torch.float64) for _, _, t in parts]).cpu()
+        at = 0
+        for p, f, t in parts:
+            setattr(p, f, flat[at: at + t.numel()].view(t.shape).to(t.dtype))
+            at += t.numel()
+    for p, (_, state, _) in zip(preds, jobs):
+        p.conf = torch.where(state == mask_id, p.conf, torch.full_like(p.conf, float("-inf")))
+    return preds
+
+
+def _predict_here(out, mask_id: int, keep_probs: bool = False, temperature: float = 0.0,
+                  generator: torch.Generator | None = None, topk: int = 0,
+                  sample_filter: tuple[int, float, float] = (0, 1.0, 0.0)) -> Prediction:
+    """:func:`predict` before the host's copy and the state's mask: a drawn prediction (``logits`` None) is where
+    the logits are; a greedy one is the step's host predictions."""
     rows = out if isinstance(out, RowPredictions) else None
     # the engines' rows exclude the mask token already (predict_rows(..., mask_id)); bare logits are copied
     logits = rows.logits if rows is not None else exclude_mask_token(out.clone(), mask_id)
-    if temperature > 0 or keep_probs:
-        lg = logits.double()
-        if temperature > 0:
-            u = torch.rand(lg.shape, generator=generator, device=lg.device, dtype=torch.float64).clamp_min(1e-300)
-            scaled = lg / temperature
-            if sample_filter != (0, 1.0, 0.0):
-                scaled = filter_logits(scaled, *sample_filter)
-            tokens = (scaled - torch.log(-torch.log(u))).argmax(-1)
-        else:
-            tokens = lg.argmax(-1)
-        probs = torch.softmax(lg, -1)
-        conf = probs.gather(-1, tokens[:, None])[:, 0]
-        top_ids = top_probs = None
-        if topk > 0:  # Spiffy's draft formulas: rank 1 is the token this sample commits, then the likeliest
-            top = probs.topk(topk, dim=-1)
-            top_ids, top_probs = top.indices.clone(), top.values.clone()
-            top_ids[:, 0], top_probs[:, 0] = tokens, conf
-        if lg.device.type != "cpu":  # drawn where the logits and the generator are; the decoder reads it on the host
-            tokens, conf = tokens.cpu(), conf.cpu()
-            top_ids, top_probs = (None, None) if top_ids is None else (top_ids.cpu(), top_probs.cpu())
-        pred = Prediction(tokens, conf, probs if keep_probs else None, top_ids, top_probs)
+    if not (temperature > 0 or keep_probs):
+        rows = rows if rows is not None else predict_rows(logits)
+        return Prediction(rows.tokens, rows.conf, logits=rows.logits)
+    lg = logits.double()
+    if temperature > 0:
+        u = torch.rand(lg.shape, generator=generator, device=lg.device, dtype=torch.float64).clamp_min(1e-300)
+        scaled = lg / temperature
+        if sample_filter != (0, 1.0, 0.0):
+            scaled = filter_logits(scaled, *sample_filter)
+        tokens = (scaled - torch.log(-torch.log(u))).argmax(-1)
     else:
-        if rows is None:
-            rows = predict_rows(logits)
-        pred = Prediction(rows.tokens, rows.conf, logits=rows.logits)
-    pred.conf = torch.where(state == mask_id, pred.conf, torch.full_like(pred.conf, float("-inf")))
-    return pred
+        tokens = lg.argmax(-1)
+    probs = torch.softmax(lg, -1)
+    conf = probs.gather(-1, tokens[:, None])[:, 0]
+    top_ids = top_probs = None
+    if topk > 0:  # Spiffy's draft formulas: rank 1 is the token this sample commits, then the likeliest
+        top = probs.topk(topk, dim=-1)
+        top_ids, top_probs = top.indices.clone(), top.values.clone()
+        top_ids[:, 0], top_probs[:, 0] = tokens, conf
+    return Prediction(tokens, conf, probs if keep_probs else None, top_ids, top_probs)
 
 
 def commit(state: torch.Tensor, pred: Prediction, positions: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from .base import (BlockDecoder, Proposal, canvas_predictions, canvas_row_index, groups, onehot_first_max, pad_rows,
-                   predict)
+                   predict_each)
 
 Policy = Callable[[torch.Tensor], torch.Tensor]
 
@@ -101,9 +101,11 @@ class PolicyDecoder(BlockDecoder):
             group = [decoders[i] for i in idx]
             S = pad_rows([d.state for d in group], -1)
             if own(group[0]):
-                mine = [predict(preds[a: a + d.state.numel()], d.state, d.mask_id, keep_probs=d.record is not None,
-                                temperature=d.temperature, generator=d.generator, sample_filter=d.sample_filter)
-                        for d, a in ((d, canvas_rows[i][0]) for d, i in zip(group, idx))]
+                mine = predict_each([(preds[a: a + d.state.numel()], d.state,
+                                      dict(keep_probs=d.record is not None, temperature=d.temperature,
+                                           generator=d.generator, sample_filter=d.sample_filter))
+                                     for d, a in ((d, canvas_rows[i][0]) for d, i in zip(group, idx))],
+                                    group[0].mask_id)
                 T = pad_rows([p.tokens.to(S.device) for p in mine], -1)
                 C = pad_rows([p.conf.to(S.device) for p in mine], float("-inf"))
             else:

@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 
 from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, commit, groups, pad_rows,
-                   predict, top_tokens, update_in_groups)
+                   predict_each, top_tokens, update_in_groups)
 from .policies import policy_key
 from .spiffy_graph import DraftGraph
 
@@ -249,10 +249,14 @@ class SpiffyDecoder(BlockDecoder):
             if sampled:
                 tok = torch.full_like(S, -1)
                 conf = torch.full(S.shape, float("-inf"), dtype=torch.float64, device=S.device)
-                for r in live.nonzero().flatten().tolist():
-                    d, L_d = decoders[r], decoders[r].state.numel()
-                    a = canvas_rows[r][int(cur[r])]
-                    q_pred[r] = p = predict(preds[a: a + L_d], S[r, :L_d], mask, topk=d.max_j, **d.sampling)
+                now = live.nonzero().flatten().tolist()
+                drawn = predict_each([(preds[a: a + L_d], S[r, :L_d], dict(topk=decoders[r].max_j,
+                                                                          **decoders[r].sampling))
+                                      for r in now for L_d, a in [(decoders[r].state.numel(),
+                                                                   canvas_rows[r][int(cur[r])])]], mask)
+                for r, p in zip(now, drawn):
+                    L_d = decoders[r].state.numel()
+                    q_pred[r] = p
                     tok[r, :L_d], conf[r, :L_d] = p.tokens.to(S.device), p.conf.to(S.device)
             else:
                 tok, conf = canvas_predictions(preds, r_cur, S, mask)

@@ -43,6 +43,8 @@ RUNNER_HOOKS = {
                                                "max_num_scheduled_tokens", "use_cascade_attn", "allow_microbatching",
                                                "force_eager", "force_uniform_decode", "force_has_lora",
                                                "force_num_active_loras", "num_encoder_reqs"),
+    # the memory profile's sampler run: a step's logits rows, at their budget
+    "_dummy_sampler_run": ("self", "hidden_states"),
 }
 
 # Methods of vLLM's V1 ``Scheduler`` that psd-plugin's schedulers override.
@@ -55,8 +57,9 @@ SCHEDULER_HOOKS = {
 
 # Attributes read or set on a live runner / scheduler / input batch.
 RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups", "model_config", "scheduler_config",
-                     "device", "input_ids", "positions", "max_num_tokens")
-INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators")
+                     "device", "input_ids", "positions", "max_num_tokens", "kv_cache_config")
+INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators",
+                          "block_table")
 WORKER_ATTRIBUTES = ("model_runner",)
 SCHEDULER_ATTRIBUTES = ("running", "requests", "max_num_scheduled_tokens", "max_num_running_reqs", "max_num_active_reqs",
                         "num_sampled_tokens_per_step", "num_spec_tokens", "log_stats", "kv_cache_manager",
@@ -132,14 +135,20 @@ DATA_FIELDS = {
     "vllm.v1.worker.gpu_input_batch:CachedRequestState": ("prompt_token_ids", "output_token_ids",
                                                           "sampling_params"),
     "vllm.v1.worker.utils:AttentionGroup": ("metadata_builders",),
-    "vllm.v1.utils:CpuGpuBuffer": ("np", "gpu"),
+    "vllm.v1.utils:CpuGpuBuffer": ("np", "gpu", "cpu"),
+    # the host block tables the runner publishes for the attention builder (``host_pages``)
+    "vllm.v1.worker.block_table:MultiGroupBlockTable": ("block_tables",),
+    "vllm.v1.worker.block_table:BlockTable": ("block_table", "block_size"),
+    "vllm.v1.kv_cache_interface:KVCacheConfig": ("kv_cache_groups",),
+    "vllm.v1.kv_cache_interface:KVCacheGroupSpec": ("layer_names",),
     "vllm.v1.engine:EngineCoreRequest": ("sampling_params", "prompt_token_ids"),
     "vllm.v1.engine.input_processor:InputProcessor": ("vllm_config",),
     "vllm.v1.outputs:LogprobsTensors": ("logprob_token_ids", "logprobs", "selected_token_ranks"),
     "vllm.sampling_params:SamplingParams": ("all_stop_token_ids", "bad_words_token_ids", "logit_bias", "min_p",
                                             "allowed_token_ids", "min_tokens", "_validate_spec_decode"),
     "vllm.v1.attention.backend:CommonAttentionMetadata": ("num_reqs", "query_start_loc_cpu", "seq_lens",
-                                                          "block_table_tensor", "slot_mapping"),
+                                                          "seq_lens_cpu_upper_bound", "block_table_tensor",
+                                                          "slot_mapping"),
     "vllm.v1.attention.backend:AttentionBackend": ("forward_includes_kv_cache_update",),
     "vllm.v1.attention.backend:AttentionMetadataBuilder": ("device",),
     "vllm.v1.kv_cache_interface:FullAttentionSpec": ("non_causal", "num_kv_heads", "head_size", "block_size"),
@@ -149,8 +158,9 @@ DATA_FIELDS = {
     # what ``config.translate`` reads and rewrites before vLLM builds its config
     "vllm.engine.arg_utils:EngineArgs": ("speculative_config", "additional_config", "scheduler_cls", "worker_cls",
                                          "dtype", "compilation_config"),
-    "vllm.config:ParallelConfig": PARALLEL_FIELDS,
+    "vllm.config:ParallelConfig": PARALLEL_FIELDS + ("decode_context_parallel_size", "prefill_context_parallel_size"),
     "vllm.config:CompilationConfig": (COMPILATION_CUDAGRAPH_FIELD,),
+    "vllm.config:SchedulerConfig": ("max_num_batched_tokens",),  # the default logits budget
     "vllm.entrypoints.llm:LLM": ("llm_engine",),
     "vllm.v1.engine.llm_engine:LLMEngine": ("engine_core",),
     "vllm.v1.engine.core_client:EngineCoreClient": ("shutdown",),
@@ -219,6 +229,19 @@ def sampled_rows_end(spec_decode_metadata) -> list[int]:
     """Per request, the end of its rows in the step's sampled logits (the root and every draft), from the
     host-side draft counts (``cu_num_sampled_tokens`` is the same on the device)."""
     return np.cumsum([n + 1 for n in spec_decode_metadata.num_draft_tokens]).tolist()
+
+
+def host_pages(runner, num_reqs: int):
+    """The host copies of the block tables of every KV-cache group, rows of the step's first ``num_reqs``
+    requests (views of vLLM's ``BlockTable.block_table.cpu``, which the runner fills and copies to the device
+    each step), with each group's layers and page size. vLLM 0.32 keeps no host slot mapping on CUDA (a Triton
+    kernel computes it on the device), so the attention builder derives the slots from these tables."""
+    from attention_backends.step_batch import HostPages
+
+    groups = runner.kv_cache_config.kv_cache_groups
+    tables = runner.input_batch.block_table.block_tables
+    return HostPages(tuple(frozenset(g.layer_names) for g in groups), tuple(t.block_size for t in tables),
+                     tuple(t.block_table.cpu[:num_reqs] for t in tables))
 
 
 def metadata_builders(runner) -> Iterator:

@@ -49,10 +49,10 @@ WORKER_CLS = {
     "cuda": {"psd": "psd_plugin.vllm.gpu_worker.DLLMGPUWorker", "presto": "psd_plugin.vllm.gpu_worker.PrestoGPUWorker"},
 }
 # The CUDA-graph mode the plugin's engines get on GPUs when the user sets none (``compilation_config
-# .cudagraph_mode``). NONE because PIECEWISE replays captured addresses of inputs the model builds eagerly
-# each step (docs/vllm-adapter.md, "GPU"); it is being made safe (persistent input buffers, graphs dispatched
-# on every row the step forwards), and this flips to "PIECEWISE" then. FULL graphs are refused until the
-# attention backend reports CUDA-graph support.
+# .cudagraph_mode``). What PIECEWISE graphs need is built and checked on the CPU (every row of a step in vLLM's
+# persistent input buffers, the embedding inside the compiled module, graphs dispatched on all the step's rows,
+# padding rows inert: docs/vllm-adapter.md, "GPU"), but no GPU has run it: NONE until one has, then
+# "PIECEWISE". FULL graphs are refused until the attention backend reports CUDA-graph support.
 GPU_CUDAGRAPH_MODE = "NONE"
 GPU_CUDAGRAPH_MODES = ("NONE", "PIECEWISE")  # what a user may set on a GPU
 GPU_DTYPE = "bfloat16"  # for ``dtype="auto"`` on CUDA, where the GPU computes in it
@@ -79,6 +79,9 @@ class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True
     method: Literal["psd"] = "psd"
     decoding: Decoding = "psd"
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
+    # the most logits rows one step computes (each is a vocabulary of the model's dtype); default: the step's
+    # token budget (``max_num_batched_tokens``). vLLM's memory profile reserves them (:func:`logits_budget`)
+    max_logits_rows: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 class PrestoSpeculativeConfig(TreeKnobs, forbid_unknown_fields=True, kw_only=True):
@@ -139,6 +142,15 @@ def decode_config(vllm_config) -> DecodeConfig:
     """The resolved decoding config the front end stored (:func:`translate`): what the scheduler, the
     per-request checks and the runner decode with. Resolve it once per process and keep it."""
     return resolve(from_vllm_config(vllm_config), vllm_config.model_config.hf_config, vllm_config.model_config.model)
+
+
+def logits_budget(vllm_config) -> int:
+    """The most logits rows one step of the dLLM path computes: ``speculative_config.max_logits_rows``, else the
+    step's token budget (every row of a step could be a canvas row). The scheduler keeps every step within it
+    and the runner's memory profile computes that many rows (``DLLMRunnerMixin._dummy_sampler_run``), so the
+    KV cache vLLM sizes after the profile leaves room for them."""
+    own = from_vllm_config(vllm_config).max_logits_rows
+    return own if own is not None else vllm_config.scheduler_config.max_num_batched_tokens
 
 
 def presto_from_vllm_config(vllm_config) -> PrestoSpeculativeConfig:
@@ -278,6 +290,11 @@ def translate(engine_args, target_model_config, target_parallel_config) -> None:
 
     platform = platform_settings(engine_args, target_model_config, target_parallel_config, "psd",
                                  moe=ArchSpec.from_hf_config(hf).moe is not None)
+    one_step = resolved.max_canvases() * resolved.block_size
+    if cfg.max_logits_rows is not None and cfg.max_logits_rows < one_step:
+        raise ConfigError(f"speculative_config.max_logits_rows {cfg.max_logits_rows}: one step of a request computes "
+                          f"up to {one_step} logits rows ({resolved.max_canvases()} canvases of a {resolved.block_size}"
+                          f"-token block with decoding {resolved.method!r}); allowed: {one_step} or more, or unset")
     cfg = msgspec.structs.replace(cfg, block_size=resolved.block_size, cache=resolved.cache)
     _select(engine_args, target_parallel_config, "psd", cfg, resolved.block_size, platform)
 

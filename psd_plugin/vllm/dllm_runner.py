@@ -44,7 +44,7 @@ from model_executor.dllm_request import DLLMRequest, record_logprobs
 from model_executor.models.configs import ArchSpec
 
 from . import compat
-from .config import decode_config
+from .config import decode_config, logits_budget
 from .runner import PSDRunnerMixin
 
 logger = init_logger(__name__)
@@ -107,6 +107,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
         self.cfg = decode_config(vllm_config)
+        self.logits_budget = logits_budget(vllm_config)  # the scheduler keeps every step within it
         self.spec = ArchSpec.from_hf_config(vllm_config.model_config.hf_config)
         self.shift = int(self.spec.shift_logits)
         self.served: dict[str, _Served] = {}
@@ -203,7 +204,17 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._publish(self.batch)
         idx = self.batch.logits_rows if self.batch.logits_rows.numel() else torch.zeros(1, dtype=torch.long)
         self._forward_t0 = time.perf_counter()
-        return idx.to(logits_indices.device, logits_indices.dtype), spec_meta, max_sampled
+        idx = self._upload("logits_rows", idx.to(logits_indices.dtype), logits_indices.device)
+        return idx, spec_meta, max_sampled
+
+    def _dummy_sampler_run(self, hidden_states):
+        """vLLM's memory profile runs this after its largest forward and sizes the KV cache from the peak: a
+        step's logits are its canvas rows, up to :attr:`logits_budget` of them (not one row per request, as vLLM
+        profiles), with the predictions' work buffer, so the profile computes those too."""
+        if hidden_states.shape[0] and self.logits_budget:
+            rows = torch.rand_like(hidden_states[:1]).expand(self.logits_budget, -1).contiguous()
+            predict_rows(self.model.compute_logits(rows), mask_id=self.spec.mask_token_id)
+        return super()._dummy_sampler_run(hidden_states)
 
     def _sample(self, logits, spec_decode_metadata):
         """Decoder updates from this step's logits; a completed block is this step's sampled tokens."""
@@ -261,7 +272,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         """Each running request's next canvas (module docstring)."""
         req_ids, _, _ = compat.batch_rows(self)
-        drafts, rfs, extras = [], [], []
+        drafts, rfs, extras, logits = [], [], [], []
         ready = [s for rid in req_ids if (s := self._served(rid)).req.needs_proposal]
         # the canvases of every request about to step, a method at a time
         proposals = dict(zip(map(id, ready), propose_all([s.req.dec for s in ready])))
@@ -276,7 +287,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             drafts.append(list(st.drafts) if st else [])
             rfs.append(st.w0 if st else NO_REWIND)
             extras.append((st.num_canvases - 1) * st.seg_len if st else 0)
-        self.set_next_drafts(req_ids, drafts, rfs, extras)
+            logits.append(st.num_logits_rows if st else 0)
+        self.set_next_drafts(req_ids, drafts, rfs, extras, logits)
         return drafts
 
     def sample_tokens(self, grammar_output):

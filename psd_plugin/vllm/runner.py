@@ -7,8 +7,8 @@ A step of either mode goes through the same hooks (their vLLM names are in :mod:
    :class:`~attention_backends.step_batch.StepBatch` (one entry per request: segments, masks, positions,
    extra rows, the rows whose logits it needs), built by
    :func:`~attention_backends.step_batch.build_step_batch` as the reference engine builds its own, and
-   publishes it for the forward (:func:`~attention_backends.step_batch.set_step`); the attention metadata
-   builders and the model read it from there.
+   publishes it for the forward (:func:`~attention_backends.step_batch.set_step`) with the host copies of
+   the block tables; the attention metadata builders and the model read it from there.
 2. ``_sample``: the mode turns those logits into tokens (a dLLM's committed block, or PRESTO's accepted path
    plus bonus token); vLLM's bookkeeping records them.
 3. ``propose_draft_token_ids``: the mode's next drafts (a dLLM's next canvas, or PRESTO's next tree), and
@@ -37,6 +37,7 @@ class PSDDraftTokenIds(DraftTokenIds):
 
     recompute_from: list[int] = field(default_factory=list)
     extra_rows: list[int] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)  # per request: logits rows its next step computes
 
 
 class PSDRunnerMixin:
@@ -44,7 +45,10 @@ class PSDRunnerMixin:
     in before vLLM's runner class (:func:`psd_plugin.vllm.worker.runner_class`)."""
 
     _next_drafts: PSDDraftTokenIds | None = None
-    _staging: torch.Tensor | None = None  # pinned host rows for the input buffers (on a GPU)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._staging: dict[str, torch.Tensor] = {}  # pinned host buffers of ``_upload`` (on a GPU)
 
     def initialize_kv_cache(self, *args, **kwargs) -> None:
         super().initialize_kv_cache(*args, **kwargs)
@@ -53,7 +57,11 @@ class PSDRunnerMixin:
                                "speculative method serves the project's model classes only")
 
     def _publish(self, batch: StepBatch | None) -> None:
-        """The forward about to run is ``batch`` (None: the forward is over)."""
+        """The forward about to run is ``batch`` (None: the forward is over), with the host copies of vLLM's
+        block tables for its requests (:func:`.compat.host_pages`): the attention builders plan from them and
+        read no device tensor."""
+        if batch is not None:
+            batch.pages = compat.host_pages(self, batch.num_requests)
         set_step(batch)
 
     # ------------------------------------------------------------------ every row in vLLM's input buffers
@@ -80,24 +88,32 @@ class PSDRunnerMixin:
             if n > num_input_tokens:
                 raise RuntimeError(f"psd-plugin: the forward has {n} rows but vLLM sized it for {num_input_tokens}")
             ids, pos = compat.input_buffers(self)
-            rows = batch.host_inputs()  # [2, T + E]: extra ids (after T), positions
-            if pos.device.type != "cpu":  # one copy, from pinned memory, without waiting for it
-                if self._staging is None:
-                    self._staging = torch.zeros(2, pos.numel(), dtype=torch.long, pin_memory=True)
-                self._staging[:, :n].copy_(rows)
-                rows = self._staging[:, :n].to(pos.device, non_blocking=True)
+            rows = self._upload("inputs", batch.host_inputs(), pos.device)  # [2, T + E]: extra ids, positions
             if n > T:
                 ids[T:n].copy_(rows[0, T:n])
             pos[:n].copy_(rows[1])
         return out
 
+    def _upload(self, key: str, host: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``host`` on ``device`` without the host waiting: one copy from a pinned staging buffer of this
+        runner's (``key`` names it; reused every step, grown when needed). A host tensor where the device is the
+        host. Reuse is safe: every step waits for its predictions before the next step writes a buffer."""
+        if device.type == "cpu":
+            return host
+        buf = self._staging.get(key)
+        if buf is None or buf.numel() < host.numel() or buf.dtype != host.dtype:
+            buf = self._staging[key] = torch.empty(max(host.numel(), 1 << 12), dtype=host.dtype, pin_memory=True)
+        staged = buf[: host.numel()].view(host.shape)
+        staged.copy_(host)
+        return staged.to(device, non_blocking=True)
+
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         return True  # drafts are sized by the modes themselves, to the room each request has left
 
     def set_next_drafts(self, req_ids: list[str], drafts: list[list[int]], recompute_from: list[int],
-                        extra_rows: list[int] | None = None) -> None:
+                        extra_rows: list[int] | None = None, logits_rows: list[int] | None = None) -> None:
         self._next_drafts = PSDDraftTokenIds(list(req_ids), drafts, recompute_from,
-                                             extra_rows or [0] * len(req_ids))
+                                             extra_rows or [0] * len(req_ids), logits_rows or [0] * len(req_ids))
 
     def take_draft_token_ids(self):
         out, self._next_drafts = self._next_drafts, None

@@ -12,7 +12,9 @@ everything from there is recomputed in the forward that reads it, so no stale dr
 - a step's extra draft canvases are rows the model adds to the request's scheduled tokens
   (:mod:`attention_backends.vllm_backend`): they take no KV slots and no context, but they are compute, so
   they count against the step's token budget (``max_num_batched_tokens``);
-- all or nothing: a running request whose canvases do not fit the step's budget waits for the next step
+- a step computes at most ``logits_budget`` rows of logits (``speculative_config.max_logits_rows``; default
+  the token budget): each canvas's block rows count against it;
+- all or nothing: a running request whose canvases do not fit the step's budgets waits for the next step
   instead of being cut (a cut canvas would waste a forward);
 - a request's first canvas rides with its prompt: when vLLM admits a request and prefills its whole prompt
   in this step, the masks of its first window (``[P, w1)``, :func:`~model_executor.block_schedule.first_window_end`)
@@ -36,7 +38,7 @@ from model_executor.block_schedule import first_window_end
 from model_executor.models.configs import ArchSpec
 
 from . import compat
-from .config import decode_config
+from .config import decode_config, logits_budget
 
 
 def apply_draft_updates(scheduler: Scheduler, draft_token_ids) -> None:
@@ -60,31 +62,37 @@ class DLLMScheduler(Scheduler):
         # drafts only (no recomputed token), so keep one row per request free in its buffers
         self.max_num_scheduled_tokens = max(1, self.max_num_scheduled_tokens - self.max_num_running_reqs)
         self.extra_rows: dict[str, int] = {}  # per request: rows its next step adds beyond its scheduled tokens
+        self.logits_rows: dict[str, int] = {}  # per request: logits rows its next step computes
+        self.logits_budget = logits_budget(self.vllm_config)
         self.cfg = decode_config(self.vllm_config)
         self.mask_id = ArchSpec.from_hf_config(self.vllm_config.model_config.hf_config).mask_token_id
 
     def schedule(self, throttle_prefills: bool = False):
         self.extra_rows = {k: v for k, v in self.extra_rows.items() if k in self.requests}
-        budget = self.max_num_scheduled_tokens
+        self.logits_rows = {k: v for k, v in self.logits_rows.items() if k in self.requests}
+        budget, logits = self.max_num_scheduled_tokens, self.logits_budget
         kept, extra = [], 0
         for r in self.running:
             need = r.num_tokens_with_spec - r.num_computed_tokens
-            more = self.extra_rows.get(r.request_id, 0) if r.spec_token_ids else 0
-            if r.spec_token_ids and need + more > budget:
+            more, rows = (self.extra_rows.get(r.request_id, 0), self.logits_rows.get(r.request_id, 0)) \
+                if r.spec_token_ids else (0, 0)
+            if r.spec_token_ids and (need + more > budget or rows > logits):
                 continue  # waits for the next step, whole
             kept.append(r)
             budget -= max(0, need) + more
+            logits -= rows
             extra += more
         if len(kept) == len(self.running) and not extra:
             out = super().schedule(throttle_prefills)
         else:
             with compat.scheduling_only(self, kept, max(1, self.max_num_scheduled_tokens - extra)):
                 out = super().schedule(throttle_prefills)
-        self._first_canvases(out, self.max_num_scheduled_tokens - extra - out.total_num_scheduled_tokens)
+        self._first_canvases(out, self.max_num_scheduled_tokens - extra - out.total_num_scheduled_tokens, logits)
         return out
 
-    def _first_canvases(self, out, room: int) -> None:
-        """Append each newly admitted request's first canvas to its prompt prefill (module docstring)."""
+    def _first_canvases(self, out, room: int, logits: int) -> None:
+        """Append each newly admitted request's first canvas to its prompt prefill (module docstring), while the
+        step's token budget has ``room`` and its logits budget ``logits`` rows (a block's)."""
         cfg = self.cfg
         for new in compat.new_requests(out):
             r = self.requests[new.req_id]
@@ -94,8 +102,10 @@ class DLLMScheduler(Scheduler):
                 continue  # a prefix-cache hit, a chunked prompt, or prompt logprobs: vLLM's plain prefill
             P = r.num_tokens
             n = first_window_end(cfg.cache, P, sp.max_tokens, cfg.block_size, cfg.aligned) - P
-            if 0 < n <= room and compat.schedule_drafts_with_prefill(self, out, new, [self.mask_id] * n):
+            if 0 < n <= room and cfg.block_size <= logits \
+                    and compat.schedule_drafts_with_prefill(self, out, new, [self.mask_id] * n):
                 room -= n
+                logits -= cfg.block_size
 
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
                                  num_invalid_spec_tokens, request_id):
@@ -109,9 +119,10 @@ class DLLMScheduler(Scheduler):
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         apply_draft_updates(self, draft_token_ids)
-        for req_id, extra in zip(draft_token_ids.req_ids, getattr(draft_token_ids, "extra_rows", None) or []):
+        for req_id, extra, rows in zip(draft_token_ids.req_ids, getattr(draft_token_ids, "extra_rows", None) or [],
+                                       getattr(draft_token_ids, "logits_rows", None) or []):
             if req_id in self.requests:
-                self.extra_rows[req_id] = extra
+                self.extra_rows[req_id], self.logits_rows[req_id] = extra, rows
 
 
 class PrestoScheduler(Scheduler):

@@ -1,0 +1,272 @@
+"""The vLLM attention builder plans on the host: for the step batches the project's runners publish (prompt
+prefills, prefix and DualCache steps with extra canvases, SDAR's block-causal layers, PRESTO's token trees) it
+reads no tensor that lives on the device in a GPU run, and its metadata attends as the dense oracle does.
+
+The device tensors vLLM hands the builder (``CommonAttentionMetadata``'s ``query_start_loc``, ``seq_lens``,
+``block_table_tensor``, ``slot_mapping``, ``positions``) are stand-ins here (``sync_audit.on_device``): the
+audit records every host read of them, and every blocking copy to a device.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from sync_audit import SyncAudit, on_device  # noqa: E402
+from test_attention_ref import _oracle  # noqa: E402
+from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
+
+from attention_backends.step_batch import HostPages, Rows, build_step_batch, current_step, set_step  # noqa: E402
+from attention_backends.vllm_backend import PSDAttentionImpl, kv_views, psd_attention_backend  # noqa: E402
+from model_executor.dllm_request import DLLMStep  # noqa: E402
+
+H, HKV, D, PAGE, WIDTH = 4, 2, 16, 4, 16
+LAYER = "model.layers.0.self_attn.attn"
+
+
+def _dllm_entries(g):
+    """A prompt prefill, a DualCache later step (the block's window, three canvases, reading the kept suffix
+    after it) and a prefix-cache step (block plus the masks after it, two canvases)."""
+    return [Rows(12, 0),
+            DLLMStep(w0=40, w1=48, b0=40, b1=48, tokens=torch.randint(3, 90, (3, 8), generator=g), keep=40, shift=0,
+                     suffix=(48, 56)),
+            DLLMStep(w0=17, w1=33, b0=17, b1=25, tokens=torch.randint(3, 90, (2, 16), generator=g), keep=17, shift=0)]
+
+
+def _presto_entries(g):
+    """PRESTO's verification: a causal prompt prefill and two token trees (each node sees its ancestors)."""
+    out = [Rows(7, 0, positions=torch.arange(7), mask=torch.ones(7, 7, dtype=torch.bool).tril())]
+    for c, n in ((30, 9), (11, 6)):
+        m = torch.eye(n, dtype=torch.bool)
+        depth = [0] * n
+        for j in range(1, n):
+            parent = int(torch.randint(0, j, (1,), generator=g))
+            m[j] |= m[parent]
+            depth[j] = depth[parent] + 1
+        out.append(Rows(n, c, positions=c + torch.tensor(depth), mask=m))
+    return out
+
+
+CASES = {  # layer pattern, attention block, entries
+    "llada": ("bidirectional", 0, _dllm_entries),
+    "sdar": ("block_causal", 4, _dllm_entries),
+    "presto": ("causal", 0, _presto_entries),
+}
+
+
+def _step(case: str, seed: int = 0):
+    """The batch, vLLM's ``CommonAttentionMetadata`` for it (device tensors as stand-ins), the runner's host
+    block table (all its rows: ``max_num_reqs`` of them) and a builder."""
+    pattern, block, entries = CASES[case]
+    g = torch.Generator().manual_seed(seed)
+    batch = build_step_batch(entries(g))
+    R, T = batch.num_requests, batch.num_scheduled
+    qsl = batch.scheduled_lens.cumsum(0)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.long), qsl]).to(torch.int32)
+    seq = (batch.prefix_lens + batch.scheduled_lens).to(torch.int32)
+    host_table = torch.zeros(R + 2, WIDTH, dtype=torch.int32)  # the runner's buffer has spare rows
+    host_table[:R] = torch.randperm(R * WIDTH, generator=g)[: R * WIDTH].view(R, WIDTH).to(torch.int32) + 1
+    slots = []
+    for r in range(R):  # vLLM's slot mapping, token by token
+        for i in range(int(qsl[r + 1] - qsl[r])):
+            pos = int(batch.prefix_lens[r]) + i
+            slots.append(int(host_table[r, pos // PAGE]) * PAGE + pos % PAGE)
+    cam = CommonAttentionMetadata(
+        query_start_loc=on_device(qsl.clone()), query_start_loc_cpu=qsl, seq_lens=on_device(seq.clone()),
+        num_reqs=R, num_actual_tokens=T, max_query_len=int(batch.scheduled_lens.max()), max_seq_len=int(seq.max()),
+        block_table_tensor=on_device(host_table[:R].clone()), slot_mapping=on_device(torch.tensor(slots)),
+        positions=on_device(batch.positions[:T].clone()), seq_lens_cpu_upper_bound=seq.clone())
+    return batch, cam, host_table, pattern, block
+
+
+def _builder(pattern: str, block: int, device, dtype=torch.float64):
+    cls = psd_attention_backend(pattern, block).get_builder_cls()
+    return cls.for_geometry(H, HKV, D, PAGE, dtype, device, scale=0.3, layer_names=(LAYER,))
+
+
+def _publish(batch, host_table):
+    """What ``PSDRunnerMixin._publish`` publishes (``compat.host_pages``: the rows of the step's requests)."""
+    batch.pages = HostPages((frozenset({LAYER, "model.layers.1.self_attn.attn"}),), (PAGE,),
+                            (host_table[: batch.num_requests],))
+    set_step(batch)
+
+
+@pytest.fixture(autouse=True)
+def _no_step_left():
+    yield
+    set_step(None)
+
+
+def test_the_audit_sees_every_op():
+    t, s = torch.tensor([1, 0, 3]), torch.tensor(2)
+    with SyncAudit(packages=("tests",)) as audit:
+        s.item(), t.tolist(), bool(s), int(s), [0, 1, 2][s], float(s), t.nonzero(), torch.nonzero(t), t.cpu()
+        t.to("cpu"), t.numpy(), torch.equal(t, t), t[t > 0], torch.repeat_interleave(t, t), t.masked_select(t > 0)
+        torch.unique(t), t.to(torch.float32)  # the last is a dtype conversion: not recorded
+    where = "tests/test_attention_sync.py:test_the_audit_sees_every_op"
+    assert audit.sites == {f"{where} {op}" for op in (
+        "item", "tolist", "__bool__", "__int__", "__index__", "__float__", "nonzero", "cpu", "to(cpu)", "numpy",
+        "equal", "mask indexing", "repeat_interleave", "masked_select", "unique")}
+    d = on_device(t)
+    with SyncAudit(device_only=True, packages=("tests",)) as audit:
+        s.item(), t.cpu(), t.nonzero(), t.to("meta", non_blocking=True)  # host reads and an async copy: nothing
+        e = (d + 1)[1:]  # a device tensor's results are device tensors
+        e.sum().item()
+        h = e.cpu()
+        h.tolist()  # on the host now
+        t[d > 1], torch.repeat_interleave(t, d), t.to("meta")  # a device mask and repeats; a blocking copy
+    assert audit.sites == {f"{where} {op}" for op in ("item", "cpu", "mask indexing", "repeat_interleave",
+                                                      "to(device) blocking")}
+    assert "test_attention_sync.py" in audit.report()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_builder_reads_no_device_tensor(case, device):
+    """``meta`` stands in for CUDA: the backend copies its plan there, and any host read of it would raise."""
+    batch, cam, host_table, pattern, block = _step(case)
+    assert batch.num_extra > 0 or case == "presto"
+    assert batch.suffix_lens is not None or case == "presto"
+    builder = _builder(pattern, block, device)
+    _publish(batch, host_table)
+    with SyncAudit(device_only=True) as audit:
+        md = builder.build(0, cam)
+    allowed = {
+        # on a CPU device only: vLLM's slot mapping is a host tensor there, and the builder checks the slots it
+        # derives from the host block table against it
+        "attention_backends/vllm_backend.py:build equal",
+    } if device == "cpu" else set()
+    assert audit.sites == allowed, audit.report()
+    assert md.write_rows is None and md.write_slots is not None  # vLLM's own slot mapping writes K/V
+
+
+def test_a_forward_no_runner_published_reads_the_device_once():
+    """vLLM's own layout (no published step; a dummy run's -1 slots): the block table and the slot mapping are
+    read back, in one place, and nothing else."""
+    batch, cam, host_table, pattern, block = _step("llada")
+    cam.slot_mapping = on_device(torch.cat([cam.slot_mapping[:5].as_subclass(torch.Tensor),
+                                            torch.full((cam.num_actual_tokens - 5,), -1)]))
+    builder = _builder(pattern, block, "cpu")
+    with SyncAudit(device_only=True) as audit:
+        md = builder.build(0, cam)
+    assert audit.sites == {"attention_backends/vllm_backend.py:device_pages cpu"}, audit.report()
+    assert md.write_rows.tolist() == [0, 1, 2, 3, 4]
+    assert md.plan.num_tokens == cam.num_actual_tokens  # one segment per request, no extra rows
+
+
+def test_a_step_published_without_host_pages_keeps_its_layout():
+    """A step set without the host block tables keeps its rows (extra canvases included) and reads the pages
+    back from the device, in the same one place."""
+    batch, cam, host_table, pattern, block = _step("llada")
+    builder = _builder(pattern, block, "cpu")
+    set_step(batch)
+    with SyncAudit(device_only=True) as audit:
+        md = builder.build(0, cam)
+    assert audit.sites == {"attention_backends/vllm_backend.py:device_pages cpu"}, audit.report()
+    assert md.plan.num_tokens == batch.num_rows > cam.num_actual_tokens and md.write_rows is None
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("kernel", ["cpu_flash", "sdpa"])
+def test_the_builders_metadata_attends_as_the_oracle(case, kernel):
+    """``build`` then the layer's ``forward`` (K/V written at vLLM's slots into its K|V pages, then attention,
+    rows in the model's order) equal the dense oracle over the published batch."""
+    batch, cam, host_table, pattern, block = _step(case, seed=1)
+    builder = _builder(pattern, block, "cpu")
+    builder.attn.kernel_choice = kernel
+    _publish(batch, host_table)
+    md = builder.build(0, cam)
+    N = batch.num_rows
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(N, h, D, generator=g, dtype=torch.float64) for h in (H, HKV, HKV))
+    pages = int(host_table.max()) + 1
+    kv_cache = torch.randn(pages, PAGE, HKV, 2 * D, generator=g, dtype=torch.float64).transpose(1, 2)  # vLLM's
+    impl = PSDAttentionImpl(H, D, 0.3, num_kv_heads=HKV)
+    P = 5  # padding rows after the step's (vLLM sizes a forward up, for CUDA graphs): inert, zero output
+    q, k, v = (torch.cat([t, torch.randn(P, *t.shape[1:], generator=g, dtype=t.dtype)]) for t in (q, k, v))
+    out = impl.forward(None, q, k, v, kv_cache, md, torch.full((N + P, H, D), float("nan"), dtype=torch.float64))
+    assert torch.equal(out[N:], torch.zeros(P, H, D, dtype=torch.float64))
+    out = out[:N]
+    kc, vc = kv_views(kv_cache, D)
+    order = batch.order if batch.order is not None else torch.arange(N)
+    plan = batch.plan(host_table[: batch.num_requests], PAGE, pattern, block)
+    want = _oracle(plan, q[order], k[order], v[order], kc, vc, 0.3)
+    assert torch.allclose(out[order], want, atol=1e-10), case
+    set_step(None)
+
+
+def test_the_builder_checks_the_step_against_vllms_batch_on_the_host():
+    batch, cam, host_table, pattern, block = _step("llada")
+    builder = _builder(pattern, block, "cpu")
+    _publish(batch, host_table)
+    cam.seq_lens_cpu_upper_bound = cam.seq_lens_cpu_upper_bound + torch.tensor([0, 1, 0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="is not the batch vLLM scheduled"):
+        builder.build(0, cam)
+    batch, cam, host_table, pattern, block = _step("llada")
+    _publish(batch, host_table)
+    cam.slot_mapping = on_device(cam.slot_mapping.as_subclass(torch.Tensor) + 1)
+    with pytest.raises(RuntimeError, match="differ from vLLM's slot mapping"):
+        builder.build(0, cam)
+
+
+def test_publish_attaches_the_runners_host_block_tables():
+    """``PSDRunnerMixin._publish`` hands the builder views of vLLM's host block tables (no copy), per KV-cache
+    group with its layers and page size; ``_publish(None)`` clears the step."""
+    from psd_plugin.vllm.runner import PSDRunnerMixin
+
+    buffers = [torch.arange(6 * WIDTH, dtype=torch.int32).view(6, WIDTH), torch.zeros(6, 8, dtype=torch.int32)]
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(block_table=SimpleNamespace(block_tables=[
+            SimpleNamespace(block_size=PAGE, block_table=SimpleNamespace(cpu=buffers[0])),
+            SimpleNamespace(block_size=32, block_table=SimpleNamespace(cpu=buffers[1]))])),
+        kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[LAYER]),
+                                                         SimpleNamespace(layer_names=["other"])]))
+    batch = build_step_batch(_dllm_entries(torch.Generator().manual_seed(0)))
+    PSDRunnerMixin._publish(runner, batch)
+    assert current_step() is batch
+    pages = batch.pages
+    assert pages.group(LAYER) == 0 and pages.group("other") == 1 and pages.page_sizes == (PAGE, 32)
+    assert pages.block_tables[0].shape == (3, WIDTH) and pages.block_tables[0].data_ptr() == buffers[0].data_ptr()
+    PSDRunnerMixin._publish(runner, None)
+    assert current_step() is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_builder_does_not_synchronise_on_cuda(case, dtype):
+    """On CUDA (FlashInfer in bfloat16 where it is installed, else the PyTorch backend's SDPA kernel) no PyTorch op
+    of ``build`` synchronises with the device (``torch.cuda.set_sync_debug_mode("error")``), and the layer's
+    output equals the oracle."""
+    batch, cam, host_table, pattern, block = _step(case, seed=1)
+    for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping", "positions"):
+        setattr(cam, name, getattr(cam, name).as_subclass(torch.Tensor).cuda())
+    builder = _builder(pattern, block, "cuda", dtype)
+    _publish(batch, host_table)
+    builder.build(0, cam)  # first plans may compile or load kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        md = builder.build(0, cam)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    N = batch.num_rows
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(N, h, D, generator=g) for h in (H, HKV, HKV))
+    pages = int(host_table.max()) + 1
+    phys = torch.randn(pages, PAGE, HKV, 2 * D, generator=g)
+    kv_cache = phys.to("cuda", dtype).transpose(1, 2)
+    impl = PSDAttentionImpl(H, D, 0.3, num_kv_heads=HKV)
+    out = impl.forward(None, *(t.to("cuda", dtype) for t in (q, k, v)), kv_cache, md,
+                       torch.empty(N, H, D, device="cuda", dtype=dtype))
+    kc, vc = kv_views(kv_cache, D)
+    order = batch.order if batch.order is not None else torch.arange(N)
+    plan = batch.plan(host_table[: batch.num_requests], PAGE, pattern, block)
+    want = _oracle(plan, q[order], k[order], v[order], kc, vc, 0.3)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert torch.allclose(out[order.cuda()].double().cpu(), want, atol=tol, rtol=tol), case

@@ -1,0 +1,183 @@
+"""A whole vLLM step reads device memory on the host only where a reviewed allow-list says, and as often.
+
+Every device tensor of vLLM's runner (the ``.gpu`` side of its ``CpuGpuBuffer``s, its device-only buffers, the
+input batch's and block tables' device twins) is made a stand-in for a device tensor (``sync_audit.on_device``,
+sharing the host storage the CPU runner uses for both sides), so the model's hidden states and logits, which
+are computed from them, are stand-ins too. A ``SyncAudit(device_only=True)`` (a ``TorchFunctionMode``) runs
+around each ``execute_model`` and ``sample_tokens`` of the worker and records, per call site in the project's
+packages, every host read of a stand-in (``item``, ``tolist``, ``__bool__``, ``__int__``, ``nonzero``,
+``.cpu()``, ``.to(cpu)``, mask indexing, ...) and every blocking copy to a device. On a GPU each of those is a
+stall of the host on the device.
+
+The allow-list is each method's budget of such reads *per step*: what a step cannot do without (the one copy
+of every row's top token and confidence, the decoders' inputs) and nothing else. A new ``.item()``, a
+``.tolist()`` of a device tensor or a blocking upload in the hot path fails here with its file and line.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from sync_audit import DeviceStandIn, SyncAudit, on_device  # noqa: E402
+
+from psd_plugin import DEFAULT_AR, DEFAULT_DLLM  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("in_process_vllm")
+
+# site ("path:function op") -> reads per step at most. Reviewed: each is the single device-to-host copy its
+# step needs, and is asynchronous-safe only where it is the last thing the host waits for.
+# Where the host and the device are one (``device.type == "cpu"``), the attention builder checks the slots it
+# derived from the host block tables against vLLM's slot mapping: a consistency check no GPU step runs.
+CPU_ONLY = {"attention_backends/vllm_backend.py:build equal": 1}
+DLLM_ALLOWED = {
+    # every canvas row's top token and confidence, packed in one tensor: the decoders' only input
+    "model_executor/decoding/base.py:predict_rows cpu": 1,
+    **CPU_ONLY,
+}
+PRESTO_ALLOWED = {
+    **CPU_ONLY,
+    # the tree rows' argmax of every request, one batched copy (acceptance walks it on the host)
+    "psd_plugin/vllm/presto_runner.py:_sample cpu": 1,
+}
+
+
+def _mark_device_tensors(runner) -> None:
+    """Make the runner's device tensors stand-ins (module docstring); the CPU runner shares their storage with
+    the host copies, which stay plain host tensors."""
+    from vllm.v1.utils import CpuGpuBuffer
+
+    def buffers(obj):
+        for v in vars(obj).values():
+            if isinstance(v, CpuGpuBuffer):
+                v.gpu = on_device(v.gpu)
+
+    buffers(runner)
+    for t in runner.input_batch.block_table.block_tables:
+        buffers(t)
+    for name in ("positions", "seq_lens", "num_computed_tokens", "is_padding"):
+        if isinstance(getattr(runner, name, None), torch.Tensor):
+            setattr(runner, name, on_device(getattr(runner, name)))
+    batch = runner.input_batch
+    for k in list(vars(batch)):
+        if k.endswith("_cpu_tensor") and isinstance(getattr(batch, k[:-11], None), torch.Tensor):
+            setattr(batch, k[:-11], on_device(getattr(batch, k[:-11])))
+
+
+class _StepAudit:
+    """The audits of every step the worker runs."""
+
+    def __init__(self):
+        self.steps = 0
+        self.calls: collections.Counter = collections.Counter()  # (site, step) -> count
+        self.reports: list[str] = []
+        self.logits_on_device: list[bool] = []
+
+    def run(self, fn, *args, new_step: bool):
+        audit = SyncAudit(device_only=True)
+        with audit:
+            out = fn(*args)
+        if new_step:
+            self.steps += 1
+        for (path, func, _, op), n in audit.calls.items():
+            self.calls[(f"{path}:{func} {op}", self.steps)] += n
+        if audit.calls:
+            self.reports.append(audit.report())
+        return out
+
+    def per_step_max(self) -> dict[str, int]:
+        most: dict[str, int] = {}
+        for (site, _), n in self.calls.items():
+            most[site] = max(most.get(site, 0), n)
+        return most
+
+
+@pytest.fixture
+def step_audit(monkeypatch):
+    from vllm.v1.worker.gpu_worker import Worker
+
+    from model_executor.models.vllm_models import DLLMForVLLM
+    from psd_plugin.vllm.runner import PSDRunnerMixin
+
+    audit = _StepAudit()
+    init_kv = PSDRunnerMixin.initialize_kv_cache
+
+    def initialize_kv_cache(self, *args, **kwargs):
+        init_kv(self, *args, **kwargs)
+        _mark_device_tensors(self)  # after vLLM (re)builds its input batch for the KV-cache groups
+
+    execute, sample = Worker.execute_model, Worker.sample_tokens
+    logits = DLLMForVLLM.compute_logits
+
+    def compute_logits(self, hidden_states):  # vLLM's CPU GEMM returns a plain tensor: the logits are the device's
+        out = logits(self, hidden_states)
+        return on_device(out) if isinstance(hidden_states, DeviceStandIn) and out is not None else out
+
+    monkeypatch.setattr(DLLMForVLLM, "compute_logits", compute_logits)
+    monkeypatch.setattr(PSDRunnerMixin, "initialize_kv_cache", initialize_kv_cache)
+    monkeypatch.setattr(Worker, "execute_model", lambda self, *a: audit.run(execute, self, *a, new_step=True))
+    monkeypatch.setattr(Worker, "sample_tokens", lambda self, *a: audit.run(sample, self, *a, new_step=False))
+    return audit
+
+
+def _check(audit: _StepAudit, allowed: dict[str, int]) -> None:
+    most = audit.per_step_max()
+    assert audit.steps > 3
+    extra = {s: n for s, n in most.items() if n > allowed.get(s, 0)}
+    assert not extra, "host reads of device tensors beyond the allow-list (site: most per step):\n" + \
+        "\n".join(f"  {s}: {n}" for s, n in sorted(extra.items())) + "\n\n" + "\n".join(audit.reports[:3])
+    # the allow-list is not stale: every allowed read happens (the stand-ins reached the decoders)
+    assert set(allowed) <= set(most), (sorted(allowed), sorted(most))
+
+
+# a decoder's reads beyond the predictions: Spiffy ranks a few positions' top tokens (one packed copy); a
+# sampled request's draws (tokens, confidences, Spiffy's ranks) come back in one copy for the step's requests
+TOP_TOKENS = {"model_executor/decoding/base.py:top_tokens cpu": 1}
+DRAWS = {"model_executor/decoding/base.py:predict_each cpu": 1}
+
+
+@pytest.mark.parametrize("method,cache,temperature,allowed", [
+    ("confidence", "prefix", 0.0, {}), ("psd", "dual", 0.0, {}), ("spiffy", "prefix", 0.0, TOP_TOKENS),
+    ("freedave", "prefix", 0.0, {}), ("lopa", "dual", 0.0, {}), ("confidence", "dual", 0.8, DRAWS)])
+def test_dllm_step_reads_the_device_once(step_audit, mixed_prompts, method, cache, temperature, allowed):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
+              speculative_config={"method": "psd", "decoding": method, "cache": cache})
+    try:
+        prompts = [{"prompt_token_ids": p} for p in mixed_prompts[:6]]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=48, temperature=temperature, seed=1),
+                            use_tqdm=False)
+    finally:
+        del llm
+    assert all(o.outputs[0].token_ids for o in outs)
+    _check(step_audit, {**DLLM_ALLOWED, **allowed})
+
+
+@pytest.fixture(scope="module")
+def presto_prompts():
+    from transformers import AutoTokenizer
+
+    from psd_plugin.evaluate import encode
+    from psd_plugin.train.tasks import TASKS, load_heldout
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))
+    return [encode(tok, load_heldout(t)[0]["prompt"]) for t in TASKS][:6]
+
+
+def test_presto_step_reads_the_device_once(step_audit, presto_prompts):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(DEFAULT_AR), dtype="float32", enforce_eager=True, seed=0, max_model_len=256,
+              max_num_seqs=4, speculative_config={"method": "psd", "mode": "presto", "tree_budget": 16})
+    try:
+        prompts = [{"prompt_token_ids": p} for p in presto_prompts]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0), use_tqdm=False)
+    finally:
+        del llm
+    assert all(o.outputs[0].token_ids for o in outs)
+    _check(step_audit, PRESTO_ALLOWED)
