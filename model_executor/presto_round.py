@@ -31,7 +31,8 @@ from attention_backends.paged_kv_cache import PagedKVCache
 from attention_backends.prefix_attention import AttentionPlan
 
 from .decoding.ngram import NGramModel, RequestNGram
-from .decoding.tree import SEARCHES, TokenTree, accept_greedy, accept_sampling, adaptive_lambda, build_tree
+from .decoding.tree import (SEARCHES, TokenTree, accept_greedy, adaptive_lambda, build_tree, sampling_bonus,
+                            sampling_draws, sampling_walk)
 from .models.reference import ReferenceDLLM
 
 PRESTO_SEARCHES = ("ar",) + SEARCHES
@@ -162,10 +163,38 @@ def accept(tree: TokenTree, logits: torch.Tensor, temperature: float = 0.0,
     """The target's verdict on ``tree`` from its logits at the root and every node (``[1 + N, V]``, the root
     first): the accepted path plus the bonus token. ``argmax``: the rows' argmax on the host, when the engine
     took every request's at once (one copy per step); sampling draws on the generator's device."""
-    lg = logits[: len(tree) + 1]
-    if temperature > 0:
-        dev = generator.device if generator is not None else torch.device("cpu")
-        out, _ = accept_sampling(tree, torch.softmax(lg.double() / temperature, -1).to(dev), generator)
-    else:
-        out, _ = accept_greedy(tree, (argmax[: len(tree) + 1] if argmax is not None else lg.argmax(-1)).cpu())
-    return out
+    return accept_all([tree], [logits], [temperature], [generator],
+                      None if argmax is None else [argmax[: len(tree) + 1]])[0]
+
+
+def accept_all(trees: list[TokenTree], logits: list[torch.Tensor], temperatures: list[float],
+               generators: list[torch.Generator | None], argmax: list[torch.Tensor] | None = None
+               ) -> list[list[int]]:
+    """:func:`accept` of every request of a step. Greedy requests read their rows' argmax (``argmax``: on the
+    host already, else one copy for all); sampled ones draw where their generator is, the walks' draws reaching
+    the host in one copy for all of them and their bonus tokens in one more
+    (:func:`~model_executor.decoding.tree.accept_sampling`, batched)."""
+    outs: list[list[int] | None] = [None] * len(trees)
+    greedy = [i for i, t in enumerate(temperatures) if not t > 0]
+    if greedy:
+        tops = argmax if argmax is not None else \
+            torch.cat([logits[i][: len(trees[i]) + 1].argmax(-1) for i in greedy]).cpu().split(
+                [len(trees[i]) + 1 for i in greedy])
+        for k, i in enumerate(greedy):
+            top = tops[i] if argmax is not None else tops[k]
+            outs[i], _ = accept_greedy(trees[i], top[: len(trees[i]) + 1])
+    sampled = [i for i, t in enumerate(temperatures) if t > 0]
+    if sampled:
+        # the draws are made where the generators are (vLLM's: the device; the reference engine's: the host),
+        # the probabilities moved there in one copy when they are elsewhere
+        dev = next((g.device for i in sampled if (g := generators[i]) is not None), logits[sampled[0]].device)
+        probs = [torch.softmax(logits[i][: len(trees[i]) + 1].double() / temperatures[i], -1) for i in sampled]
+        probs = torch.cat(probs).to(dev).split([p.shape[0] for p in probs])
+        draws = [sampling_draws(trees[i], p, generators[i]) for i, p in zip(sampled, probs)]
+        host = torch.cat(draws).cpu().split([d.numel() for d in draws])
+        walks = [sampling_walk(trees[i], h) for i, h in zip(sampled, host)]
+        bonus = torch.cat([sampling_bonus(p, w[2], w[3], generators[i])
+                           for i, p, w in zip(sampled, probs, walks)]).cpu().tolist()
+        for i, w, b in zip(sampled, walks, bonus):
+            outs[i] = w[0] + [b]
+    return outs

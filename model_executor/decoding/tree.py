@@ -201,23 +201,79 @@ def accept_sampling(tree: TokenTree, target_probs: torch.Tensor,
                     generator: torch.Generator | None = None) -> tuple[list[int], list[int]]:
     """Lossless tree speculative sampling (module docstring). ``target_probs [N + 1, V]``: the target's
     (temperature-scaled) distribution after the root (row 0) and after node ``i`` (row ``i + 1``), on the
-    generator's device (the draws are made there)."""
+    generator's device (the draws are made there). Two reads of the device: the walk's draws
+    (:func:`sampling_draws`), then the bonus token (:func:`sampling_bonus`); an engine batching requests makes
+    each of them one copy for all (:func:`~model_executor.presto_round.accept_all`)."""
+    out, nodes, row, rejected = sampling_walk(tree, sampling_draws(tree, target_probs, generator).cpu())
+    out.append(int(sampling_bonus(target_probs, row, rejected, generator)))
+    return out, nodes
+
+
+def _edges(tree: TokenTree) -> tuple[list[list[int]], list[int], list[int]]:
+    """Every parent -> child edge, node by node (the root first), children in order: the children lists, and
+    per edge its parent's row of ``target_probs`` and the child's token."""
     ch = tree.children()
+    rows, toks = [], []
+    for parent in [len(tree), *range(len(tree))]:
+        for c in ch[parent]:
+            rows.append(0 if parent == len(tree) else parent + 1)
+            toks.append(tree.tokens[c])
+    return ch, rows, toks
+
+
+def sampling_draws(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None = None
+                   ) -> torch.Tensor:
+    """What the walk of :func:`accept_sampling` reads, on the probabilities' device: per edge (:func:`_edges`)
+    the child token's target probability at its parent, then one uniform per edge (drawn from ``generator``,
+    all at once: every edge gets its own, used or not), then every row's total. ``[2E + N + 1]`` float64."""
+    _, rows, toks = _edges(tree)
+    dev, E = target_probs.device, len(rows)
+    p = target_probs.double()
+    pairs = p[torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True),
+              torch.tensor(toks, dtype=torch.long).to(dev, non_blocking=True)] if E else p.new_zeros(0)
+    u = torch.rand(E, generator=generator, dtype=torch.float64, device=dev)
+    return torch.cat([pairs, u, p.sum(-1)])
+
+
+def sampling_walk(tree: TokenTree, draws: torch.Tensor) -> tuple[list[int], list[int], int, list[int]]:
+    """The walk of :func:`accept_sampling` on the host over ``draws`` (:func:`sampling_draws`, on the host): at a
+    node, try its children in order, accepting child ``x`` when its uniform is below ``p(x)`` renormalised over
+    what the rejected siblings left. Returns (accepted tokens, accepted nodes, the row of ``target_probs`` the
+    bonus token is drawn from (the last accepted node's; 0: the root's), that row's rejected tokens)."""
+    ch, rows, _ = _edges(tree)
+    E = len(rows)
+    pairs, u, totals = draws[:E].tolist(), draws[E: 2 * E].tolist(), draws[2 * E:].tolist()
+    first = {}  # node -> its first edge
+    e = 0
+    for parent in [len(tree), *range(len(tree))]:
+        first[parent] = e
+        e += len(ch[parent])
     out, nodes, cur = [], [], len(tree)
     while True:
-        p = target_probs[0 if cur == len(tree) else cur + 1].double().clone()
+        left = totals[0 if cur == len(tree) else cur + 1]
+        rejected: list[int] = []
         chosen = None
-        for c in ch[cur]:
-            x = tree.tokens[c]
-            px = float(p[x] / p.sum())
-            if float(torch.rand((), generator=generator, dtype=torch.float64, device=p.device)) < px:
+        for k, c in enumerate(ch[cur]):
+            x, e = tree.tokens[c], first[cur] + k
+            px = 0.0 if x in rejected or left <= 0 else pairs[e] / left
+            if u[e] < px:
                 chosen = c
                 break
-            p[x] = 0.0
+            if x not in rejected:
+                left -= pairs[e]
+                rejected.append(x)
         if chosen is None:
-            tok = int(torch.multinomial(p / p.sum(), 1, generator=generator))
-            out.append(tok)
-            return out, nodes
+            return out, nodes, 0 if cur == len(tree) else cur + 1, rejected
         out.append(tree.tokens[chosen])
         nodes.append(chosen)
         cur = chosen
+
+
+def sampling_bonus(target_probs: torch.Tensor, row: int, rejected: list[int],
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """The bonus token: a draw from the target distribution of ``row`` without the ``rejected`` tokens, on the
+    probabilities' device (``[1]``, not read here)."""
+    p = target_probs[row].double().clone()
+    if rejected:
+        p[torch.tensor(rejected, dtype=torch.long).to(p.device, non_blocking=True)] = 0.0
+    return torch.multinomial(p / p.sum(), 1, generator=generator)

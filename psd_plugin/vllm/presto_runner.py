@@ -8,7 +8,7 @@ how its rows reach vLLM, through the same hooks as the dLLM runner (:mod:`.runne
    the tree's order (by depth, so any prefix vLLM may cut for budget is still a tree). The step's layout gives
    the nodes their positions ``n - 1 + depth`` and each tree request its ancestor mask (``custom``; other
    requests causal); the attention backend computes every row once, under that mask.
-2. ``_sample``: the tree walk (:func:`model_executor.presto_round.accept`: greedy, or lossless
+2. ``_sample``: the tree walk (:func:`model_executor.presto_round.accept_all`: greedy, or lossless
    multi-candidate rejection sampling with the request's generator) on the logits of the root (the last
    pending token) and of every node, the rows vLLM's spec-decode metadata selects.
 3. ``propose_draft_token_ids``: one batched forward of the drafter
@@ -30,7 +30,7 @@ from attention_backends.step_batch import Rows, build_step_batch
 from model_executor.decoding.ngram import NGramModel
 from model_executor.decoding.tree import TokenTree
 from model_executor.models.reference import ReferenceDLLM
-from model_executor.presto_round import DraftState, TreeDrafter, accept, draft_options, verify_layout
+from model_executor.presto_round import DraftState, TreeDrafter, accept_all, draft_options, verify_layout
 
 from . import compat
 from .config import presto_from_vllm_config
@@ -101,19 +101,21 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         req_ids, _, _ = compat.batch_rows(self)
         cu = compat.sampled_rows_end(spec_decode_metadata)  # host counts: no device read
         greedy = logits.argmax(-1).cpu()  # every request's greedy verdict rows, one copy
-        outs, start = [], 0
-        for i, rid in enumerate(req_ids):
-            lg, top, start = logits[start: cu[i]], greedy[start: cu[i]], cu[i]
-            if compat.prefill_unfinished(self, i):  # vLLM discards it: draw nothing from the request's generator
-                outs.append([])
-                continue
-            tree = self._verifying.get(rid) or TokenTree()
-            out = accept(tree, lg, compat.request_temperature(self, i), compat.request_generator(self, i), argmax=top)
-            self.accepted[rid] = len(out) - 1
+        outs: list[list[int]] = [[] for _ in req_ids]
+        live = [i for i in range(len(req_ids))  # vLLM discards an unfinished prefill: draw nothing for it
+                if not compat.prefill_unfinished(self, i)]
+        trees = [self._verifying.get(req_ids[i]) or TokenTree() for i in live]
+        starts = [0, *cu[:-1]]
+        verdicts = accept_all(trees, [logits[starts[i]: cu[i]] for i in live],
+                              [compat.request_temperature(self, i) for i in live],
+                              [compat.request_generator(self, i) for i in live],
+                              argmax=[greedy[starts[i]: cu[i]] for i in live])
+        for i, tree, out in zip(live, trees, verdicts):
+            self.accepted[req_ids[i]] = len(out) - 1
             if len(tree):
                 self.totals["steps"] += 1
                 self.totals["tree_nodes"] += len(tree)
-            outs.append(out)
+            outs[i] = out
         width = max(2, max(map(len, outs), default=1))
         ids = torch.full((len(outs), width), -1, dtype=torch.int32)
         for i, out in enumerate(outs):
