@@ -209,16 +209,17 @@ def accept_sampling(tree: TokenTree, target_probs: torch.Tensor,
     return out, nodes
 
 
-def _edges(tree: TokenTree) -> tuple[list[list[int]], list[int], list[int]]:
-    """Every parent -> child edge, node by node (the root first), children in order: the children lists, and
-    per edge its parent's row of ``target_probs`` and the child's token."""
+def _edges(tree: TokenTree) -> tuple[list[list[int]], list[int], list[int], dict[int, int]]:
+    """Every parent -> child edge, node by node (the root first), children in order: the children lists, per
+    edge its parent's row of ``target_probs`` and the child's token, and each node's first edge."""
     ch = tree.children()
-    rows, toks = [], []
+    rows, toks, first = [], [], {}
     for parent in [len(tree), *range(len(tree))]:
+        first[parent] = len(rows)
         for c in ch[parent]:
             rows.append(0 if parent == len(tree) else parent + 1)
             toks.append(tree.tokens[c])
-    return ch, rows, toks
+    return ch, rows, toks, first
 
 
 def sampling_draws(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None = None
@@ -226,7 +227,7 @@ def sampling_draws(tree: TokenTree, target_probs: torch.Tensor, generator: torch
     """What the walk of :func:`accept_sampling` reads, on the probabilities' device: per edge (:func:`_edges`)
     the child token's target probability at its parent, then one uniform per edge (drawn from ``generator``,
     all at once: every edge gets its own, used or not), then every row's total. ``[2E + N + 1]`` float64."""
-    _, rows, toks = _edges(tree)
+    _, rows, toks, _ = _edges(tree)
     dev, E = target_probs.device, len(rows)
     p = target_probs.double()
     pairs = p[torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True),
@@ -240,14 +241,9 @@ def sampling_walk(tree: TokenTree, draws: torch.Tensor) -> tuple[list[int], list
     node, try its children in order, accepting child ``x`` when its uniform is below ``p(x)`` renormalised over
     what the rejected siblings left. Returns (accepted tokens, accepted nodes, the row of ``target_probs`` the
     bonus token is drawn from (the last accepted node's; 0: the root's), that row's rejected tokens)."""
-    ch, rows, _ = _edges(tree)
+    ch, rows, _, first = _edges(tree)
     E = len(rows)
     pairs, u, totals = draws[:E].tolist(), draws[E: 2 * E].tolist(), draws[2 * E:].tolist()
-    first = {}  # node -> its first edge
-    e = 0
-    for parent in [len(tree), *range(len(tree))]:
-        first[parent] = e
-        e += len(ch[parent])
     out, nodes, cur = [], [], len(tree)
     while True:
         left = totals[0 if cur == len(tree) else cur + 1]

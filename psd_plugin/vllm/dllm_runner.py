@@ -211,7 +211,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         """vLLM's memory profile runs this after its largest forward and sizes the KV cache from the peak: a
         step's logits are its canvas rows, up to :attr:`logits_budget` of them (not one row per request, as vLLM
         profiles), with the predictions' work buffer, so the profile computes those too."""
-        if hidden_states.shape[0] and self.logits_budget:
+        if hidden_states.shape[0]:
             rows = torch.rand_like(hidden_states[:1]).expand(self.logits_budget, -1).contiguous()
             predict_rows(self.model.compute_logits(rows), mask_id=self.spec.mask_token_id)
         return super()._dummy_sampler_run(hidden_states)

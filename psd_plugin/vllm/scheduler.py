@@ -61,21 +61,19 @@ class DLLMScheduler(Scheduler):
         # the runner's spec-decode bookkeeping counts drafts + 1 rows per request; a dLLM step may schedule
         # drafts only (no recomputed token), so keep one row per request free in its buffers
         self.max_num_scheduled_tokens = max(1, self.max_num_scheduled_tokens - self.max_num_running_reqs)
-        self.extra_rows: dict[str, int] = {}  # per request: rows its next step adds beyond its scheduled tokens
-        self.logits_rows: dict[str, int] = {}  # per request: logits rows its next step computes
+        # per request: (rows its next step adds beyond its scheduled tokens, logits rows that step computes)
+        self.next_rows: dict[str, tuple[int, int]] = {}
         self.logits_budget = logits_budget(self.vllm_config)
         self.cfg = decode_config(self.vllm_config)
         self.mask_id = ArchSpec.from_hf_config(self.vllm_config.model_config.hf_config).mask_token_id
 
     def schedule(self, throttle_prefills: bool = False):
-        self.extra_rows = {k: v for k, v in self.extra_rows.items() if k in self.requests}
-        self.logits_rows = {k: v for k, v in self.logits_rows.items() if k in self.requests}
+        self.next_rows = {k: v for k, v in self.next_rows.items() if k in self.requests}
         budget, logits = self.max_num_scheduled_tokens, self.logits_budget
         kept, extra = [], 0
         for r in self.running:
             need = r.num_tokens_with_spec - r.num_computed_tokens
-            more, rows = (self.extra_rows.get(r.request_id, 0), self.logits_rows.get(r.request_id, 0)) \
-                if r.spec_token_ids else (0, 0)
+            more, rows = self.next_rows.get(r.request_id, (0, 0)) if r.spec_token_ids else (0, 0)
             if r.spec_token_ids and (need + more > budget or rows > logits):
                 continue  # waits for the next step, whole
             kept.append(r)
@@ -122,7 +120,7 @@ class DLLMScheduler(Scheduler):
         for req_id, extra, rows in zip(draft_token_ids.req_ids, getattr(draft_token_ids, "extra_rows", None) or [],
                                        getattr(draft_token_ids, "logits_rows", None) or []):
             if req_id in self.requests:
-                self.extra_rows[req_id], self.logits_rows[req_id] = extra, rows
+                self.next_rows[req_id] = (extra, rows)
 
 
 class PrestoScheduler(Scheduler):
