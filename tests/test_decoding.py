@@ -425,9 +425,10 @@ def test_drafting_decoders_step_together_as_they_do_alone(method, knobs, monkeyp
             rows.extend(logits)
             alone[i].update([lg.clone() for lg in logits])
             nfe[i] += 1
-        # as the engines: predictions only at masked canvas positions
+        # as the engines: logits only at masked canvas positions
+        kept = torch.cat(need)
         update_all([together[i] for i in step], props,
-                   predict_rows(torch.cat(rows), mask_id=M, need=torch.cat(need)), firsts)
+                   predict_rows(torch.cat(rows)[kept], mask_id=M, kept=kept), firsts)
         for i in step:
             assert torch.equal(alone[i].state, together[i].state), (i, nfe[i])
     assert [d.stats() for d in alone] == [d.stats() for d in together]

@@ -30,8 +30,8 @@ def _on_device(engine, monkeypatch, proxy):
     """The engine's logits come back "on the device"; everything after runs under ``proxy``."""
     forward = type(engine)._forward
 
-    def device_forward(self, seqs, batch):
-        out = forward(self, seqs, batch)
+    def device_forward(self, seqs, batch, kept):
+        out = forward(self, seqs, batch, kept)
         proxy.__enter__()
         return mark(out)
 

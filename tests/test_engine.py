@@ -229,3 +229,30 @@ def test_spiffy_sampling_is_its_base_policys_sample(engine64, mixed_prompts, pol
     assert [r.token_ids for r in other] != [r.token_ids for r in base]
     greedy = engine64.generate(mixed_prompts, method=policy, max_tokens=24, block_size=8)
     assert [r.token_ids for r in greedy] != [r.token_ids for r in base]  # it did sample
+
+
+@pytest.mark.parametrize("method, temperature", [(m, 0.0) for m in ("static", "confidence", "lopa", "freedave",
+                                                                     "spiffy", "psd")]
+                         + [("confidence", 0.9), ("spiffy", 0.9)])
+def test_logits_only_for_the_rows_a_decoder_reads(engine64, mixed_prompts, monkeypatch, method, temperature):
+    """A step's model call computes logits for the canvas rows its decoders read, nothing else: greedy, the
+    positions each canvas leaves masked; sampling, every row of each canvas (the draw covers the block)."""
+    from model_executor.decoding import load_graph
+    from psd_plugin import default_graph
+
+    forward, seen = type(engine64)._forward, []
+
+    def spy(self, seqs, batch, kept):
+        logits = forward(self, seqs, batch, kept)
+        ids = batch.input_ids[batch.logits_rows]  # every canvas's block rows, in prediction-row order
+        seen.append((logits.shape[0], int((ids == self.spec.mask_token_id).sum()), ids.numel()))
+        return logits
+
+    monkeypatch.setattr(type(engine64), "_forward", spy)
+    knobs = {"policy": "static", "graph": load_graph(default_graph(DEFAULT_DLLM, "static"))} if method == "spiffy" \
+        else {}
+    engine64.generate(mixed_prompts, max_tokens=16, block_size=8, method=method, temperature=temperature, seed=1,
+                      **knobs)
+    computed, masked, rows = (sum(x) for x in zip(*seen))
+    assert computed == (rows if temperature > 0 else masked), seen
+    assert temperature > 0 or masked < rows  # decoded positions were left out

@@ -59,6 +59,31 @@ def test_batch_size_one_and_adaptive_lambda(presto, prompts, ar_greedy):
     assert [r.token_ids for r in res] == ar_greedy[:5]
 
 
+def test_drafter_row_budget_splits_a_step_and_keeps_the_trees(presto, prompts, monkeypatch):
+    """``TreeDrafter.max_rows``: a step whose requests need more drafter rows drafts them in several forwards of
+    at most that many rows (one request's longest context alone), with the same trees as one forward."""
+    drafting, calls = presto.drafting, []
+    forward = drafting.drafter.forward_paged
+
+    def spy(ids, *a, **k):
+        calls.append(ids.numel())
+        return forward(ids, *a, **k)
+
+    kw = dict(search="beam", tree_budget=32, max_tokens=24)
+    monkeypatch.setattr(drafting.drafter, "forward_paged", spy)
+    calls.clear()
+    whole = presto.generate(prompts, **kw)
+    one = len(calls)
+    monkeypatch.setattr(drafting, "max_rows", 48)
+    calls.clear()
+    split = presto.generate(prompts, **kw)
+    assert [r.token_ids for r in split] == [r.token_ids for r in whole]
+    assert [r.stats for r in split] == [r.stats for r in whole]
+    longest = max(len(p) for p in prompts) + 24 + 2 * drafting.drafter.spec.attention_block
+    assert len(calls) > one and max(calls) <= max(48, longest)
+    assert sum(c <= 48 for c in calls) > len(calls) // 2  # most forwards keep to the budget
+
+
 def test_sampled_first_token_follows_the_target(presto, prompts):
     """Temperature 1: over 3000 draws the first token's histogram matches the target's softmax."""
     target = presto.target

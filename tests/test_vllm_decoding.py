@@ -599,3 +599,33 @@ def test_max_logits_rows_bounds_every_step(monkeypatch, heldout_prompts):
     assert tokens == [r.token_ids for r in ref] and nfe == [r.nfe for r in ref]
     assert max(rows) <= one_step < 4 * one_step  # four requests running, one decoding step's rows at a time
     assert profiled[0] == one_step  # the profile's logits: the budget's rows (then vLLM's own, a row a request)
+
+
+@pytest.mark.parametrize("method, temperature", [("psd", 0.0), ("confidence", 0.9)])
+def test_vllm_computes_logits_only_for_the_rows_a_decoder_reads(monkeypatch, heldout_prompts, method, temperature):
+    """vLLM's logits indices are the canvas rows the decoders read: greedy, the positions each canvas leaves
+    masked; sampling, every row of each canvas; a step whose rows decode nothing computes vLLM's one row."""
+    from vllm import SamplingParams
+
+    from psd_plugin.vllm import dllm_runner
+
+    seen, sample = [], dllm_runner.DLLMRunnerMixin._sample
+
+    def spy(self, logits, meta):
+        mask = self.spec.mask_token_id
+        steps = [s.req.step for s in self._stepping.values() if not s.req.step.rebuild]
+        blocks = [st.tokens[:, st.b0 - st.w0: st.b1 - st.w0] for st in steps]
+        seen.append((logits.shape[0], sum(int((b == mask).sum()) for b in blocks), sum(b.numel() for b in blocks)))
+        return sample(self, logits, meta)
+
+    monkeypatch.setattr(dllm_runner.DLLMRunnerMixin, "_sample", spy)
+    llm = _llm(DEFAULT_DLLM, decoding=method)
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in heldout_prompts],
+                     SamplingParams(max_tokens=32, temperature=temperature, seed=3), use_tqdm=False)
+    finally:
+        del llm
+    assert seen
+    for computed, masked, rows in seen:
+        assert computed == max(1, rows if temperature > 0 else masked), seen
+    assert temperature > 0 or sum(m for _, m, _ in seen) < sum(r for _, _, r in seen)

@@ -6,6 +6,7 @@ reproducible; bad configs and unsupported requests get clear errors.
 """
 
 import pytest
+import torch
 
 from model_executor.presto_engine import PrestoEngine
 from psd_plugin import DEFAULT_AR, DEFAULT_DLLM, DEFAULT_DRAFTER, default_ngram
@@ -119,3 +120,31 @@ def test_presto_mode_needs_an_ar_target():
     with pytest.raises(ValueError, match="PRESTO verifies trees with an autoregressive.*target and drafts with a "
                                          "diffusion model.*is a diffusion LLM itself"):
         LLM(model=str(DEFAULT_DLLM), dtype="float32", speculative_config={"method": "psd", "mode": "presto"})
+
+
+def test_drafter_peak_is_in_vllms_memory_profile():
+    """vLLM's memory profile runs the drafter's largest forward too (its rows budget: the target's token budget,
+    or one request's longest context), so the KV cache vLLM sizes leaves the drafter its room."""
+    llm = _llm(4, search="beam", tree_budget=32)
+
+    def profile(worker):
+        runner = worker.model_runner
+        d = runner.drafting
+        seen, forward = [], d.drafter.forward_paged
+        d.drafter.forward_paged = lambda ids, *a, logits_rows=None, **k: (
+            seen.append((ids.numel(), logits_rows.numel())) or forward(ids, *a, logits_rows=logits_rows, **k))
+        try:
+            runner._dummy_sampler_run(torch.zeros(3, runner.model.config.hidden_size))
+        finally:
+            del d.drafter.forward_paged
+        return (seen, d.max_rows, runner.opts["k"], d.drafter.spec.attention_block, runner.max_len,
+                runner.scheduler_config.max_num_batched_tokens, d.drafter.spec.max_position)
+
+    try:
+        seen, max_rows, k, blk, max_len, tokens, max_pos = llm.collective_rpc(profile)[0]
+    finally:
+        del llm
+    assert max_rows == max(tokens, max_len)
+    (rows, logits_rows), = seen  # one forward: four requests, k logits rows each, the budget's rows (each
+    assert logits_rows == 4 * k  # request as long as the drafter's positions allow)
+    assert rows == 4 * min(max_rows // 4 // blk * blk, (max_pos - k) // blk * blk) <= max_rows

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, Proposal, RowPredictions, merge_stats, predict_rows, propose_all, update_all
+from .base import (BlockDecoder, Proposal, RowPredictions, logits_map, merge_stats, predict_rows, propose_all,
+                   update_all)
 from .logits_rules import LogitsRules, apply_rules
 from .freedave import FreeDaveDecoder
 from .lopa import LoPADecoder
@@ -58,5 +59,5 @@ def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: f
 
 __all__ = ["GRAPH_FORMAT_VERSION", "METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "GraphNode", "LogitsRules",
            "PolicyDecoder", "Proposal", "RowPredictions", "apply_rules", "base_step", "calibrate", "formula_of",
-           "load_graph",
-           "make_decoder", "merge_stats", "predict_rows", "propose_all", "save_graph", "update_all"]
+           "load_graph", "logits_map", "make_decoder", "merge_stats", "predict_rows", "propose_all", "save_graph",
+           "update_all"]

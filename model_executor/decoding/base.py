@@ -43,20 +43,41 @@ class Prediction:
 
 @dataclass
 class RowPredictions:
-    """Top-1 of every logits row of one forward, computed once, batched (:func:`predict_rows`).
+    """Top-1 of every prediction row of one forward, computed once, batched (:func:`predict_rows`).
 
-    An engine computes it over all rows of all requests and hands each decoder the slice of each of its
-    canvases (``rows[a:b]``); :func:`predict` then only masks decoded positions. ``tokens`` and ``conf`` are
-    on the host, with the decoders' state; the logits stay attached, on the engine's device, for decoders that
-    sample or rank tokens.
-    """
+    The prediction rows are every canvas's block positions, canvas after canvas (``StepBatch.canvas_rows``
+    indexes them); an engine hands each decoder its canvases' slices (``rows[a:b]``) and :func:`predict` then
+    only masks decoded positions. ``tokens`` and ``conf`` are on the host, with the decoders' state. The logits
+    stay on the engine's device, for decoders that sample or rank tokens, and exist only for the rows the
+    decoders read (:func:`logits_kept`): ``at`` maps a prediction row to its logits row."""
 
-    logits: torch.Tensor  # [N, V] on the engine's device
-    tokens: torch.Tensor  # [N] argmax (host)
-    conf: torch.Tensor  # [N] softmax probability of the argmax (host; float32 at least: confidence_dtype)
+    logits: torch.Tensor  # [M, V] on the engine's device: the kept rows, in prediction-row order
+    tokens: torch.Tensor  # [N] argmax (host); -1 where no logits were computed
+    conf: torch.Tensor  # [N] softmax probability of the argmax (host; float32 at least: confidence_dtype); -inf
+    at: torch.Tensor | None = None  # [N] (host) logits row of each prediction row, -1: none; None: the same row
+
+    def logits_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """The logits rows ``[n]`` of prediction rows ``rows [n]`` (host); every one must have been computed."""
+        if self.at is None:
+            return rows
+        out = self.at[rows]
+        if out.numel() and bool((out < 0).any()):  # host data
+            raise RuntimeError(f"logits of prediction rows {rows[out < 0].tolist()} were not computed: a decoder "
+                               "reads rows its step did not keep (DLLMStep.kept)")
+        return out
 
     def __getitem__(self, rows: slice) -> "RowPredictions":
-        return RowPredictions(self.logits[rows], self.tokens[rows], self.conf[rows])
+        if self.at is None:
+            return RowPredictions(self.logits[rows], self.tokens[rows], self.conf[rows])
+        at = self.logits_of(torch.arange(self.tokens.numel())[rows])
+        first = int(at[0]) if at.numel() else 0  # kept rows keep their order: a canvas's rows are contiguous
+        return RowPredictions(self.logits[first: first + at.numel()], self.tokens[rows], self.conf[rows])
+
+
+def logits_map(kept: torch.Tensor) -> torch.Tensor:
+    """``[N]``: the logits row of each prediction row when only the rows ``kept [N]`` (bool, host) get logits,
+    in order; -1 for the others."""
+    return torch.where(kept, kept.long().cumsum(0) - 1, -1)
 
 
 def exclude_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
@@ -82,55 +103,51 @@ def confidence_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def predict_rows(logits: torch.Tensor, mask_id: int | None = None, need: torch.Tensor | None = None
+def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.Tensor | None = None
                  ) -> RowPredictions:
-    """Argmax and its probability of every row of ``logits [N, V]``, without materialising a softmax: per row
+    """Argmax and its probability of every row of ``logits [M, V]``, without materialising a softmax: per row
     the max (first index on ties, as ``argmax``, in the logits' dtype) and ``sum(exp(x - max))`` in
     :func:`confidence_dtype` (float32 from bfloat16/float16 logits). The rows go in chunks whose work buffer
     fits :func:`work_bytes` (on a CPU about 16 MB, so the second pass reads it from cache; at a 126k vocabulary
     a whole batch would be gigabytes).
 
     ``mask_id``: the mask token is excluded first, in place (:func:`exclude_mask_token`); the engines pass it.
-    ``need [N]`` (bool, on the host): only these rows are computed; the others get token -1 and confidence
-    -inf (a decoded position). The engines pass the rows of masked canvas positions
-    (:meth:`~model_executor.dllm_request.DLLMStep.masked_rows`): no decoder reads a prediction elsewhere.
+    ``kept [N]`` (bool, on the host): the logits are those of these prediction rows only (``M = kept.sum()``;
+    the engines keep the rows a decoder reads, :attr:`~model_executor.dllm_request.DLLMStep.kept`); the
+    others get token -1 and confidence -inf (a decoded position).
 
     Device discipline: the tokens and confidences come back **on the host** (the decoders' state lives there),
     in one device-to-host copy (both packed into one float64 tensor: token ids are exact in it); the logits
     stay where they are, for what needs them (sampling, Spiffy's top tokens, logprobs)."""
     if mask_id is not None:
         exclude_mask_token(logits, mask_id)
-    N, V = logits.shape
+    M, V = logits.shape
     cdt = confidence_dtype(logits.dtype)
-    sel = None
-    if need is not None and not bool(need.all()):  # ``need`` is a host tensor: no sync
-        sel = need.nonzero().flatten().to(logits.device, non_blocking=True)
     # allocated as the logits are (``new_*``: their device): the work is there, the host waits once, below
-    make = logits.new_full if sel is not None else (lambda shape, v, dtype: logits.new_empty(shape, dtype=dtype))
-    tokens = make((N,), -1, dtype=torch.long)
-    conf = make((N,), float("-inf"), dtype=cdt)
-    n = N if sel is None else sel.numel()
+    tokens = logits.new_empty((M,), dtype=torch.long)
+    conf = logits.new_empty((M,), dtype=cdt)
     chunk = max(1, work_bytes(logits.device) // max(1, V * torch.finfo(cdt).bits // 8))
-    work = logits.new_empty((min(chunk, n), V), dtype=cdt)  # reused: no fresh pages
-    gather = None if cdt == logits.dtype else logits.new_empty((min(chunk, n), V))
-    for a in range(0, n, chunk):
-        if sel is None:
-            at = slice(a, a + chunk)
-            x = logits[at]
-        else:  # the needed rows, gathered (into the work buffer when it has the logits' dtype)
-            at = sel[a: a + chunk]
-            x = torch.index_select(logits, 0, at, out=(work if gather is None else gather)[: at.numel()])
+    work = logits.new_empty((min(chunk, M), V), dtype=cdt)  # reused: no fresh pages
+    for a in range(0, M, chunk):
+        x = logits[a: a + chunk]
         best, idx = x.max(-1)
         w = work[: x.shape[0]]
-        if gather is None:
+        if cdt == logits.dtype:
             torch.sub(x, best[:, None], out=w)
         else:  # upcast first: the difference of two bfloat16 logits is not a bfloat16
             w.copy_(x).sub_(best[:, None].to(cdt))
         z = w.exp_().sum(-1)  # >= 1: the max contributes exp(0)
-        tokens[at], conf[at] = idx, 1.0 / z
-    # one copy to the host: [2, N] float64 (ids < 2**53 are exact); on a CPU a copy of the host tensor
+        tokens[a: a + chunk], conf[a: a + chunk] = idx, 1.0 / z
+    # one copy to the host: [2, M] float64 (ids < 2**53 are exact); on a CPU a copy of the host tensor
     both = torch.stack([tokens.to(torch.float64), conf.to(torch.float64)]).cpu()
-    return RowPredictions(logits, both[0].long(), both[1].to(cdt))
+    if kept is None:
+        return RowPredictions(logits, both[0].long(), both[1].to(cdt))
+    if int(kept.sum()) != M:
+        raise ValueError(f"predict_rows: {M} logits rows for {int(kept.sum())} kept prediction rows")
+    out_tok = torch.full((kept.numel(),), -1, dtype=torch.long)
+    out_conf = torch.full((kept.numel(),), float("-inf"), dtype=cdt)
+    out_tok[kept], out_conf[kept] = both[0].long(), both[1].to(cdt)
+    return RowPredictions(logits, out_tok, out_conf, logits_map(kept))
 
 
 def top_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, conf: torch.Tensor, k: int
@@ -267,6 +284,13 @@ class BlockDecoder:
     @property
     def done(self) -> bool:
         return not bool(self.masked.any())
+
+    @property
+    def reads_all_rows(self) -> bool:
+        """Whether this decoder's update reads the logits of every position of its canvases (it samples, or
+        records distributions); else it reads the predictions of masked positions only, and a step computes
+        logits for those alone (:attr:`~model_executor.dllm_request.DLLMStep.kept`)."""
+        return False
 
     def stats(self) -> dict:
         """Method-specific counters (accepted drafts ...), summed over blocks by the engine."""

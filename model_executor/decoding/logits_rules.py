@@ -44,8 +44,8 @@ class LogitsRules:
 
     def apply(self, logits: torch.Tensor, answer_offsets: torch.Tensor,
               history: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """``logits [K, L, V]``: the rows of a request's K canvases, row ``j`` predicting the answer's token
-        ``answer_offsets[j]`` (0 = the first answer token). ``history = (prompt ids, answer ids committed so
+        """``logits [n, V]``: rows of a request's canvases, row ``j`` predicting the answer's token
+        ``answer_offsets[j]`` (0 = the first answer token; host). ``history = (prompt ids, answer ids committed so
         far)`` for the penalties. In place."""
         V = logits.shape[-1]
         if self.penalized:
@@ -70,19 +70,27 @@ class LogitsRules:
         if self.min_tokens > 0 and self.stop_token_ids:
             early = (answer_offsets < self.min_tokens).nonzero().to(logits.device)  # [E, 1]
             if early.numel():
-                logits[:, early, torch.tensor(self.stop_token_ids, device=logits.device)] = float("-inf")
+                logits[early, torch.tensor(self.stop_token_ids, device=logits.device)] = float("-inf")
 
 
-def apply_rules(logits: torch.Tensor, items: list[tuple]) -> None:
-    """Apply each request's rules to its rows of a step's ``logits [N, V]``, in place. ``items``: per request
-    ``(rules, first row, canvases K, block length L, answer offset of the block's first position, history)``
-    (``history``: see :meth:`LogitsRules.apply`; a callable, called only when the rules need it); the
-    request's rows are ``[first, first + K * L)``, canvas after canvas."""
+def apply_rules(logits: torch.Tensor, items: list[tuple], at: torch.Tensor | None = None) -> None:
+    """Apply each request's rules to its rows of a step's ``logits``, in place. ``items``: per request
+    ``(rules, first prediction row, canvases K, block length L, answer offset of the block's first position,
+    history)`` (``history``: see :meth:`LogitsRules.apply`; a callable, called only when the rules need it); the
+    request's prediction rows are ``[first, first + K * L)``, canvas after canvas. ``at [N]`` (host): the logits
+    row of each prediction row, -1 where none was computed (:class:`~.base.RowPredictions`); None: the same
+    row."""
     for rules, first, K, L, offset, history in items:
         if rules is None or not rules.active:
             continue
-        view = logits[first: first + K * L].view(K, L, -1)
-        rules.apply(view, torch.arange(offset, offset + L), history() if rules.penalized else None)
+        offsets = offset + torch.arange(K * L) % L
+        rows = torch.arange(first, first + K * L) if at is None else at[first: first + K * L]
+        kept = rows >= 0
+        if not bool(kept.any()):  # host data
+            continue
+        rows, offsets = rows[kept], offsets[kept]
+        a = int(rows[0])  # a request's kept rows are contiguous, in order
+        rules.apply(logits[a: a + rows.numel()], offsets, history() if rules.penalized else None)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:

@@ -90,17 +90,19 @@ class PolicyDecoder(BlockDecoder):
     def propose_batch(cls, decoders):
         return [Proposal([d.state]) for d in decoders]
 
+    @property
+    def reads_all_rows(self) -> bool:
+        return self.temperature > 0 or self.record is not None
+
     @classmethod
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """Every decoder's step at once, a policy at a time: states ``[R, L]`` (padded with -1, never the mask),
         the predictions of each state (its only canvas), the policy over all rows, one commit. A decoder that
         samples (or records) predicts its own block, drawing from its own generator, decoders in order."""
-        def own(d):  # its prediction is not the step's greedy one
-            return d.temperature > 0 or d.record is not None
-        for idx in groups(decoders, lambda d: (policy_key(d.policy), own(d))):
+        for idx in groups(decoders, lambda d: (policy_key(d.policy), d.reads_all_rows)):
             group = [decoders[i] for i in idx]
             S = pad_rows([d.state for d in group], -1)
-            if own(group[0]):
+            if group[0].reads_all_rows:  # its prediction is not the step's greedy one
                 mine = predict_each([(preds[a: a + d.state.numel()], d.state,
                                       dict(keep_probs=d.record is not None, temperature=d.temperature,
                                            generator=d.generator, sample_filter=d.sample_filter))

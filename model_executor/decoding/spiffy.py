@@ -134,6 +134,10 @@ class SpiffyDecoder(BlockDecoder):
         self.node_tried = [0] * len(graph.nodes)
         self.node_accepted = [0] * len(graph.nodes)
 
+    @property
+    def reads_all_rows(self) -> bool:
+        return self.sampling["temperature"] > 0  # a sampled Next draws over its whole canvas
+
     def stats(self):
         return {"accepted_drafts": self.accepted, "verify_iterations": self.iterations,
                 "node_tried": self.node_tried, "node_accepted": self.node_accepted}
@@ -295,7 +299,7 @@ class SpiffyDecoder(BlockDecoder):
         need = order[:, : d0.max_i]
         ok = (torch.arange(need.shape[1]) < n_q[:, None]) & (S == mask).any(-1, keepdim=True)  # done: no drafts
         sel_rows = q_rows[rr[:, None], need][ok]
-        top_tok, top_p = top_tokens(preds.logits, sel_rows, tok_q.gather(1, need)[ok], conf_q.gather(1, need)[ok],
+        top_tok, top_p = top_tokens(preds.logits, preds.logits_of(sel_rows), tok_q.gather(1, need)[ok], conf_q.gather(1, need)[ok],
                                     d0.max_j)
         logp = _elementwise(_log, top_p)
         counts = ok.sum(-1).tolist()

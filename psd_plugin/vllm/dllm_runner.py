@@ -39,7 +39,8 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from attention_backends.step_batch import Rows, StepBatch, build_step_batch
-from model_executor.decoding import LogitsRules, apply_rules, merge_stats, predict_rows, propose_all, update_all
+from model_executor.decoding import (LogitsRules, apply_rules, logits_map, merge_stats, predict_rows, propose_all,
+                                     update_all)
 from model_executor.dllm_request import DLLMRequest, record_logprobs
 from model_executor.models.configs import ArchSpec
 
@@ -113,6 +114,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.served: dict[str, _Served] = {}
         self.batch: StepBatch | None = None  # the step in flight
         self._stepping: dict[int, _Served] = {}  # batch row -> request whose step runs in this forward
+        self._kept = torch.zeros(0, dtype=torch.bool)  # the step's prediction rows that get logits (DLLMStep.kept)
         self._held_prompt_logprobs: dict = {}
         self.totals = {"requests": 0, "tokens": 0, "nfe": 0, "model_calls": 0}
         self.finished: dict[str, dict] = {}  # recent per-request figures, for psd_stats()
@@ -202,7 +204,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 entries.append(Rows(n, start))
         self.batch = build_step_batch(entries)
         self._publish(self.batch)
-        idx = self.batch.logits_rows if self.batch.logits_rows.numel() else torch.zeros(1, dtype=torch.long)
+        # logits only for the rows the decoders read (a rebuild's: none); vLLM computes at least one row
+        self._kept = torch.cat([e.kept for e in entries if not isinstance(e, Rows)] or [torch.zeros(0, dtype=torch.bool)])
+        idx = self.batch.logits_rows[self._kept]
+        idx = idx if idx.numel() else torch.zeros(1, dtype=torch.long)
         self._forward_t0 = time.perf_counter()
         idx = self._upload("logits_rows", idx.to(logits_indices.dtype), logits_indices.device)
         return idx, spec_meta, max_sampled
@@ -228,21 +233,19 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         steps = {i: s.req.step for i, s in self._stepping.items()}
         ruled = [(s.rules, canvas_rows[i][0], st.num_canvases, st.block_len, st.b0 - s.req.prompt_len, s.req.history)
                  for i, s in self._stepping.items() if s.rules is not None and not (st := steps[i]).rebuild]
+        logits = logits[: int(self._kept.sum())]  # past them: vLLM's one row when the step keeps none
+        at = logits_map(self._kept)
         if ruled:  # the request's logit bias, allowed / banned tokens and min_tokens, as the reference engine
-            apply_rules(logits, ruled)
+            apply_rules(logits, ruled, at)
         decoding = [i for i, st in steps.items() if not st.rebuild]
-        mask = self.spec.mask_token_id  # once for every canvas of every request, where the canvas is masked
-        need = []
-        for st in steps.values():  # a rebuild's logits are not for the decoder
-            need.append(torch.zeros(st.num_canvases * st.block_len, dtype=torch.bool) if st.rebuild
-                        else st.masked_rows(mask))
-        preds = predict_rows(logits, mask_id=mask, need=torch.cat(need) if need else None)
+        # once for every kept row of every canvas of every request (a rebuild's logits are not for the decoder)
+        preds = predict_rows(logits, mask_id=self.spec.mask_token_id, kept=self._kept)
         want_lp = {i: k for i in decoding if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
         before = {i: self._served(req_ids[i]).req.dec.state.clone() for i in want_lp}
         update_all([self._stepping[i].req.dec for i in decoding], [steps[i].proposal for i in decoding],
                    preds, [canvas_rows[i] for i in decoding])  # a method at a time
         if want_lp:  # under the state canvas's distribution, as the reference engine
-            record_logprobs([self._stepping[i].req for i in want_lp], list(before.values()), logits,
+            record_logprobs([self._stepping[i].req for i in want_lp], list(before.values()), preds,
                             [canvas_rows[i][0] for i in want_lp], [max(k, 0) for k in want_lp.values()])
         outs: list[list[int]] = []
         lps: dict[int, list] = {}  # batch row -> (token, logprob, top, rank) of each emitted token

@@ -55,8 +55,9 @@ class PrestoRunnerMixin(PSDRunnerMixin):
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
         cfg = self.presto
-        # on the runner's device, beside the target; its paged cache (below) is allocated after vLLM profiled
-        # the target's memory, so on a GPU it comes out of gpu_memory_utilization's headroom (README: PRESTO)
+        # on the runner's device, beside the target. Its weights and paged cache (below) are allocated before
+        # vLLM's memory profile, and its largest forward runs in it (_dummy_sampler_run): vLLM sizes its KV
+        # cache from what is left of gpu_memory_utilization (README: PRESTO)
         drafter = ReferenceDLLM.from_pretrained(cfg.model, dtype=self.model_config.dtype, device=self.device)
         ngram = NGramModel.load(cfg.ngram) if cfg.ngram else None
         self.drafting = TreeDrafter(drafter, ngram, make_backend("auto", self.device, self.model_config.dtype))
@@ -64,11 +65,21 @@ class PrestoRunnerMixin(PSDRunnerMixin):
                                   top_b=cfg.top_b, lam=cfg.lam,
                                   adaptive=(cfg.adaptive_beta, cfg.adaptive_c) if cfg.adaptive_beta else None,
                                   draft_len=cfg.draft_len, candidates=cfg.candidates)
-        # one drafter sequence per running request; torch.empty pages stay untouched until written
+        # one drafter sequence per running request
         self.max_len = self.model_config.max_model_len + self.opts["k"] + drafter.spec.attention_block
         self.drafting.allocate([self.max_len] * self.scheduler_config.max_num_seqs)
+        # a drafting forward takes the target's token budget of rows, or one request's longest: its peak is
+        # in vLLM's memory profile (_dummy_sampler_run)
+        self.drafting.max_rows = max(self.scheduler_config.max_num_batched_tokens, self.max_len)
         self.free_slots = list(range(self.scheduler_config.max_num_seqs))
         logger.info("PRESTO: drafter %s (%s search, budget %d)", cfg.model, cfg.search, cfg.tree_budget)
+
+    def _dummy_sampler_run(self, hidden_states):
+        """vLLM's memory profile runs this after its largest target forward: the drafter's largest forward
+        (:meth:`TreeDrafter.profile`) runs here too, so its activations and logits are in the peak."""
+        if hidden_states.shape[0]:
+            self.drafting.profile(self.scheduler_config.max_num_seqs, self.opts["k"])
+        return super()._dummy_sampler_run(hidden_states)
 
     # ------------------------------------------------------------------------------------ verify
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
