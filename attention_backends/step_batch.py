@@ -25,7 +25,9 @@ it (:func:`current_step`): one writer, readers that never recompute it.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+
 import torch
 
 from .prefix_attention import AttentionPlan, MaskKind
@@ -106,6 +108,19 @@ class StepBatch:
             out[0, self.num_scheduled:] = self.extra_ids
         out[1] = self.positions
         return out
+
+    def fingerprint(self) -> int:
+        """A 63-bit digest of the layout (rows, positions, extra ids, segments, prefixes, kept suffixes,
+        masks, logits rows): equal on every rank of a tensor-parallel engine, or the ranks would compute
+        different attention for the same all-reduce (:meth:`psd_plugin.vllm.runner.PSDRunnerMixin._check_ranks`)."""
+        h = hashlib.blake2b(digest_size=8)
+        for t in (self.scheduled_lens, self.host_inputs(), self.qo_indptr, self.seg_indptr, self.prefix_lens,
+                  self.suffix_starts, self.suffix_lens, self.logits_rows, *(self.custom_masks or ())):
+            if t is not None:
+                h.update(t.contiguous().numpy().tobytes())
+            h.update(b"|")
+        h.update(str(self.kind).encode())
+        return int.from_bytes(h.digest(), "little") >> 1
 
     def plan_positions(self) -> torch.Tensor:
         """``positions`` in plan order."""

@@ -79,11 +79,18 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
                              "new row's cache slot from the block table, one rank owning every page)")
         mc = vllm_config.model_config
         layers = get_layers_from_vllm_config(vllm_config, Attention, layer_names)
-        scales = {layer.impl.scale for layer in layers.values()}
-        if len(scales) > 1:
-            raise ValueError(f"psd attention backend: layers {layer_names} use different scales {sorted(scales)}")
-        self._geometry(mc.get_num_attention_heads(pc), kv_cache_spec.num_kv_heads, kv_cache_spec.head_size,
-                       kv_cache_spec.block_size, mc.dtype, scales.pop() if scales else None)
+        # this rank's geometry, from its layers (under tensor parallelism each holds its share of the heads;
+        # the KV-cache spec has the same share of KV heads)
+        geometry = {(layer.impl.num_heads, layer.impl.num_kv_heads, layer.impl.scale) for layer in layers.values()}
+        if len(geometry) > 1:
+            raise ValueError(f"psd attention backend: layers {layer_names} differ in (heads, KV heads, scale): "
+                             f"{sorted(geometry)}")
+        heads, kv_heads, scale = geometry.pop() if geometry else (mc.get_num_attention_heads(pc),
+                                                                   kv_cache_spec.num_kv_heads, None)
+        if kv_heads != kv_cache_spec.num_kv_heads:
+            raise ValueError(f"psd attention backend: the layers have {kv_heads} KV heads on this rank, the KV "
+                             f"cache {kv_cache_spec.num_kv_heads}")
+        self._geometry(heads, kv_heads, kv_cache_spec.head_size, kv_cache_spec.block_size, mc.dtype, scale)
 
     @classmethod
     def for_geometry(cls, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,

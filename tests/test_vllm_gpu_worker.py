@@ -115,6 +115,7 @@ def _translate(monkeypatch, model=DEFAULT_DLLM, platform="cuda", spec=None, mode
     if model_dtype is not None:
         model_config.dtype = model_dtype
     parallel = ParallelConfig(data_parallel_size=args.data_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size,
                               enable_expert_parallel=args.enable_expert_parallel)
     config.translate(args, model_config, parallel)
     return args, model_config, parallel
@@ -267,14 +268,16 @@ def test_vllm_engine_dtype_default(monkeypatch):
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
-@pytest.mark.parametrize("engine_kw, match", [
-    ({"data_parallel_size": 2}, "data_parallel_size 2: .* mixture-of-experts.*allowed: 1"),
-    ({"enable_expert_parallel": True}, "enable_expert_parallel: .* mixture-of-experts"),
+@pytest.mark.parametrize("family, engine_kw, match", [
+    ("llada2", {"data_parallel_size": 2}, "data_parallel_size 2: .* mixture-of-experts.*allowed: 1"),
+    ("llada", {"pipeline_parallel_size": 2}, "pipeline_parallel_size 2: .*allowed: 1"),
+    ("llada2", {"pipeline_parallel_size": 2}, "pipeline_parallel_size 2: .*allowed: 1"),
+    ("llada2", {"enable_expert_parallel": True}, "enable_expert_parallel: .* mixture-of-experts.*leave it off"),
 ])
-def test_moe_data_and_expert_parallelism_are_refused(registered, monkeypatch, tiny_checkpoints, platform,
-                                                     engine_kw, match):
+def test_unsupported_parallelism_is_refused(registered, monkeypatch, tiny_checkpoints, platform, family, engine_kw,
+                                            match):
     with pytest.raises(ConfigError, match=match):
-        _translate(monkeypatch, tiny_checkpoints["llada2"], platform, **engine_kw)
+        _translate(monkeypatch, tiny_checkpoints[family], platform, **engine_kw)
 
 
 def test_dense_data_parallelism_is_allowed(registered, monkeypatch):

@@ -63,11 +63,14 @@ class DLLMDecoderLayer(nn.Module):
     def __init__(self, spec: ArchSpec, vllm_config: VllmConfig, index: int, prefix: str):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
-        self.q_size, self.kv_size = spec.num_heads * d, spec.num_kv_heads * d
         self.head_dim, self.qk_norm = d, spec.qk_norm
         self.attn_norm = RMSNorm(h, eps=spec.rms_norm_eps)
         self.qkv = QKVParallelLinear(h, d, spec.num_heads, spec.num_kv_heads, bias=spec.qkv_bias,
                                      prefix=f"{prefix}.qkv")
+        # this rank's share under tensor parallelism: its query heads, and its KV heads (replicated where the
+        # ranks outnumber them), as QKVParallelLinear splits them and vLLM's Llama passes them on
+        heads, kv_heads = self.qkv.num_heads, self.qkv.num_kv_heads
+        self.q_size, self.kv_size = heads * d, kv_heads * d
         self.o = RowParallelLinear(spec.num_heads * d, h, bias=False, prefix=f"{prefix}.o")
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, eps=spec.rms_norm_eps)
@@ -79,7 +82,7 @@ class DLLMDecoderLayer(nn.Module):
             rope["rope_dim"] = spec.rotary_dim  # LLaDA2: the first rotary_dim dims of each head
         self.rotary_emb = get_rope(d, max_position=spec.max_position, is_neox_style=True, rope_parameters=rope,
                                    dtype=torch.float32 if self.rope_fp32 else None)
-        self.attn = PSDAttention(spec.num_heads, d, d**-0.5, num_kv_heads=spec.num_kv_heads,
+        self.attn = PSDAttention(heads, d, d**-0.5, num_kv_heads=kv_heads,
                                  pattern=spec.attention, block_size=spec.attention_block or 0,
                                  cache_config=vllm_config.cache_config, prefix=f"{prefix}.attn")
         self.mlp_norm = RMSNorm(h, eps=spec.rms_norm_eps)

@@ -107,9 +107,10 @@ V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 COMPILATION_CUDAGRAPH_FIELD = "cudagraph_mode"
 CUDAGRAPH_MODES = ("NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 
-# ``ParallelConfig`` fields ``translate`` reads: the worker class it sets, and what it refuses for MoE models
-# (extra canvas rows are not in data-parallel token counts).
-PARALLEL_FIELDS = ("data_parallel_size", "enable_expert_parallel", "worker_cls")
+# ``ParallelConfig`` fields ``translate`` reads: the worker class it sets, and the parallelism it refuses
+# (pipeline parallelism; for MoE models data parallelism, whose token counts leave out the extra canvas rows,
+# and expert parallelism, unproven).
+PARALLEL_FIELDS = ("data_parallel_size", "pipeline_parallel_size", "enable_expert_parallel", "worker_cls")
 
 # The FlashInfer vLLM 0.32.0's CUDA wheel requires (``Requires-Dist: flashinfer-python==0.7.0.post1``); the GPU
 # extra pins it, and the project's FlashInfer attention backend must run on it.
@@ -164,6 +165,7 @@ DATA_FIELDS = {
     "vllm.entrypoints.llm:LLM": ("llm_engine",),
     "vllm.v1.engine.llm_engine:LLMEngine": ("engine_core",),
     "vllm.v1.engine.core_client:EngineCoreClient": ("shutdown",),
+    "vllm.distributed.parallel_state:GroupCoordinator": ("world_size", "cpu_group", "rank_in_group"),
 }
 
 # Module-level functions the plugin calls that vLLM does not document as plugin API.
@@ -172,6 +174,7 @@ FUNCTIONS = (
     ("vllm.forward_context", "is_forward_context_available"),
     ("vllm.config", "get_layers_from_vllm_config"),
     ("vllm.exceptions", "VLLMValidationError"),  # raised with parameter= / value= for a 400
+    ("vllm.distributed", "get_tp_group"),  # a GroupCoordinator: world_size, cpu_group
 )
 
 # Front-end functions wrapped at registration (module, class, method).
@@ -214,6 +217,15 @@ def prefill_unfinished(runner, row: int) -> bool:
     ib = runner.input_batch
     q = runner.query_start_loc.np
     return int(ib.num_computed_tokens_cpu[row]) + int(q[row + 1] - q[row]) < int(ib.num_tokens_no_spec[row])
+
+
+def tensor_parallel_cpu_group():
+    """This process's tensor-parallel group on the host (gloo), or None with one rank: the ranks compare each
+    step's layout over it (:meth:`~.runner.PSDRunnerMixin._check_ranks`)."""
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    return group.cpu_group if group.world_size > 1 else None
 
 
 def request_generator(runner, row: int):

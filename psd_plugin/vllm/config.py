@@ -181,22 +181,26 @@ def _pin_v1_runner() -> None:
     os.environ.setdefault(compat.V2_RUNNER_ENV, "0")
 
 
-def _refuse_unproven_parallelism(parallel_config, model: str, moe: bool) -> None:
-    """Refuse parallelism whose token accounting the plugin's extra canvas rows break. With an MoE model (LLaDA2)
-    data-parallel ranks run in lockstep and the MoE layers size their buffers from per-rank token counts that
-    leave out the extra rows; expert parallelism shares that accounting (and its padding masks). On every
-    platform, CPU included."""
-    if not moe:
-        return
-    if parallel_config.enable_expert_parallel:
-        raise ConfigError(f"enable_expert_parallel: {model} is a mixture-of-experts model, and psd-plugin's extra "
-                          "canvas rows are not counted in the token counts expert parallelism dispatches by; "
-                          "leave it off (tensor parallelism shards the experts instead)")
-    if parallel_config.data_parallel_size > 1:
+def _check_parallelism(parallel_config, model: str, moe: bool) -> None:
+    """Tensor parallelism runs as vLLM runs it (each rank its share of the heads and experts, the decoders on
+    the gathered logits, the step's layout compared across ranks every step). Refused, on every platform:
+    pipeline parallelism (the model classes keep every layer on each rank), and, for a mixture-of-experts model
+    (LLaDA2), data parallelism (its ranks run the MoE layers in lockstep on token counts that leave out the
+    plugin's extra canvas rows) and expert parallelism (unproven: on this CPU vLLM 0.32's fused-MoE kernel
+    crashes a worker under it, and it has not run on a GPU)."""
+    if parallel_config.pipeline_parallel_size > 1:
+        raise ConfigError(f"pipeline_parallel_size {parallel_config.pipeline_parallel_size}: psd-plugin's model "
+                          "classes run every layer on each rank; allowed: 1 (use tensor_parallel_size to spread "
+                          "a model over devices)")
+    if moe and parallel_config.data_parallel_size > 1:
         raise ConfigError(f"data_parallel_size {parallel_config.data_parallel_size}: {model} is a "
                           "mixture-of-experts model, whose data-parallel ranks run in lockstep on token counts "
                           "that leave out psd-plugin's extra canvas rows; allowed: 1 (run separate servers "
-                          "instead)")
+                          "instead, or tensor_parallel_size)")
+    if moe and parallel_config.enable_expert_parallel:
+        raise ConfigError(f"enable_expert_parallel: {model} is a mixture-of-experts model, and expert parallelism "
+                          "is not proven with psd-plugin (vLLM 0.32's CPU fused-MoE kernel crashes a worker under "
+                          "it; no GPU run yet); leave it off: tensor_parallel_size shards every expert instead")
 
 
 def _gpu_settings(engine_args, model_config) -> dict:
@@ -225,7 +229,7 @@ def platform_settings(engine_args, model_config, parallel_config, mode: str, moe
     platform = compat.platform()
     worker_cls(mode, platform)  # refuses a platform without a worker
     _pin_v1_runner()
-    _refuse_unproven_parallelism(parallel_config, model_config.model, moe)
+    _check_parallelism(parallel_config, model_config.model, moe)
     path = "dLLM decoding path" if mode == "psd" else "PRESTO path"
     if platform == "cpu":
         logger.info("psd-plugin on cpu: the %s on vLLM's V1 CPU runner (the platform it is tested on)", path)
@@ -237,7 +241,7 @@ def platform_settings(engine_args, model_config, parallel_config, mode: str, moe
                    "without FlashInfer or in float32), %s weights, CUDA graphs (%s)%s. Nothing of psd-plugin's "
                    "vLLM path has run on a GPU yet: compare outputs with the reference engine (`psd generate "
                    "--engine reference`)", platform, path, gpu["dtype"], graphs,
-                   ", PRESTO's drafter (on the CPU)" if mode == "presto" else "")
+                   ", PRESTO's drafter" if mode == "presto" else "")
     return platform
 
 

@@ -46,7 +46,7 @@ from model_executor.models.configs import ArchSpec
 
 from . import compat
 from .config import decode_config, logits_budget
-from .runner import PSDRunnerMixin
+from .runner import PSDRunnerMixin, request_seed
 
 logger = init_logger(__name__)
 
@@ -134,7 +134,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             gen = None
             if sp.temperature > 0:
                 gen = torch.Generator(device=self.device).manual_seed(
-                    sp.seed if sp.seed is not None else int(torch.randint(0, 2**62, (1,))))
+                    sp.seed if sp.seed is not None else request_seed(req_id))
             mask = self.spec.mask_token_id
             make = self.cfg.decoder_factory(mask, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
                                             min_p=sp.min_p, generator=gen)

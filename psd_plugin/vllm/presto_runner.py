@@ -34,7 +34,7 @@ from model_executor.presto_round import DraftState, TreeDrafter, accept_all, dra
 
 from . import compat
 from .config import presto_from_vllm_config
-from .runner import PSDRunnerMixin
+from .runner import PSDRunnerMixin, request_seed
 
 logger = init_logger(__name__)
 
@@ -49,6 +49,7 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         self.trees: dict[str, TokenTree] = {}  # the tree each request verifies next
         self._verifying: dict[str, TokenTree] = {}
         self.accepted: dict[str, int] = {}
+        self._generators: dict[str, torch.Generator] = {}  # unseeded sampled requests' (_generator)
         # forwards: target forwards requests took part in (prefills included); steps: tree verifications
         self.totals = {"forwards": 0, "steps": 0, "tree_nodes": 0}
 
@@ -119,7 +120,7 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         starts = [0, *cu[:-1]]
         verdicts = accept_all(trees, [logits[starts[i]: cu[i]] for i in live],
                               [compat.request_temperature(self, i) for i in live],
-                              [compat.request_generator(self, i) for i in live],
+                              [self._generator(req_ids[i], i) for i in live],
                               argmax=[greedy[starts[i]: cu[i]] for i in live])
         for i, tree, out in zip(live, trees, verdicts):
             self.accepted[req_ids[i]] = len(out) - 1
@@ -132,6 +133,16 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         for i, out in enumerate(outs):
             ids[i, : len(out)] = torch.tensor(out, dtype=torch.int32)
         return SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None)
+
+    def _generator(self, rid: str, row: int) -> torch.Generator | None:
+        """The request's generator: vLLM's for a seeded request; for an unseeded sampled one, one seeded from
+        its id (:func:`.runner.request_seed`), so every tensor-parallel rank accepts the same path."""
+        gen = compat.request_generator(self, row)
+        if gen is None and compat.request_temperature(self, row) > 0:
+            gen = self._generators.get(rid)
+            if gen is None:
+                gen = self._generators[rid] = torch.Generator(device=self.device).manual_seed(request_seed(rid))
+        return gen
 
     # ------------------------------------------------------------------------------------- draft
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
@@ -182,6 +193,7 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         super()._on_request_state_removed(req_id, req_state)
         self._release(req_id)
         self.accepted.pop(req_id, None)
+        self._generators.pop(req_id, None)
 
     def presto_stats(self) -> dict:
         """Totals since start: target forwards per request summed (``forwards``), tree verifications

@@ -18,6 +18,7 @@ A step of either mode goes through the same hooks (their vLLM names are in :mod:
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,13 @@ from attention_backends.step_batch import StepBatch, current_step, set_step
 from attention_backends.vllm_backend import PSDMetadataBuilder
 
 from . import compat
+
+
+def request_seed(req_id: str) -> int:
+    """The sampling seed of a request that gives none: derived from its id, so every rank of a tensor-parallel
+    engine draws the same tokens (each rank decodes the gathered logits itself; a rank whose draws differed
+    would lay out another step, and the all-reduce would hang or mix masks)."""
+    return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little") >> 2
 
 
 @dataclass
@@ -49,6 +57,7 @@ class PSDRunnerMixin:
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._staging: dict[str, torch.Tensor] = {}  # pinned host buffers of ``_upload`` (on a GPU)
+        self._tp_group = False  # the tensor-parallel host group (None: one rank); looked up at the first step
 
     def initialize_kv_cache(self, *args, **kwargs) -> None:
         super().initialize_kv_cache(*args, **kwargs)
@@ -62,7 +71,24 @@ class PSDRunnerMixin:
         read no device tensor."""
         if batch is not None:
             batch.pages = compat.host_pages(self, batch.num_requests)
+            self._check_ranks(batch)
         set_step(batch)
+
+    def _check_ranks(self, batch: StepBatch) -> None:
+        """Under tensor parallelism every rank lays out the step itself, from the decoders it runs on the gathered
+        logits; ranks that disagreed would compute their heads of different attention for one all-reduce (wrong
+        outputs) or different row counts (a hang). One host all-reduce of the layout's digest per step (gloo)
+        fails the step loudly instead."""
+        if self._tp_group is False:
+            self._tp_group = compat.tensor_parallel_cpu_group()
+        if self._tp_group is None:
+            return
+        fp = batch.fingerprint()
+        both = torch.tensor([fp, -fp], dtype=torch.long)
+        torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=self._tp_group)
+        if int(both[0]) != fp or int(both[1]) != -fp:
+            raise RuntimeError(f"psd-plugin: tensor-parallel ranks disagree on the step's layout (this rank's "
+                               f"digest {fp}, another's up to {int(both[0])}): a decision differed between ranks")
 
     # ------------------------------------------------------------------ every row in vLLM's input buffers
     def _extra_rows(self) -> int:

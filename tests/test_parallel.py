@@ -1,0 +1,201 @@
+"""Several devices through vLLM's own parallelism, run on this CPU (slow: each test starts engines).
+
+vLLM's CPU build runs tensor parallelism with gloo and a shared-memory all-reduce, one OpenMP thread list per
+rank (``VLLM_CPU_OMP_THREADS_BIND='0|1'``: its ``auto`` setting wants a NUMA node per rank). Each rank holds
+its share of the heads (KV heads replicated where the ranks outnumber them, as in the random Dream / SDAR /
+LLaDA2 checkpoints: 2 heads, 1 KV head) and of LLaDA2's experts, and runs the decoders on the gathered logits.
+
+- Tensor parallelism (2 ranks) gives the reference engine's tokens and forwards (the reference engine equals
+  one rank in ``test_vllm_decoding.py``): every method on LLaDA with the prefix cache, the dual cache, the
+  random Dream, SDAR and LLaDA2 checkpoints, and PRESTO (= the AR target's greedy decoding).
+- A seeded sampled request is the same on 1 and 2 ranks; an unseeded one runs (its seed comes from its id,
+  so the ranks' draws agree; the per-step layout check would fail the step otherwise).
+- Served: 32 concurrent streaming clients on a 2-rank server, each output equal to its solo run; a dense
+  model with 2 data-parallel ranks answers as 1 does; killing a worker fails the in-flight request and the
+  server exits, within a bound.
+"""
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from psd_plugin import DEFAULT_AR, DEFAULT_DLLM
+
+vllm = pytest.importorskip("vllm")
+
+from test_vllm_decoding import METHODS, _check_parity, _generate, _llm  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("in_process_vllm", "two_ranks")]
+
+TP = {"tensor_parallel_size": 2}
+RANKS_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One OpenMP thread list per rank, read afresh: an in-process engine core caches vLLM's environment
+    (``enable_envs_cache``) for the rest of the process."""
+    from vllm import envs
+
+    old = {k: os.environ.get(k) for k in RANKS_ENV}
+    os.environ.update(RANKS_ENV)
+    envs.disable_envs_cache()
+    yield
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    envs.disable_envs_cache()
+
+
+@pytest.fixture(scope="module")
+def heldout_prompts():
+    from psd_plugin.evaluate import encode, load
+    from psd_plugin.train.tasks import load_heldout
+
+    _, tok = load(DEFAULT_DLLM)
+    return [encode(tok, r["prompt"]) for r in load_heldout()[::151][:14]]
+
+
+@pytest.fixture(scope="module")
+def random_prompts():
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (3, 9, 17, 30, 41)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_two_ranks_equal_the_reference_every_method(heldout_prompts, method):
+    _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache="prefix", llm_kw=TP)
+
+
+@pytest.mark.parametrize("method", ("confidence", "psd"))
+def test_two_ranks_dual_cache(heldout_prompts, method):
+    _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache="dual", llm_kw=TP)
+
+
+@pytest.mark.parametrize("family, method", [("dream", "psd"), ("sdar", "psd"), ("llada2", "psd"),
+                                            ("llada2", "spiffy")])
+def test_two_ranks_with_replicated_kv_heads_and_experts(tiny_checkpoints, random_prompts, family, method):
+    _check_parity(tiny_checkpoints[family], random_prompts, method, llm_kw=TP)
+
+
+def test_presto_on_two_ranks_is_the_targets_greedy_decoding(heldout_prompts):
+    """PRESTO: the AR target sharded over the ranks; the drafter is placed once per rank (each rank drafts
+    the same trees from the same tokens, so no tree is sent between ranks)."""
+    from vllm import LLM, SamplingParams
+
+    from model_executor.ar_engine import AREngine
+
+    want = [r.token_ids for r in AREngine.from_pretrained(DEFAULT_AR).generate(heldout_prompts, max_tokens=32)]
+    llm = LLM(model=str(DEFAULT_AR), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+              speculative_config={"method": "psd", "mode": "presto"}, **TP)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts],
+                            SamplingParams(max_tokens=32, temperature=0), use_tqdm=False)
+        stats = llm.collective_rpc("presto_stats")
+    finally:
+        del llm
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    assert len(stats) == 2 and stats[0]["steps"] == stats[1]["steps"] > 0  # both ranks verified every tree
+
+
+def _sampled(llm_kw, prompts):
+    from vllm import SamplingParams
+
+    llm = _llm(DEFAULT_DLLM, llm_kw=llm_kw, decoding="confidence")
+    try:
+        seeded = [SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=7 + i) for i in range(len(prompts))]
+        unseeded = SamplingParams(max_tokens=24, temperature=0.9)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts + prompts[:4]], seeded + [unseeded] * 4,
+                            use_tqdm=False)
+    finally:
+        del llm
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_sampling_is_the_same_on_one_and_two_ranks(heldout_prompts):
+    one, two = _sampled(None, heldout_prompts), _sampled(TP, heldout_prompts)
+    n = len(heldout_prompts)
+    assert two[:n] == one[:n]  # seeded: the same tokens
+    assert all(two[n:])  # unseeded: decoded (the ranks' draws agreed, or the layout check fails the step)
+
+
+# ----------------------------------------------------------------------------------------------- served
+def _serve(*args):
+    from psd_plugin.vllm.server import start
+
+    return start(["--max-model-len", "512", "--dtype", "float32", *args], env=RANKS_ENV)
+
+
+async def _streams(url, prompts, max_tokens=32):
+    import aiohttp
+
+    from test_reliability import _stream
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
+        return await asyncio.gather(*(_stream(s, url, "llada-tiny", p, max_tokens) for p in prompts),
+                                    return_exceptions=True)
+
+
+def test_two_rank_server_under_32_concurrent_streams(heldout_prompts):
+    from model_executor.engine import ReferenceEngine
+
+    prompts = (heldout_prompts * 3)[:32]
+    engine = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
+    alone = [engine.generate([p], max_tokens=32, method="psd")[0].token_ids for p in prompts]
+    srv = _serve("--tensor-parallel-size", "2", "--max-num-seqs", "32")
+    try:
+        got = asyncio.run(_streams(srv.url, prompts))
+    finally:
+        assert srv.stop() == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"
+    assert len(got) == 32
+    for i, (g, a) in enumerate(zip(got, alone)):
+        assert g == a, f"request {i}: served {g} != alone {a}"
+
+
+def test_two_data_parallel_ranks_answer_as_one(heldout_prompts):
+    from model_executor.engine import ReferenceEngine
+
+    engine = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
+    alone = [engine.generate([p], max_tokens=32, method="psd")[0].token_ids for p in heldout_prompts]
+    srv = _serve("--data-parallel-size", "2", "--max-num-seqs", "8")
+    try:
+        got = asyncio.run(_streams(srv.url, heldout_prompts))
+    finally:
+        assert srv.stop() == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"
+    assert got == alone
+
+
+KILLED_WORKER_EXIT_S = 60  # the bound README states
+
+
+def test_a_killed_worker_fails_the_requests_and_the_server_exits(heldout_prompts):
+    """A worker process dies (SIGKILL) while requests run: they fail with an error (not a hang) and the server
+    exits within :data:`KILLED_WORKER_EXIT_S` seconds."""
+    import psutil
+
+    srv = _serve("--tensor-parallel-size", "2", "--max-num-seqs", "8")
+    try:
+        workers = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+                   if "VllmWorker" in " ".join(p.cmdline()) or "Worker" in p.name()]
+        assert workers, [(p.pid, p.name(), p.cmdline()[:3]) for p in psutil.Process(srv.proc.pid).children(True)]
+
+        async def run():
+            pending = asyncio.ensure_future(_streams(srv.url, heldout_prompts * 4, max_tokens=256))
+            await asyncio.sleep(2)
+            os.kill(workers[-1].pid, signal.SIGKILL)
+            return await pending
+        t0 = time.monotonic()
+        got = asyncio.run(run())
+        srv.proc.wait(timeout=KILLED_WORKER_EXIT_S)
+        elapsed = time.monotonic() - t0
+    finally:
+        srv.stop(timeout=5)
+    assert any(isinstance(g, BaseException) for g in got), "no request saw the failure"
+    assert srv.proc.returncode != 0 and elapsed < KILLED_WORKER_EXIT_S, (srv.proc.returncode, elapsed)
