@@ -198,4 +198,45 @@ def test_a_killed_worker_fails_the_requests_and_the_server_exits(heldout_prompts
     finally:
         srv.stop(timeout=5)
     assert any(isinstance(g, BaseException) for g in got), "no request saw the failure"
-    assert srv.proc.returncode != 0 and elapsed < KILLED_WORKER_EXIT_S, (srv.proc.returncode, elapsed)
+    # exited by itself (vLLM's API server shuts down on a dead engine, with code 0), within the bound
+    assert srv.proc.returncode is not None and elapsed < KILLED_WORKER_EXIT_S, (srv.proc.returncode, elapsed)
+    assert "died unexpectedly" in open(srv.log).read()
+
+
+# ------------------------------------------------------------------------------------- ranks in step
+def _check_on_rank(rank: int, init: str, rows: list[int], out) -> None:
+    import torch.distributed as dist
+
+    from attention_backends.step_batch import Rows, build_step_batch
+    from psd_plugin.vllm.runner import PSDRunnerMixin
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    runner = PSDRunnerMixin.__new__(PSDRunnerMixin)
+    runner._tp_group = dist.group.WORLD
+    try:
+        runner._check_ranks(build_step_batch([Rows(rows[rank], 5)]))
+        out.put((rank, "ok"))
+    except RuntimeError as e:
+        out.put((rank, str(e)))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rows, agree", [((3, 3), True), ((3, 4), False)])
+def test_ranks_that_lay_out_different_steps_fail_the_step(tmp_path, rows, agree):
+    """The per-step layout check (``PSDRunnerMixin._check_ranks``, one gloo all-reduce): two ranks with the
+    same step go on; two whose steps differ both raise, naming the disagreement."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_check_on_rank, args=(r, f"file://{tmp_path}/rdv", list(rows), out)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    if agree:
+        assert got == {0: "ok", 1: "ok"}
+    else:
+        assert all("ranks disagree on the step's layout" in m for m in got.values()), got
