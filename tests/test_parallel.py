@@ -79,10 +79,16 @@ def test_two_ranks_dual_cache(heldout_prompts, method):
     _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache="dual", llm_kw=TP)
 
 
-@pytest.mark.parametrize("family, method", [("dream", "psd"), ("sdar", "psd"), ("llada2", "psd"),
-                                            ("llada2", "spiffy")])
-def test_two_ranks_with_replicated_kv_heads_and_experts(tiny_checkpoints, random_prompts, family, method):
-    _check_parity(tiny_checkpoints[family], random_prompts, method, llm_kw=TP)
+@pytest.mark.parametrize("family, method, cache", [("dream", "psd", None), ("dream", "psd", "dual"),
+                                                   ("sdar", "psd", None), ("sdar", "lopa", None),
+                                                   ("llada2", "psd", None), ("llada2", "spiffy", None),
+                                                   ("llada2", "freedave", None)])
+def test_two_ranks_with_replicated_kv_heads_and_experts(tiny_checkpoints, random_prompts, family, method, cache):
+    """The random checkpoints have 2 query heads and 1 KV head: each rank holds one query head and a replica
+    of the KV head; LLaDA2's experts are sharded. The layouts: Dream's shifted logits (with its dual cache),
+    SDAR's and LLaDA2's block-causal attention with the exact block cache, extra canvases (PSD, LoPA,
+    FreeDave, Spiffy)."""
+    _check_parity(tiny_checkpoints[family], random_prompts, method, cache=cache, llm_kw=TP)
 
 
 def test_presto_on_two_ranks_is_the_targets_greedy_decoding(heldout_prompts):
