@@ -36,7 +36,11 @@ class ConfigError(ValueError):
 class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """Knobs of the decoding methods; each method reads its own.
 
-    - ``threshold``: τ of ``confidence`` and the anchor threshold of ``localleap``, in (0, 1].
+    - ``threshold``: τ of ``confidence``, the anchor threshold of ``localleap`` and the unmasking threshold of
+      ``joint_threshold``, in (0, 1].
+    - ``edit_threshold``, ``max_post_edit_steps``: ``joint_threshold`` (LLaDA2.1's editing decoder): a filled
+      token is replaced by a different prediction more probable than ``edit_threshold`` (in [0, 1]; 0: any
+      change, 1: never), for at most ``max_post_edit_steps`` forwards after the block's last mask is filled.
     - ``relaxed_threshold``, ``radius``: LocalLeap's neighbour threshold and window (block positions).
     - ``policy``: spatial backbone of ``psd``, ``lopa`` and Spiffy's base: static | confidence | localleap.
     - ``depth``: PSD draft-DAG depth d (nested prefixes of σ); 0 = the spatial policy alone.
@@ -59,6 +63,8 @@ class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     steps: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     graph: str | None = None
     budget: Annotated[int, msgspec.Meta(ge=1, le=64)] = 3
+    edit_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.9
+    max_post_edit_steps: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 16
     cache: Literal["none", "prefix", "dual", "block"] | None = None
 
 
@@ -111,7 +117,8 @@ class DecodeConfig:
         k = self.knobs
         kw = dict(threshold=k.threshold, relaxed_threshold=k.relaxed_threshold, radius=k.radius, policy=k.policy,
                   depth=k.depth, branches=k.branches, steps=k.steps, budget=k.budget, graph=self.graph, dag=self.dag,
-                  temperature=temperature, top_k=max(top_k, 0), top_p=top_p, min_p=min_p)
+                  temperature=temperature, top_k=max(top_k, 0), top_p=top_p, min_p=min_p,
+                  edit_threshold=k.edit_threshold, max_post_edit_steps=k.max_post_edit_steps)
 
         def make(block: torch.Tensor) -> BlockDecoder:
             return make_decoder(self.method, block, mask_id, generator=generator, **kw)

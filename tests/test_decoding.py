@@ -440,3 +440,58 @@ def test_drafting_decoders_step_together_as_they_do_alone(method, knobs, monkeyp
            "spiffy": lambda s: (s["accepted_drafts"], sum(s["node_tried"]))}[method]
     acc, tried = map(sum, zip(*(got(x) for x in st)))
     assert 0 < acc < tried
+
+
+@pytest.mark.parametrize("knobs", [dict(threshold=0.9, edit_threshold=0.9, max_post_edit_steps=16),
+                                   dict(threshold=0.5, edit_threshold=0.0, max_post_edit_steps=3),
+                                   dict(threshold=0.7, edit_threshold=0.5, max_post_edit_steps=0),
+                                   dict(threshold=0.3, edit_threshold=1.0, max_post_edit_steps=5)])
+def test_joint_threshold_steps_together_as_the_rule_alone(knobs):
+    """LLaDA2.1's editing decoder: the batched step of many blocks (different lengths, progress and knobs; the
+    engines' predictions of every row, as it reads filled positions) gives each block the states, forwards and
+    edit counts of the rule run plainly on it alone (``oracles.decoders.JointThresholdOracle``); edits and
+    post-edit steps happen (but never with ``edit_threshold`` 1), and ``max_post_edit_steps`` 0 is threshold
+    unmasking alone."""
+    from model_executor.decoding import predict_rows, propose_all, update_all
+    from oracles.decoders import make_oracle
+
+    V, M = 9, 8
+    model = _toy_model(V, seed=5)
+    g = torch.Generator().manual_seed(11)
+    blocks = []
+    for _ in range(12):
+        b = torch.randint(0, M, (int(torch.randint(3, 13, (1,), generator=g)),), generator=g)
+        b[torch.rand(b.numel(), generator=g) < 0.8] = M
+        b[0] = M
+        blocks.append(b)
+    mixed = [dict(knobs, threshold=knobs["threshold"] * (1 - 0.1 * (i % 2))) for i in range(len(blocks))]
+    alone = [make_oracle("joint_threshold", b, M, **k) for b, k in zip(blocks, mixed)]
+    together = [make_decoder("joint_threshold", b, M, **k) for b, k in zip(blocks, mixed)]
+    assert all(d.reads_all_rows for d in together)
+    nfe = [0] * len(blocks)
+    while True:
+        live = [i for i, d in enumerate(alone) if not d.done]
+        assert live == [i for i, d in enumerate(together) if not d.done]
+        if not live:
+            break
+        props = propose_all([together[i] for i in live])
+        rows, firsts = [], []
+        for i, prop in zip(live, props):
+            (state,) = prop.canvases
+            assert torch.equal(state, alone[i].canvases()[0])
+            firsts.append([sum(r.shape[0] for r in rows)])
+            rows.append(model(state))
+            alone[i].update([rows[-1].clone()])
+            nfe[i] += 1
+        update_all([together[i] for i in live], props, predict_rows(torch.cat(rows), mask_id=M), firsts)
+        for i in live:
+            assert torch.equal(alone[i].state, together[i].state), (i, nfe[i])
+    assert [d.stats() for d in alone] == [d.stats() for d in together]
+    edits = sum(d.edits for d in together)
+    post = sum(d.post_steps for d in together)
+    if knobs["edit_threshold"] >= 1.0:
+        assert edits == 0
+    elif knobs["max_post_edit_steps"] > 0:
+        assert edits > 0 and post > 0
+    if knobs["max_post_edit_steps"] == 0:
+        assert post == 0

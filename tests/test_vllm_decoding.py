@@ -20,7 +20,7 @@ from psd_plugin import DEFAULT_DLLM
 vllm = pytest.importorskip("vllm")
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 
-METHODS = ("static", "confidence", "localleap", "lopa", "freedave", "spiffy", "psd")
+METHODS = ("static", "confidence", "localleap", "lopa", "freedave", "spiffy", "psd", "joint_threshold")
 
 
 pytestmark = pytest.mark.usefixtures("in_process_vllm")
@@ -310,7 +310,10 @@ def test_greedy_only_methods_reject_temperature(heldout_prompts):
 
 
 @pytest.mark.parametrize("spec, match", [
-    ({"decoding": "beam"}, "decoding.*allowed: static, confidence, localleap, lopa, freedave, spiffy, psd"),
+    ({"decoding": "beam"}, "decoding.*allowed: static, confidence, localleap, lopa, freedave, spiffy, psd, "
+                           "joint_threshold"),
+    ({"decoding": "joint_threshold", "edit_threshold": 1.5}, r"<= 1.*edit_threshold"),
+    ({"decoding": "joint_threshold", "max_post_edit_steps": -1}, r">= 0.*max_post_edit_steps"),
     ({"policy": "greedy"}, "policy.*allowed: static, confidence, localleap"),
     ({"threshold": 1.5}, r"<= 1.*threshold"),
     ({"blocksize": 8}, "unknown field.*allowed fields"),

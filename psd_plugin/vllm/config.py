@@ -60,7 +60,7 @@ logger = logging.getLogger(__name__)
 PROPOSER_CLS = "psd_plugin.vllm.config.RunnerProposer"
 PRESTO_TARGET_ARCH = "PSDLlamaForCausalLM"
 
-Decoding = Literal["static", "confidence", "localleap", "lopa", "freedave", "spiffy", "psd"]
+Decoding = Literal["static", "confidence", "localleap", "lopa", "freedave", "spiffy", "psd", "joint_threshold"]
 assert set(Decoding.__args__) == set(METHODS)
 
 
@@ -68,7 +68,8 @@ class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True
     """The dLLM decoding path in vLLM (README: "Speculative config").
 
     - ``method``: ``"psd"`` (the key vLLM routes on).
-    - ``decoding``: the algorithm, one of static | confidence | localleap | lopa | freedave | spiffy | psd.
+    - ``decoding``: the algorithm, one of static | confidence | localleap | lopa | freedave | spiffy | psd |
+      joint_threshold (LLaDA2.1's editing decoder).
     - ``block_size``: tokens per semi-autoregressive block (default 8; SDAR, LLaDA2: the model's attention block).
     - every knob of :class:`~psd_plugin.knobs.DecodeKnobs` (``threshold``, ``policy``, ``depth``,
       ``branches``, ``steps``, ``graph``, ``budget``, ``cache`` ...).

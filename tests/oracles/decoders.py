@@ -317,11 +317,56 @@ class SpiffyOracle(OracleDecoder):
                 "node_tried": self.node_tried, "node_accepted": self.node_accepted}
 
 
+class JointThresholdOracle(OracleDecoder):
+    """LLaDA2.1's editing decoder on one block, as its authors' ``generate`` loop runs it (read, not run here;
+    SGLang's JointThreshold agrees): per forward, greedy tokens ``x`` and their probabilities ``p`` at every
+    position; masked positions with ``p > threshold`` unmask (if none does while masks remain, the most
+    probable masked one); positions the block filled earlier take a different ``x`` when ``p > edit_threshold``.
+    A forward that starts with no mask counts as a post-edit step; the loop ends when such a step edits
+    nothing, or before a post-edit step past ``max_post_edit_steps``."""
+
+    def __init__(self, block, mask_id, threshold: float, edit_threshold: float, max_post_edit_steps: int):
+        super().__init__(block, mask_id)
+        self.threshold, self.edit_threshold, self.max_post = threshold, edit_threshold, max_post_edit_steps
+        self.generated = block == mask_id
+        self.post_steps = self.edits = 0
+        self.stopped = False
+
+    @property
+    def done(self):
+        full = not bool(self.masked.any())
+        return full and (self.stopped or self.post_steps + 1 > self.max_post)  # the next post step would be past it
+
+    def canvases(self):
+        return [self.state]
+
+    def update(self, logits):
+        lg = logits[0].double().clone()
+        lg[:, self.mask_id] = float("-inf")
+        p_all = torch.softmax(lg, -1)
+        p, x = p_all.max(-1)
+        masked = self.masked
+        if not bool(masked.any()):
+            self.post_steps += 1
+        transfer = masked & (p > self.threshold)
+        if bool(masked.any()) and not bool(transfer.any()):
+            transfer[torch.where(masked, p, torch.full_like(p, -1.0)).argmax()] = True
+        edit = self.generated & ~masked & (x != self.state) & (p > self.edit_threshold)
+        self.state = torch.where(transfer | edit, x, self.state)
+        self.edits += int(edit.sum())
+        if not bool(masked.any()) and not bool(edit.any()):
+            self.stopped = True
+
+    def stats(self):
+        return {"edits": self.edits, "post_edit_steps": self.post_steps}
+
+
 def make_oracle(method: str, block: torch.Tensor, mask_id: int, *, threshold: float = 0.9,
                 relaxed_threshold: float = 0.75, radius: int = 4, policy: str = "confidence", depth: int = 3,
                 branches: int = 3, steps: int = 4, dag: DraftDAG | None = None, graph: DraftGraph | None = None,
                 budget: int = 3, temperature: float = 0.0, generator: torch.Generator | None = None,
-                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> OracleDecoder:
+                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, edit_threshold: float = 0.9,
+                max_post_edit_steps: int = 16) -> OracleDecoder:
     """The oracle of ``make_decoder(method, block, mask_id, **knobs)``, with the same knobs."""
     knobs = dict(threshold=threshold, relaxed_threshold=relaxed_threshold, radius=radius)
     flt = (top_k if top_k > 0 else 0, top_p, min_p)
@@ -335,6 +380,8 @@ def make_oracle(method: str, block: torch.Tensor, mask_id: int, *, threshold: fl
                             generator=generator, sample_filter=flt)
     if method == "lopa":
         return LoPAOracle(block, mask_id, make_policy(policy, **knobs), branches=branches)
+    if method == "joint_threshold":
+        return JointThresholdOracle(block, mask_id, threshold, edit_threshold, max_post_edit_steps)
     if method == "psd":
         return PSDOracle(block, mask_id, make_policy(policy, **knobs), dag or DraftDAG.nested(depth))
     raise ValueError(f"method {method!r}")
