@@ -224,7 +224,9 @@ def test_publish_attaches_the_runners_host_block_tables():
             SimpleNamespace(block_size=PAGE, block_table=SimpleNamespace(cpu=buffers[0])),
             SimpleNamespace(block_size=32, block_table=SimpleNamespace(cpu=buffers[1]))])),
         kv_cache_config=SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=[LAYER]),
-                                                         SimpleNamespace(layer_names=["other"])]))
+                                                         SimpleNamespace(layer_names=["other"])]),
+        _tp_group=None)  # one rank: the layout check has nothing to compare with
+    runner._check_ranks = lambda b: PSDRunnerMixin._check_ranks(runner, b)
     batch = build_step_batch(_dllm_entries(torch.Generator().manual_seed(0)))
     PSDRunnerMixin._publish(runner, batch)
     assert current_step() is batch
