@@ -149,33 +149,29 @@ async def _streams(url, prompts, max_tokens=32):
                                     return_exceptions=True)
 
 
-def test_two_rank_server_under_32_concurrent_streams(heldout_prompts):
+def _served_as_alone(prompts, *server_args):
+    """Every prompt streamed at once to a server started with ``server_args``: each output equals the prompt
+    decoded alone by the reference engine, none lost, and the server stops cleanly."""
     from model_executor.engine import ReferenceEngine
 
-    prompts = (heldout_prompts * 3)[:32]
     engine = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
     alone = [engine.generate([p], max_tokens=32, method="psd")[0].token_ids for p in prompts]
-    srv = _serve("--tensor-parallel-size", "2", "--max-num-seqs", "32")
+    srv = _serve(*server_args)
     try:
         got = asyncio.run(_streams(srv.url, prompts))
     finally:
         assert srv.stop() == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"
-    assert len(got) == 32
+    assert len(got) == len(prompts)
     for i, (g, a) in enumerate(zip(got, alone)):
         assert g == a, f"request {i}: served {g} != alone {a}"
 
 
-def test_two_data_parallel_ranks_answer_as_one(heldout_prompts):
-    from model_executor.engine import ReferenceEngine
+def test_two_rank_server_under_32_concurrent_streams(heldout_prompts):
+    _served_as_alone((heldout_prompts * 3)[:32], "--tensor-parallel-size", "2", "--max-num-seqs", "32")
 
-    engine = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
-    alone = [engine.generate([p], max_tokens=32, method="psd")[0].token_ids for p in heldout_prompts]
-    srv = _serve("--data-parallel-size", "2", "--max-num-seqs", "8")
-    try:
-        got = asyncio.run(_streams(srv.url, heldout_prompts))
-    finally:
-        assert srv.stop() == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"
-    assert got == alone
+
+def test_two_data_parallel_ranks_answer_as_one(heldout_prompts):
+    _served_as_alone(heldout_prompts, "--data-parallel-size", "2", "--max-num-seqs", "8")
 
 
 KILLED_WORKER_EXIT_S = 60  # the bound README states
