@@ -74,15 +74,20 @@ def test_two_ranks_equal_the_reference_every_method(heldout_prompts, method):
     _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache="prefix", llm_kw=TP)
 
 
-@pytest.mark.parametrize("method", ("confidence", "psd"))
+@pytest.mark.parametrize("method", METHODS if os.environ.get("PSD_TP_MATRIX") else ("confidence", "psd"))
 def test_two_ranks_dual_cache(heldout_prompts, method):
     _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache="dual", llm_kw=TP)
 
 
-@pytest.mark.parametrize("family, method, cache", [("dream", "psd", None), ("dream", "psd", "dual"),
-                                                   ("sdar", "psd", None), ("sdar", "lopa", None),
-                                                   ("llada2", "psd", None), ("llada2", "spiffy", None),
-                                                   ("llada2", "freedave", None)])
+# CI runs the layouts that differ (below); PSD_TP_MATRIX=1 runs every method on every random family and cache
+_CACHES = {"dream": (None, "dual"), "sdar": (None,), "llada2": (None,)}  # None: the family's default
+RANDOM_CASES = ([(f, m, c) for f, caches in _CACHES.items() for c in caches for m in METHODS]
+                if os.environ.get("PSD_TP_MATRIX") else
+                [("dream", "psd", None), ("dream", "psd", "dual"), ("sdar", "psd", None), ("sdar", "lopa", None),
+                 ("llada2", "psd", None), ("llada2", "spiffy", None), ("llada2", "freedave", None)])
+
+
+@pytest.mark.parametrize("family, method, cache", RANDOM_CASES)
 def test_two_ranks_with_replicated_kv_heads_and_experts(tiny_checkpoints, random_prompts, family, method, cache):
     """The random checkpoints have 2 query heads and 1 KV head: each rank holds one query head and a replica
     of the KV head; LLaDA2's experts are sharded. The layouts: Dream's shifted logits (with its dual cache),
