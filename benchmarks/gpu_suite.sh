@@ -13,7 +13,9 @@
 #   2. the reference engine on the device: every method's tokens and NFE, float32 (TF32 off) and bfloat16,
 #      against the committed CPU run benchmarks/results/reference_cpu_float32.json -> OUT/reference_*.json
 #   3. cost at LLaDA-8B shapes (random weights, bfloat16, FlashInfer): one forward with the state canvas plus
-#      K = 0, 1, 3, 7, 15 drafts, window 32, prefixes 512 and 2048, batches 1, 8, 32 -> OUT/verify_cost.*
+#      K = 0, 1, 3, 7, 15 drafts, window 32, prefixes 512 and 2048, batches 1, 8, 32; Llama-8B AR per-token
+#      time at the same batches and prefixes, and predicted tokens/s per method (a cost model) -> OUT/verify_cost.*
+#      Not yet in it: the dual cache's shape (window = block), where the curve bends (read it off the table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-benchmarks/results/gpu}}
@@ -31,13 +33,13 @@ fi
 if [ "$DEVICE" = cpu ]; then  # dry run: the same commands at tiny sizes
     TESTS=(-m "gpu or not gpu" tests/test_attention_ref.py -x -q)
     REF=(--limit 5 --methods confidence,psd,presto)
-    COST=(--shape checkpoint --device cpu --dtype float32 --backend torch --batches 1 --prefixes 64 --reps 2)
+    COST=(--shape checkpoint --device cpu --dtype float32 --backend torch --batches 1 --prefixes 64 --reps 2 --ar)
     DTYPES="float32"
 else
     TESTS=(-m gpu tests/ -q -p no:cacheprovider)
     REF=(--limit 5)
     COST=(--shape llada-8b --device cuda --dtype bfloat16 --backend flashinfer --batches 1,8,32
-          --prefixes 512,2048 --window 32 --reps 20)
+          --prefixes 512,2048 --window 32 --reps 20 --ar)
     DTYPES="float32 bfloat16"
 fi
 

@@ -78,6 +78,10 @@ def main() -> None:
     ap.add_argument("--prefixes", default="64,448")
     ap.add_argument("--window", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--ar", action="store_true", help="also time the AR baseline (Llama-8B shape with --shape "
+                    "llada-8b) and print predicted tokens/s per method")
+    ap.add_argument("--tpf", default="confidence:1.98:1,psd:2.77:4",
+                    help="method:TPF:canvases for the predicted tokens/s (TPF: benchmarks/results/vllm_engine.md)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
 
@@ -118,15 +122,71 @@ def main() -> None:
             row["expanded_over_shared"] = round(row["expanded_ms"] / row["shared_ms"], 2)
             rows.append(row)
             print(row, flush=True)
+    ar_rows = ar_cost(args, dtype, sync) if args.ar else []
     meta = {"model": Path(args.model).name if args.shape == "checkpoint" else "LLaDA-8B shape, random", "backend": attn.name, "device": args.device, "dtype": args.dtype,
             "window": args.window, "reps": args.reps, "threads": torch.get_num_threads()}
     if args.device.startswith("cuda"):
         meta["gpu"] = torch.cuda.get_device_name()
     args.out.mkdir(parents=True, exist_ok=True)
     name = "verify_cost" if args.device == "cpu" else f"verify_cost_{args.device.split(':')[0]}_{args.shape}"
-    (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    (args.out / f"{name}.md").write_text(render(meta, rows))
-    print(render(meta, rows))
+    (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows, "ar": ar_rows}, indent=1))
+    text = render(meta, rows) + (render_ar(rows, ar_rows, args.tpf) if ar_rows else "")
+    (args.out / f"{name}.md").write_text(text)
+    print(text)
+
+
+def ar_cost(args, dtype, sync) -> list[dict]:
+    """The AR baseline in the same run: one decoding step of a Llama-format model (``--shape llada-8b``:
+    Llama-3-8B's shape, random weights; else the embedded AR checkpoint) for the same batches and prefixes,
+    one new token per request over its cached prefix, causal."""
+    from model_executor.models.configs import ArchSpec
+    from psd_plugin import DEFAULT_AR
+
+    if args.shape == "llada-8b":
+        spec = ArchSpec.from_ar_config({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+                                        "num_attention_heads": 32, "num_key_value_heads": 8,
+                                        "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0,
+                                        "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "eos_token_id": 2})
+        torch.set_default_dtype(dtype)
+        with torch.device(args.device):
+            model = ReferenceDLLM(spec).eval()
+        torch.set_default_dtype(torch.float32)
+    else:
+        model = ReferenceDLLM.from_pretrained(DEFAULT_AR, dtype=dtype, device=args.device)
+    attn = make_backend(args.backend, args.device, dtype)
+    out = []
+    for batch, prefix in [(b, p) for b in map(int, args.batches.split(",")) for p in map(int, args.prefixes.split(","))]:
+        ids, pos, plan, cache = verify_inputs(model, batch, prefix, 1, 1, True)
+        times = []
+        with torch.no_grad():
+            for i in range(args.reps + 3):
+                sync()
+                t0 = time.perf_counter()
+                model.forward_paged(ids, pos, plan, cache, attn)
+                sync()
+                if i >= 3:
+                    times.append(time.perf_counter() - t0)
+        out.append({"batch": batch, "prefix": prefix, "ar_ms": round(1e3 * statistics.median(times), 3)})
+        print(out[-1], flush=True)
+    del model
+    return out
+
+
+def render_ar(rows: list[dict], ar_rows: list[dict], tpf: str) -> str:
+    """A cost model, not a served figure: per method, tokens/s = batch x TPF (measured on the embedded models,
+    ``--tpf method:value:canvases``) / the time of a forward with that many canvases (shared layout), beside
+    AR's batch / its per-token step time."""
+    methods = [(m, float(t), int(c)) for m, t, c in (x.split(":") for x in tpf.split(","))]
+    head = " | ".join(f"{m} (TPF {t:g}, {c} canvas{'es' if c > 1 else ''})" for m, t, c in methods)
+    lines = ["", "AR baseline in the same run, and predicted tokens/s (a cost model: TPF measured on the embedded "
+             "models / step time here; not a served figure):", "",
+             f"| batch | prefix | AR ms/token | AR tokens/s | {head} |", "|---|---|---|---|" + "---|" * len(methods)]
+    for a in ar_rows:
+        by_k = {r["drafts"]: r["shared_ms"] for r in rows if r["batch"] == a["batch"] and r["prefix"] == a["prefix"]}
+        cells = [f"{a['batch'] * t / (by_k[c - 1] / 1e3):.0f}" if c - 1 in by_k else "" for _, t, c in methods]
+        lines.append(f"| {a['batch']} | {a['prefix']} | {a['ar_ms']:.2f} | {a['batch'] / (a['ar_ms'] / 1e3):.0f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def render(meta: dict, rows: list[dict]) -> str:
