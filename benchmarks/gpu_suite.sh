@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 26's GPU steps in one call, results under OUT (default $OUT, else benchmarks/results/gpu):
 #
-#   bash benchmarks/gpu_suite.sh [OUT]                 # on the GPU machine (device tool: runs in the repo root)
+#   bash benchmarks/gpu_suite.sh [OUT]                 # on the GPU machine (device tool: runs in the repo root;
+#                                                      # PYTHONPATH=.site where flashinfer was installed there)
 #   DEVICE=cpu bash benchmarks/gpu_suite.sh /tmp/dry   # dry run on the CPU: tiny shapes, torch backend
 #
 # The GPU image has PyTorch (CUDA), Triton, nvcc and transformers but no vLLM and no FlashInfer: carry the
