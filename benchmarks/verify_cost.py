@@ -63,6 +63,21 @@ def verify_inputs(model: ReferenceDLLM, batch: int, prefix: int, window: int, ca
     return ids, pos, plan, cache
 
 
+def median_ms(forward, reps: int, sync) -> float:
+    """The median wall time of ``forward()`` in milliseconds over ``reps`` runs after 3 warm-up runs, the device
+    synchronised around each."""
+    times = []
+    with torch.no_grad():
+        for i in range(reps + 3):
+            sync()
+            t0 = time.perf_counter()
+            forward()
+            sync()
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
 def main() -> None:
     from psd_plugin import DEFAULT_DLLM
 
@@ -106,16 +121,7 @@ def main() -> None:
             row = {"batch": batch, "prefix": prefix, "drafts": k}
             for layout in ("shared", "expanded"):
                 ids, pos, plan, cache = verify_inputs(model, batch, prefix, args.window, k + 1, layout == "shared")
-                times = []
-                with torch.no_grad():
-                    for i in range(args.reps + 3):
-                        sync()
-                        t0 = time.perf_counter()
-                        model.forward_paged(ids, pos, plan, cache, attn)
-                        sync()
-                        if i >= 3:
-                            times.append(time.perf_counter() - t0)
-                ms = 1e3 * statistics.median(times)
+                ms = median_ms(lambda: model.forward_paged(ids, pos, plan, cache, attn), args.reps, sync)
                 base.setdefault(layout, ms)
                 row[f"{layout}_ms"] = round(ms, 3)
                 row[f"{layout}_vs_k0"] = round(ms / base[layout], 2)
@@ -157,16 +163,8 @@ def ar_cost(args, dtype, sync) -> list[dict]:
     out = []
     for batch, prefix in [(b, p) for b in map(int, args.batches.split(",")) for p in map(int, args.prefixes.split(","))]:
         ids, pos, plan, cache = verify_inputs(model, batch, prefix, 1, 1, True)
-        times = []
-        with torch.no_grad():
-            for i in range(args.reps + 3):
-                sync()
-                t0 = time.perf_counter()
-                model.forward_paged(ids, pos, plan, cache, attn)
-                sync()
-                if i >= 3:
-                    times.append(time.perf_counter() - t0)
-        out.append({"batch": batch, "prefix": prefix, "ar_ms": round(1e3 * statistics.median(times), 3)})
+        ms = median_ms(lambda: model.forward_paged(ids, pos, plan, cache, attn), args.reps, sync)
+        out.append({"batch": batch, "prefix": prefix, "ar_ms": round(ms, 3)})
         print(out[-1], flush=True)
     del model
     return out
