@@ -25,6 +25,7 @@ import torch
 
 from .block_schedule import cached_after_step, kept_suffix, plan_blocks, window
 from .decoding import BlockDecoder, Proposal, RowPredictions, merge_stats
+from .grammar import GrammarFrontier
 
 
 @dataclass
@@ -98,6 +99,7 @@ class DLLMRequest:
     eos_id: int
     aligned: bool = False  # blocks cut at multiples of block_size (SDAR's attention blocks)
     ignore_eos: bool = False
+    grammar: GrammarFrontier | None = None  # structured outputs: the frontier rule (model_executor.grammar)
     tokens: torch.Tensor = field(init=False)  # [prompt | answer region], mask id where undecoded (host, as all
     # of the request's decoding state: the engines copy a step's rows to their device once)
     blocks: list[tuple[int, int]] = field(init=False)
@@ -140,6 +142,12 @@ class DLLMRequest:
         b0, b1 = self.block
         self.dec = self.make_decoder(self.tokens[b0:b1])
         self.fresh = True
+        if self.grammar is not None:
+            if self.dec.rewrites_tokens:
+                raise ValueError(f"{type(self.dec).__name__} edits committed tokens; structured outputs need a "
+                                 "method that commits each token once (any other method)")
+            self.dec.grammar = self.grammar
+            self.grammar.new_block()
 
     @property
     def phase(self) -> str:
@@ -219,6 +227,8 @@ class DLLMRequest:
         self.cached = step.keep
         self.fresh = False
         self.step = None
+        if self.grammar is not None:  # the committed run from the frontier: the grammar accepts it
+            self.grammar.advance(self.dec.state)
         if not self.dec.done:
             return []
         b0, b1 = self.block
@@ -292,3 +302,11 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], pr
         r, ki = requests[i], ks[i]
         alts = dict(zip(map(int, row[2: 2 + ki]), row[2 + k: 2 + k + ki])) if ki > 0 else {}
         r.logprobs[r.block[0] + pos - r.prompt_len] = (tok, row[0], alts, int(row[1]))
+
+
+def grammar_jobs(requests: list[DLLMRequest], steps: list[DLLMStep], firsts: list[list[int]]) -> list:
+    """What :func:`~model_executor.grammar.mask_frontiers` and :func:`~model_executor.grammar.constrain_rows`
+    read of a step: per decoding step of a request with a grammar, ``(grammar, its canvases' block positions
+    [K, L], the first prediction row of each canvas)``."""
+    return [(r.grammar, st.tokens[:, st.b0 - st.w0: st.b1 - st.w0], f) for r, st, f in zip(requests, steps, firsts)
+            if r.grammar is not None and not st.rebuild]

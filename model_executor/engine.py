@@ -42,7 +42,8 @@ import msgspec
 
 from .decode_config import ConfigError, DecodeConfig, DecodeKnobs, resolve
 from .decoding import BlockDecoder, LogitsRules, apply_rules, logits_map, predict_rows, propose_all, update_all
-from .dllm_request import DLLMRequest, record_logprobs
+from .dllm_request import DLLMRequest, grammar_jobs, record_logprobs
+from .grammar import GrammarFrontier, constrain_rows, mask_frontiers
 from .models.reference import ReferenceDLLM
 from .outputs import GenerationResult
 
@@ -72,7 +73,7 @@ class ReferenceEngine:
                  method: str = "confidence", cache: str | None = None, seed: int = 0, batch_size: int = 64,
                  config: DecodeConfig | None = None, decoder_factory: Callable[[torch.Tensor], BlockDecoder] | None = None,
                  rules: LogitsRules | None = None, logprobs: int | None = None, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, graph=None, dag=None,
+                 top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, graph=None, dag=None, grammar=None,
                  **knobs) -> list[GenerationResult]:
         """Decode every prompt (token ids); one :class:`GenerationResult` per prompt, in order.
 
@@ -83,7 +84,9 @@ class ReferenceEngine:
         seeded from ``seed``). ``rules`` (logit bias, allowed and banned tokens, ``min_tokens``, penalties) apply
         to every request's logits before the decoders see them. ``logprobs=k`` gives each token's log-probability
         and the ``k`` most likely tokens' (:attr:`GenerationResult.logprobs`). ``decoder_factory(block)``
-        replaces the method's decoder (calibration uses it to record trajectories).
+        replaces the method's decoder (calibration uses it to record trajectories). ``grammar``: structured
+        outputs, a compiled grammar (:func:`~model_executor.grammar.compile_grammar`) every answer must follow,
+        or one per prompt (None: free); decoded under the frontier rule (:mod:`model_executor.grammar`).
         """
         spec = self.spec
         if config is None:
@@ -101,6 +104,9 @@ class ReferenceEngine:
             if len(p) + max_tokens > spec.max_position:
                 raise ValueError(f"prompt of {len(p)} tokens + max_tokens {max_tokens} exceeds the model's "
                                  f"context of {spec.max_position} tokens")
+        grammars = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(prompts)
+        if len(grammars) != len(prompts):
+            raise ValueError(f"grammar: {len(grammars)} grammars for {len(prompts)} prompts")
         cache = config.cache
         results: list[GenerationResult | None] = [None] * len(prompts)
         for s in range(0, len(prompts), batch_size):
@@ -112,8 +118,10 @@ class ReferenceEngine:
                     gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + i)
                 make = decoder_factory or config.decoder_factory(spec.mask_token_id, temperature=temperature,
                                                                  top_k=top_k, top_p=top_p, min_p=min_p, generator=gen)
+                g = None if grammars[i] is None else GrammarFrontier(grammars[i], spec.vocab_size, spec.eos_token_id,
+                                                                     spec.mask_token_id)
                 reqs.append(DLLMRequest(list(prompts[i]), max_tokens, config.block_size, make, spec.mask_token_id,
-                                        spec.eos_token_id, aligned=config.aligned))
+                                        spec.eos_token_id, aligned=config.aligned, grammar=g))
             w = next(self.model.parameters())
             self.kv = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, [r.total for r in reqs],
                                    self.page_size, w.dtype, w.device)
@@ -151,8 +159,13 @@ class ReferenceEngine:
         if rules is not None:
             apply_rules(logits, [(rules, f[0], st.num_canvases, st.block_len, st.b0 - r.prompt_len, r.history)
                                  for f, st, (_, r) in zip(firsts, steps, live)], logits_map(kept))
+        jobs = grammar_jobs([r for _, r in live], steps, firsts)  # structured outputs: the frontier rule
+        if jobs:
+            mask_frontiers(logits, jobs, logits_map(kept))
         # once for every canvas of every request; the mask token is never a prediction
         preds = predict_rows(logits, mask_id=self.spec.mask_token_id, kept=kept)
+        if jobs:
+            constrain_rows(preds.tokens, preds.conf, jobs)
         before = [r.dec.state.clone() for _, r in live] if logprobs is not None else None
         update_all([r.dec for _, r in live], proposals, preds, firsts)  # a method at a time
         if before is not None:  # under the state canvas's distribution (rules applied, mask excluded)

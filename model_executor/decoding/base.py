@@ -198,9 +198,12 @@ def predict_each(jobs: list[tuple[torch.Tensor | RowPredictions, torch.Tensor, d
                  ) -> list[Prediction]:
     """:func:`predict` ``(out, state, mask_id, **options)`` of every job ``(out, state, options)``: the draws are
     made where the logits and each job's generator are, and what the decoders read of them (tokens,
-    confidences, top tokens) reaches the host in one copy for all jobs."""
-    preds, drawn = [], []
+    confidences, top tokens) reaches the host in one copy for all jobs. An option ``grammar`` (the request's
+    :class:`~model_executor.grammar.GrammarFrontier`) constrains the job's confidences to the frontier rule."""
+    preds, drawn, grammars = [], [], []
     for out, state, kw in jobs:
+        kw = dict(kw)
+        grammars.append(kw.pop("grammar", None))
         p = _predict_here(out, mask_id, **kw)
         preds.append(p)
         if p.logits is None:  # drawn: still where the logits are
@@ -213,8 +216,10 @@ def predict_each(jobs: list[tuple[torch.Tensor | RowPredictions, torch.Tensor, d
         for p, f, t in parts:
             setattr(p, f, flat[at: at + t.numel()].view(t.shape).to(t.dtype))
             at += t.numel()
-    for p, (_, state, _) in zip(preds, jobs):
+    for p, (_, state, _), g in zip(preds, jobs, grammars):
         p.conf = torch.where(state == mask_id, p.conf, torch.full_like(p.conf, float("-inf")))
+        if g is not None:  # the grammar frontier rule on the canvas's own draw (model_executor.grammar)
+            p.conf = g.constrain(state, p.tokens, p.conf)
     return preds
 
 
@@ -276,6 +281,9 @@ class BlockDecoder:
         self.state = block.clone()
         self.mask_id = mask_id
         self.forwards = 0  # model calls this block took
+        # the request's grammar (structured outputs, model_executor.grammar): the engines constrain the step's
+        # predictions with it; a decoder that draws its own predictions passes it to predict_each
+        self.grammar = None
 
     @property
     def masked(self) -> torch.Tensor:
@@ -284,6 +292,8 @@ class BlockDecoder:
     @property
     def done(self) -> bool:
         return not bool(self.masked.any())
+
+    rewrites_tokens = False  # whether the method edits positions it committed (then no grammar applies)
 
     @property
     def reads_all_rows(self) -> bool:

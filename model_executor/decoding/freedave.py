@@ -71,7 +71,10 @@ class FreeDaveDecoder(BlockDecoder):
             fill = (rank[:, None, :] < torch.arange(1, steps + 1, device=S.device)[:, None]) & \
                 torch.isfinite(C)[:, None]
             D = torch.where(fill, T[:, None], S[:, None])  # [R, steps, L]
-            n_fwd = torch.minimum((S == mask).sum(-1) - 1, torch.tensor([d.steps for d in group])).clamp(min=0)
+            # a draft that completes the block needs no forward; under a grammar no draft goes past the positions
+            # the frontier rule leaves committable (finite confidence)
+            n, fin = (S == mask).sum(-1), torch.isfinite(C).sum(-1)
+            n_fwd = torch.minimum(torch.where(fin < n, fin, n - 1), torch.tensor([d.steps for d in group])).clamp(min=0)
             for i, d, drafts, nf in zip(idx, group, D, n_fwd.tolist()):
                 out[i] = Proposal(list(drafts[:nf, : d.state.numel()]), True)
         return out

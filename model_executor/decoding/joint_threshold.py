@@ -31,6 +31,8 @@ from .base import BlockDecoder, Proposal, canvas_row_index, onehot_first_max, pa
 
 
 class JointThresholdDecoder(BlockDecoder):
+    rewrites_tokens = True
+
     def __init__(self, block, mask_id, threshold: float = 0.9, edit_threshold: float = 0.9,
                  max_post_edit_steps: int = 16):
         super().__init__(block, mask_id)

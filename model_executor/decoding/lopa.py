@@ -78,6 +78,8 @@ class LoPADecoder(BlockDecoder):
         L = S.shape[1]
         i = torch.arange(1, k + 1)
         valid = i <= torch.isfinite(rest).sum(-1, keepdim=True)  # [R, k]
+        # under a grammar only B_1 extends B0's run from the frontier (a later branch leaves a gap: never valid)
+        valid &= torch.tensor([d.grammar is None for d in decoders])[:, None] | (i == 1)
         pos = torch.zeros(R, k, L, dtype=torch.bool)
         if k and L:
             pos.scatter_(2, order[:, (i - 1).clamp(max=L - 1), None], valid[..., None])

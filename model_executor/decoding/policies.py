@@ -105,7 +105,7 @@ class PolicyDecoder(BlockDecoder):
             if group[0].reads_all_rows:  # its prediction is not the step's greedy one
                 mine = predict_each([(preds[a: a + d.state.numel()], d.state,
                                       dict(keep_probs=d.record is not None, temperature=d.temperature,
-                                           generator=d.generator, sample_filter=d.sample_filter))
+                                           generator=d.generator, sample_filter=d.sample_filter, grammar=d.grammar))
                                      for d, a in ((d, canvas_rows[i][0]) for d, i in zip(group, idx))],
                                     group[0].mask_id)
                 T = pad_rows([p.tokens.to(S.device) for p in mine], -1)

@@ -96,7 +96,7 @@ class PSDDecoder(BlockDecoder):
             masked = S == mask
             R, L = S.shape
             order = torch.sort(C, dim=-1, descending=True, stable=True).indices  # L13: σ
-            n = masked.sum(-1)
+            n = torch.isfinite(C).sum(-1)  # the masked positions a policy may commit (a grammar trims past its frontier)
             drafts, exists = [], []
             for s in dag.sets:  # L14-15: index assembly, Eq. 2
                 ranks = sorted(s)

@@ -255,6 +255,7 @@ class SpiffyDecoder(BlockDecoder):
                 conf = torch.full(S.shape, float("-inf"), dtype=torch.float64, device=S.device)
                 now = live.nonzero().flatten().tolist()
                 drawn = predict_each([(preds[a: a + L_d], S[r, :L_d], dict(topk=decoders[r].max_j,
+                                                                          grammar=decoders[r].grammar,
                                                                           **decoders[r].sampling))
                                       for r in now for L_d, a in [(decoders[r].state.numel(),
                                                                    canvas_rows[r][int(cur[r])])]], mask)

@@ -166,6 +166,10 @@ DATA_FIELDS = {
     "vllm.v1.engine.llm_engine:LLMEngine": ("engine_core",),
     "vllm.v1.engine.core_client:EngineCoreClient": ("shutdown",),
     "vllm.distributed.parallel_state:GroupCoordinator": ("world_size", "cpu_group", "rank_in_group"),
+    # structured outputs: the constraint the front end builds and clears (validation.take_structured_outputs)
+    "vllm.sampling_params:StructuredOutputsParams": ("json", "regex", "choice", "grammar", "json_object",
+                                                     "structural_tag", "all_constraints_none", "_backend"),
+    "vllm.config:StructuredOutputsConfig": ("disable_any_whitespace",),
 }
 
 # Module-level functions the plugin calls that vLLM does not document as plugin API.
@@ -175,6 +179,7 @@ FUNCTIONS = (
     ("vllm.config", "get_layers_from_vllm_config"),
     ("vllm.exceptions", "VLLMValidationError"),  # raised with parameter= / value= for a 400
     ("vllm.distributed", "get_tp_group"),  # a GroupCoordinator: world_size, cpu_group
+    ("vllm.tokenizers", "cached_tokenizer_from_config"),  # the worker's tokenizer, for xgrammar
 )
 
 # Front-end functions wrapped at registration (module, class, method).
@@ -217,6 +222,19 @@ def prefill_unfinished(runner, row: int) -> bool:
     ib = runner.input_batch
     q = runner.query_start_loc.np
     return int(ib.num_computed_tokens_cpu[row]) + int(q[row + 1] - q[row]) < int(ib.num_tokens_no_spec[row])
+
+
+def structured_outputs_backend(structured_outputs) -> str | None:
+    """The structured-output backend vLLM's request validation chose for a request's constraint (``auto``
+    resolves to xgrammar, or to guidance for features xgrammar lacks)."""
+    return structured_outputs._backend
+
+
+def worker_tokenizer(model_config):
+    """The served model's tokenizer in a worker (vLLM's cached one, as its structured-output manager loads it)."""
+    from vllm.tokenizers import cached_tokenizer_from_config
+
+    return cached_tokenizer_from_config(model_config=model_config)
 
 
 def tensor_parallel_cpu_group():

@@ -41,12 +41,14 @@ from vllm.v1.outputs import SamplerOutput
 from attention_backends.step_batch import Rows, StepBatch, build_step_batch
 from model_executor.decoding import (LogitsRules, apply_rules, logits_map, merge_stats, predict_rows, propose_all,
                                      update_all)
-from model_executor.dllm_request import DLLMRequest, record_logprobs
+from model_executor.dllm_request import DLLMRequest, grammar_jobs, record_logprobs
+from model_executor.grammar import GrammarFrontier, compile_grammar, constrain_rows, mask_frontiers, tokenizer_info
 from model_executor.models.configs import ArchSpec
 
 from . import compat
 from .config import decode_config, logits_budget
 from .runner import PSDRunnerMixin, request_seed
+from .validation import GRAMMAR_ARG
 
 logger = init_logger(__name__)
 
@@ -124,6 +126,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         # cut_steps: a request's planned step that vLLM did not schedule as planned (its rows decoded nothing)
         self.step_time = {"steps": 0, "forward_seconds": 0.0, "cut_steps": 0}
         self._forward_t0: float | None = None
+        self._grammar_info = None  # xgrammar's view of the tokenizer, made for the first structured request
 
     # ------------------------------------------------------------------ per-request decoding state
     def _served(self, req_id: str) -> _Served:
@@ -143,9 +146,21 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             eos = self.spec.eos_token_id
             ignore_eos = sp.ignore_eos or eos not in sp.all_stop_token_ids
             req = DLLMRequest(prompt, sp.max_tokens, self.cfg.block_size, make, mask, eos, aligned=self.cfg.aligned,
-                              ignore_eos=ignore_eos)
+                              ignore_eos=ignore_eos, grammar=self._grammar(sp))
             s = self.served[req_id] = _Served(req, rules=request_rules(sp))
         return s
+
+    def _grammar(self, sp) -> GrammarFrontier | None:
+        """The request's structured-output grammar (built by the front end: :func:`.validation.take_structured_outputs`),
+        compiled here for the tokenizer (compiled grammars are cached), or None."""
+        text = (sp.extra_args or {}).get(GRAMMAR_ARG)
+        if text is None:
+            return None
+        if self._grammar_info is None:
+            mc = self.vllm_config.model_config
+            self._grammar_info = tokenizer_info(compat.worker_tokenizer(mc), mc.get_vocab_size())
+        return GrammarFrontier(compile_grammar(text, self._grammar_info), self._grammar_info.vocab_size,
+                               self.spec.eos_token_id, self.spec.mask_token_id)
 
     def _plan(self, s: _Served, proposal) -> None:
         s.req.plan(proposal, self.cfg.cache, self.shift, self.spec.attention_block or 1)
@@ -238,8 +253,14 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         if ruled:  # the request's logit bias, allowed / banned tokens and min_tokens, as the reference engine
             apply_rules(logits, ruled, at)
         decoding = [i for i, st in steps.items() if not st.rebuild]
+        jobs = grammar_jobs([self._stepping[i].req for i in decoding], [steps[i] for i in decoding],
+                            [canvas_rows[i] for i in decoding])  # structured outputs: the frontier rule
+        if jobs:
+            mask_frontiers(logits, jobs, at)
         # once for every kept row of every canvas of every request (a rebuild's logits are not for the decoder)
         preds = predict_rows(logits, mask_id=self.spec.mask_token_id, kept=self._kept)
+        if jobs:
+            constrain_rows(preds.tokens, preds.conf, jobs)
         want_lp = {i: k for i in decoding if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
         before = {i: self._served(req_ids[i]).req.dec.state.clone() for i in want_lp}
         update_all([self._stepping[i].req.dec for i in decoding], [steps[i].proposal for i in decoding],

@@ -20,10 +20,8 @@ from model_executor.decoding import GREEDY_ONLY
 from . import compat
 from .config import decode_config
 
-_UNSUPPORTED = (  # (field, default, why): refused by both paths
-    ("structured_outputs", None, "structured outputs need left-to-right decoding (a grammar constrains the next "
-                                 "token given the ones before it), and a dLLM commits positions in any order; "
-                                 "dLLM decoding does not support them"),
+_UNSUPPORTED = (  # (field, default, why): refused by PRESTO (the dLLM path takes them: take_structured_outputs)
+    ("structured_outputs", None, "structured outputs are not supported by dLLM decoding"),
 )
 _RULES = (  # what the dLLM path applies to its logits (model_executor/decoding/logits_rules.py) and PRESTO not
     ("logprobs", None, "logprobs are not produced by dLLM decoding"),
@@ -58,9 +56,45 @@ def check_presto(params) -> None:
                                   "distribution; leave them at their defaults", parameter="top_p")
 
 
+GRAMMAR_ARG = "psd_grammar"  # SamplingParams.extra_args key: the request's grammar (xgrammar's serialized JSON)
+
+
+def take_structured_outputs(vllm_config, cfg: DecodeConfig, params) -> None:
+    """Structured outputs on the dLLM path (:mod:`model_executor.grammar`): the request's constraint, already
+    validated by vLLM (``SamplingParams.verify``), is built into an xgrammar grammar here, so a constraint
+    xgrammar cannot build is a 400, and travels to the workers in ``extra_args[GRAMMAR_ARG]``; the
+    ``structured_outputs`` field is cleared, so vLLM's engine core, whose grammar advances one token per step
+    left to right, never sees it. The workers compile it for the tokenizer and decode under the frontier rule."""
+    so = params.structured_outputs
+    if so is None or so.all_constraints_none():
+        return
+    from model_executor.grammar import build_grammar
+
+    if cfg.method == "joint_threshold":
+        raise VLLMValidationError("structured_outputs: decoding 'joint_threshold' edits tokens it committed, which "
+                                  "a grammar cannot check; serve structured outputs with another method (e.g. "
+                                  "'confidence' or 'psd')", parameter="structured_outputs")
+    if so.structural_tag is not None:
+        raise VLLMValidationError("structured_outputs.structural_tag is not supported by dLLM decoding; use json, "
+                                  "regex, choice, grammar or json_object", parameter="structured_outputs.structural_tag")
+    backend = compat.structured_outputs_backend(so)
+    if backend not in (None, "auto", "xgrammar"):
+        raise VLLMValidationError(
+            f"structured_outputs: vLLM chose the {backend!r} backend for this constraint; dLLM decoding applies "
+            "its grammar with xgrammar only (this constraint uses a feature xgrammar does not support)",
+            parameter="structured_outputs")
+    kind = next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(so, k) is not None)
+    try:
+        grammar = build_grammar(kind, getattr(so, kind),
+                                any_whitespace=not vllm_config.structured_outputs_config.disable_any_whitespace)
+    except ValueError as e:
+        raise VLLMValidationError(str(e), parameter=f"structured_outputs.{kind}") from None
+    params.extra_args = {**(params.extra_args or {}), GRAMMAR_ARG: grammar.serialize_json()}
+    params.structured_outputs = None
+
+
 def check(vllm_config, cfg: DecodeConfig, params, prompt_len: int) -> None:
     """Raise :class:`VLLMValidationError` for a request the dLLM path (decoding with ``cfg``) cannot serve."""
-    _check_supported(params, "dLLM decoding")
     penalized = next((name for name, default, _ in _PENALTIES if getattr(params, name, default) != default), None)
     try:
         cfg.check_request(params.temperature, penalized is not None)
@@ -137,6 +171,7 @@ def install() -> None:
                     if cfg is None:  # resolved once per front end
                         cfg = self.__dict__["_psd_decode_config"] = decode_config(self.vllm_config)
                     check(self.vllm_config, cfg, request.sampling_params, len(request.prompt_token_ids or ()))
+                    take_structured_outputs(self.vllm_config, cfg, request.sampling_params)
                 elif "presto" in extra:
                     check_presto(request.sampling_params)
             return request
