@@ -9,8 +9,10 @@ output valid (issue 30), applied to every method through the predictions it read
 - A step may commit the frontier and the positions that follow it **in order**, each checked against the
   grammar state advanced by the ones before it (:meth:`GrammarFrontier.constrain`, on each canvas's
   predictions): the confidence of a position is capped by those of the positions before it (a running
-  minimum from the frontier), and the first position whose predicted token the grammar rejects, and every
-  one after it, get confidence ``-inf`` (a decided position: no policy commits it). So every policy commits
+  minimum from the frontier); a rejected prediction at a position where the grammar allows one token only is
+  that token (what masking its logits would give, with probability 1: JSON keys, brackets, EOS after a closed
+  value); the first position whose predicted token the grammar rejects otherwise, and every one after it, get
+  confidence ``-inf`` (a decided position: no policy commits it). So every policy commits
   a run from the frontier: the static policy's top-1 *is* the frontier (ties go to the lower position), a
   threshold commits the frontier and the confident positions right after it, LocalLeap's anchors and window
   are a run too.
@@ -128,7 +130,9 @@ class GrammarFrontier:
         self.matcher = _xgr().GrammarMatcher(compiled, override_stop_tokens=[eos_id], max_rollback_tokens=-1)
         self.vocab_size, self.mask_id = vocab_size, mask_id
         self.front = 0  # block positions the matcher has accepted (or passed after termination)
-        self.rejected = 0  # predicted tokens the grammar rejected (a statistic)
+        self.rejected = 0  # predicted tokens the grammar rejected where it allows several (a statistic)
+        self.forced = 0  # predicted tokens replaced by the one token the grammar allows there
+        self._scratch = None  # one bitmask row, for forced tokens
 
     def new_block(self) -> None:
         self.front = 0
@@ -162,16 +166,19 @@ class GrammarFrontier:
             self.matcher.rollback(w.accepted)
         return pos
 
-    def constrain(self, canvas: torch.Tensor, tokens: torch.Tensor, conf: torch.Tensor) -> torch.Tensor:
-        """The confidences of ``canvas``'s predictions (``tokens``, ``conf [L]`` on the host, -inf at decided
-        positions) under the rule (module docstring); the tokens are unchanged."""
+    def constrain(self, canvas: torch.Tensor, tokens: torch.Tensor, conf: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``canvas``'s predictions (``tokens``, ``conf [L]`` on the host, -inf at decided positions) under the
+        rule (module docstring): the confidences, and the tokens where a predicted token is rejected at a position
+        the grammar leaves one token for (that token, as masking the position's logits would give it, with
+        probability 1: the running minimum goes on)."""
         c = canvas.tolist()
         w = self._walk(c)
         out = conf.clone()
         if not w.valid:
             out.fill_(float("-inf"))
         elif w.first_mask >= 0:
-            m, n, cap, stop = self.matcher, 0, float("inf"), None
+            m, n, cap, stop, changed = self.matcher, 0, float("inf"), None, False
             toks, confs = tokens.tolist(), conf.tolist()
             terminated = w.terminated
             for j in range(w.first_mask, len(c)):
@@ -182,9 +189,13 @@ class GrammarFrontier:
                     continue
                 if not terminated:
                     if not m.accept_token(toks[j]):
-                        stop = j
-                        self.rejected += 1
-                        break
+                        forced = self._forced()
+                        if forced is None or not m.accept_token(forced):
+                            stop = j
+                            self.rejected += 1
+                            break
+                        toks[j], changed = forced, True  # the only token the grammar allows here
+                        self.forced += 1
                     n += 1
                     terminated = m.is_terminated()
                 cap = min(cap, confs[j])
@@ -194,9 +205,25 @@ class GrammarFrontier:
                 out[stop:] = out[stop:].masked_fill(rest, float("-inf"))
             if n:
                 m.rollback(n)
+            if changed:
+                tokens = torch.tensor(toks, dtype=tokens.dtype)
         if w.accepted:
             self.matcher.rollback(w.accepted)
-        return out
+        return tokens, out
+
+    def _forced(self) -> int | None:
+        """The one token the grammar allows after the matcher's current text, or None (several, or none)."""
+        if self._scratch is None:
+            self._scratch = _xgr().allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(self._scratch, 0)
+        words = self._scratch[0].numpy().view("uint32")
+        nz = words.nonzero()[0]
+        if len(nz) != 1:
+            return None
+        w = int(words[nz[0]])
+        if w & (w - 1):
+            return None
+        return int(nz[0]) * 32 + w.bit_length() - 1
 
     def advance(self, state: torch.Tensor) -> None:
         """The step committed ``state`` (the block): accept its new run from :attr:`front`. A committed token
@@ -255,4 +282,4 @@ def constrain_rows(tokens: torch.Tensor, conf: torch.Tensor,
     for g, canvases, firsts in jobs:
         L = canvases.shape[1]
         for k, a in enumerate(firsts):
-            conf[a: a + L] = g.constrain(canvases[k], tokens[a: a + L], conf[a: a + L])
+            tokens[a: a + L], conf[a: a + L] = g.constrain(canvases[k], tokens[a: a + L], conf[a: a + L])

@@ -136,8 +136,8 @@ def test_a_commit_out_of_order_fails_loudly(engine, tok, mixed_prompts, monkeypa
     original = GrammarFrontier.constrain
 
     def no_cap(self, canvas, tokens, conf):
-        out = original(self, canvas, tokens, conf)
-        return torch.where(torch.isfinite(out) | (canvas != self.mask_id), out, conf)  # rejected ones back
+        tokens, out = original(self, canvas, tokens, conf)
+        return tokens, torch.where(torch.isfinite(out) | (canvas != self.mask_id), out, conf)  # rejected ones back
 
     monkeypatch.setattr(GrammarFrontier, "constrain", no_cap)
     g = _compiled(tok, engine.spec.vocab_size, "json", SCHEMA)

@@ -219,7 +219,7 @@ def predict_each(jobs: list[tuple[torch.Tensor | RowPredictions, torch.Tensor, d
     for p, (_, state, _), g in zip(preds, jobs, grammars):
         p.conf = torch.where(state == mask_id, p.conf, torch.full_like(p.conf, float("-inf")))
         if g is not None:  # the grammar frontier rule on the canvas's own draw (model_executor.grammar)
-            p.conf = g.constrain(state, p.tokens, p.conf)
+            p.tokens, p.conf = g.constrain(state, p.tokens, p.conf)
     return preds
 
 
