@@ -107,6 +107,9 @@ class ReferenceEngine:
         grammars = list(grammar) if isinstance(grammar, (list, tuple)) else [grammar] * len(prompts)
         if len(grammars) != len(prompts):
             raise ValueError(f"grammar: {len(grammars)} grammars for {len(prompts)} prompts")
+        if rules is not None and rules.bans and any(g is not None for g in grammars):
+            raise ValueError(f"{rules.bans} with a grammar: it can ban the only tokens the grammar allows; use one "
+                             "or the other")
         cache = config.cache
         results: list[GenerationResult | None] = [None] * len(prompts)
         for s in range(0, len(prompts), batch_size):

@@ -191,6 +191,11 @@ class GrammarFrontier:
                     if not m.accept_token(toks[j]):
                         forced = self._forced()
                         if forced is None or not m.accept_token(forced):
+                            if j == w.first_mask:  # its logits were masked: every allowed token had -inf
+                                raise RuntimeError(
+                                    f"grammar frontier: the prediction {toks[j]} at the frontier (block position {j}) "
+                                    "is not allowed by the grammar: no allowed token had a finite logit (logits "
+                                    "rules that ban what the grammar needs, or non-finite logits)")
                             stop = j
                             self.rejected += 1
                             break

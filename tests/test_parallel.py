@@ -247,3 +247,36 @@ def test_ranks_that_lay_out_different_steps_fail_the_step(tmp_path, rows, agree)
         assert got == {0: "ok", 1: "ok"}
     else:
         assert all("ranks disagree on the step's layout" in m for m in got.values()), got
+
+
+def test_structured_outputs_on_two_ranks(heldout_prompts):
+    """Each rank compiles the request's grammar and applies the frontier rule on the gathered logits: JSON,
+    regex, choice and free requests in one batch, tokens and forwards equal to the reference engine's."""
+    import json
+
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams as SO
+
+    from model_executor.engine import ReferenceEngine
+    from psd_plugin.vllm import compat
+    from test_structured_outputs import CHOICE, MAX_TOKENS, REGEX, SCHEMA, _compiled
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_DLLM))
+    cons = [("json", SCHEMA), ("regex", REGEX), ("choice", CHOICE), (None, None)] * 2
+    prompts = heldout_prompts[: len(cons)]
+    eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
+    ref = eng.generate(prompts, max_tokens=MAX_TOKENS, method="psd",
+                       grammar=[None if k is None else _compiled(tok, eng.spec.vocab_size, k, v) for k, v in cons])
+    llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+              speculative_config={"method": "psd", "decoding": "psd"}, **TP)
+    try:
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
+                                 structured_outputs=None if k is None else SO(**{k: v})) for k, v in cons]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    finally:
+        compat.shutdown(llm)
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        assert list(o.outputs[0].token_ids) == r.token_ids, f"prompt {i} ({cons[i][0]})"
+    json.loads(outs[0].outputs[0].text, strict=False)

@@ -6,7 +6,8 @@
 - The lossless methods stay lossless under the rule: FreeDave and Spiffy equal their base policy under the
   same grammar, token for token, in float64 and float32, in batches mixing requests with and without a grammar
   (and the free ones equal their runs without any grammar in the batch).
-- A grammar request with temperature > 0 samples valid outputs.
+- A grammar request with temperature > 0 samples valid outputs (both engines); 2 tensor-parallel ranks equal the
+  reference engine under the grammar (``test_parallel.py``).
 - The rule's invariant is checked at every commit: a decoder committing out of order fails loudly.
 - vLLM equals the reference engine under each kind of constraint and method; the OpenAI client's
   ``response_format={"type": "json_schema"}`` works on ``psd serve`` (in ``test_server.py``).
@@ -145,9 +146,26 @@ def test_a_commit_out_of_order_fails_loudly(engine, tok, mixed_prompts, monkeypa
         engine.generate(mixed_prompts, max_tokens=MAX_TOKENS, method="confidence", grammar=g, threshold=0.5)
 
 
+def test_an_unmasked_frontier_fails_loudly(engine, tok, mixed_prompts, monkeypatch):
+    """Without the frontier's mask its prediction can be one the grammar rejects: that is an error, never a
+    request that stops making progress."""
+    import sys
+
+    monkeypatch.setattr(sys.modules[ReferenceEngine.__module__], "mask_frontiers", lambda *a: None)
+    g = _compiled(tok, engine.spec.vocab_size, "json", SCHEMA)
+    with pytest.raises(RuntimeError, match="not allowed by the grammar"):
+        engine.generate(mixed_prompts, max_tokens=MAX_TOKENS, method="confidence", grammar=g)
+
+
 def test_refusals(engine, tok):
+    """joint_threshold, logits rules that ban tokens, and bad constraints: clear errors."""
     with pytest.raises(ValueError, match="edits committed tokens"):
         engine.generate([[1, 3, 4]], max_tokens=8, method="joint_threshold",
+                        grammar=_compiled(tok, engine.spec.vocab_size, "regex", "[a-z]+"))
+    from model_executor.decoding import LogitsRules
+
+    with pytest.raises(ValueError, match="allowed_token_ids with a grammar"):
+        engine.generate([[1, 3, 4]], max_tokens=8, rules=LogitsRules(allowed_token_ids=(5, 6)),
                         grammar=_compiled(tok, engine.spec.vocab_size, "regex", "[a-z]+"))
     with pytest.raises(ValueError, match="structured output json"):
         build_grammar("json", "{not json")
@@ -206,7 +224,8 @@ def test_vllm_equals_the_reference_engine_under_each_constraint(in_process_vllm,
 
 def test_vllm_refuses_what_the_rule_cannot_serve(in_process_vllm, mixed_prompts):
     """A 400 naming the field, and the engine keeps serving: joint_threshold edits committed tokens, structural
-    tags are not supported, a schema xgrammar cannot build is refused by vLLM's own check."""
+    tags are not supported, a grammar xgrammar cannot build is refused by vLLM's own check; then sampled
+    requests under a schema are valid."""
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
     from vllm.sampling_params import StructuredOutputsParams as SO
@@ -229,8 +248,16 @@ def test_vllm_refuses_what_the_rule_cannot_serve(in_process_vllm, mixed_prompts)
             llm.generate(p, SamplingParams(max_tokens=8, structured_outputs=SO(structural_tag=tag)), use_tqdm=False)
         with pytest.raises(VLLMValidationError):
             llm.generate(p, SamplingParams(max_tokens=8, structured_outputs=SO(grammar="root ::= (")), use_tqdm=False)
+        with pytest.raises(VLLMValidationError, match="min_tokens with structured outputs"):
+            llm.generate(p, SamplingParams(max_tokens=8, min_tokens=2, structured_outputs=SO(choice=CHOICE)),
+                         use_tqdm=False)
         out = llm.generate(p, SamplingParams(max_tokens=32, temperature=0, structured_outputs=SO(choice=CHOICE)),
                            use_tqdm=False)
         assert out[0].outputs[0].text in CHOICE
+        many = [{"prompt_token_ids": q} for q in mixed_prompts[:8]]  # sampled under the grammar: still valid
+        for o in llm.generate(many, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=5,
+                                                   structured_outputs=SO(json=SCHEMA)), use_tqdm=False):
+            assert o.outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(o.outputs[0].text, strict=False), SCHEMA)
     finally:
         compat.shutdown(llm)

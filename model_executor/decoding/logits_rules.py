@@ -38,6 +38,18 @@ class LogitsRules:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     @property
+    def bans(self) -> str | None:
+        """The first option that sets logits to -inf (what a grammar may need: then no allowed token is left), or
+        None. Structured outputs refuse these (:mod:`model_executor.grammar`)."""
+        if self.allowed_token_ids is not None:
+            return "allowed_token_ids"
+        if self.banned_token_ids:
+            return "bad_words"
+        if self.min_tokens > 0 and self.stop_token_ids:
+            return "min_tokens"
+        return None
+
+    @property
     def active(self) -> bool:
         return bool(self.logit_bias or self.allowed_token_ids is not None or self.banned_token_ids
                     or (self.min_tokens > 0 and self.stop_token_ids) or self.penalized)

@@ -77,6 +77,12 @@ def take_structured_outputs(vllm_config, cfg: DecodeConfig, params) -> None:
     if so.structural_tag is not None:
         raise VLLMValidationError("structured_outputs.structural_tag is not supported by dLLM decoding; use json, "
                                   "regex, choice, grammar or json_object", parameter="structured_outputs.structural_tag")
+    for name, on in (("allowed_token_ids", params.allowed_token_ids is not None), ("bad_words", bool(params.bad_words)),
+                     ("min_tokens", params.min_tokens > 0)):
+        if on:  # the decoders' rule would set the logits of tokens the grammar may need to -inf
+            raise VLLMValidationError(f"{name} with structured outputs: it can ban the only tokens the grammar "
+                                      "allows at a position; use one or the other", parameter=name,
+                                      value=getattr(params, name))
     backend = compat.structured_outputs_backend(so)
     if backend not in (None, "auto", "xgrammar"):
         raise VLLMValidationError(
