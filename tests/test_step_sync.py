@@ -187,3 +187,23 @@ def test_presto_step_reads_the_device_once(step_audit, presto_prompts, temperatu
         del llm
     assert all(o.outputs[0].token_ids for o in outs)
     _check(step_audit, {**PRESTO_ALLOWED, **allowed})
+
+
+def test_dllm_step_under_a_grammar_reads_the_device_once(step_audit, mixed_prompts):
+    """Structured outputs add host work (the matcher, the bitmasks) and uploads, never a device read: the
+    frontier rows' bitmasks go up in one copy, the rule runs on the host predictions."""
+    from vllm import LLM, SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    schema = {"type": "object", "required": ["a"], "properties": {"a": {"enum": ["x", "yy", "zzz"]}}}
+    llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=4,
+              structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+              speculative_config={"method": "psd", "decoding": "psd", "cache": "prefix"})
+    try:
+        prompts = [{"prompt_token_ids": p} for p in mixed_prompts[:6]]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0, structured_outputs=
+                                                    StructuredOutputsParams(json=schema)), use_tqdm=False)
+    finally:
+        del llm
+    assert all(o.outputs[0].text.startswith('{"a":') for o in outs)
+    _check(step_audit, DLLM_ALLOWED)

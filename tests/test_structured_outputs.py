@@ -86,7 +86,7 @@ def test_regex_and_choice_hold(engine, tok, mixed_prompts, method):
 
 
 @pytest.mark.parametrize("family", ("llada", "dream", "sdar", "llada2"))
-@pytest.mark.parametrize("method", ("confidence", "psd", "lopa", "freedave"))
+@pytest.mark.parametrize("method", ("static", "confidence", "localleap", "psd", "lopa", "freedave"))
 def test_random_models_follow_the_schema(tiny_checkpoints, tok, family, method):
     """Random weights answer everything badly: the grammar alone makes the outputs valid."""
     eng = ReferenceEngine.from_pretrained(tiny_checkpoints[family])
