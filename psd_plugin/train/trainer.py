@@ -60,12 +60,22 @@ def _dllm_tensors(prompts, answers, gen_len, eos, pad_to_multiple=8):
     return ids, is_answer
 
 
+def predictions(model, x):
+    """The model's prediction for every position of ``x``: its output there, or, for a format with shifted
+    logits (Dream: an AR model's next-token head kept), its output at the position before (the first position
+    repeats its own, as Dream's code does)."""
+    out = model(x)
+    if model.spec.shift_logits:
+        out = torch.cat([out[:, :1], out[:, :-1]], 1)
+    return out
+
+
 def dllm_loss(model, ids, is_answer, mask_id, generator=None, eps=1e-3):
     B = ids.shape[0]
     t = eps + (1 - eps) * torch.rand(B, 1, generator=generator, device=ids.device)
     masked = (torch.rand(ids.shape, generator=generator, device=ids.device) < t) & is_answer
     x = torch.where(masked, torch.full_like(ids, mask_id), ids)
-    logits = model(x)
+    logits = predictions(model, x)
     ce = F.cross_entropy(logits[masked].float(), ids[masked], reduction="none")
     ans_len = is_answer.sum(1, keepdim=True).expand_as(ids)[masked].float()
     return (ce / t.expand_as(ids)[masked] / ans_len).sum() / B
@@ -97,8 +107,24 @@ def ar_loss(model, prompts, answers, eos, device):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1))
 
 
-def build_model(kind: str, size: str, tok, max_len: int, block: int = 16):
+def build_model(kind: str, size: str, tok, max_len: int, block: int = 16, fmt: str = "llada"):
     hidden, layers, heads, mlp = SIZES[size]
+    if kind == "dllm" and fmt == "dream":
+        from model_executor.models.configs import ArchSpec, DreamConfig
+        from model_executor.models.reference import ReferenceDLLM
+
+        cfg = DreamConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                          num_attention_heads=heads, num_key_value_heads=heads, rope_theta=10000.0, rms_norm_eps=1e-5,
+                          max_position_embeddings=max_len, mask_token_id=tok.mask_token_id,
+                          eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+                          tie_word_embeddings=False, architectures=["DreamModel"])
+        model = ReferenceDLLM(ArchSpec.from_hf_config(cfg))
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if n.endswith(("o.weight", "down.weight")) else 1))
+            elif n.endswith("bias"):
+                torch.nn.init.zeros_(p)
+        return model, cfg
     if kind == "drafter":
         from model_executor.models.configs import ArchSpec, SDARConfig
         from model_executor.models.reference import ReferenceDLLM
@@ -153,7 +179,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="psd train", description=__doc__.splitlines()[0])
     ap.add_argument("--kind", choices=["dllm", "ar", "drafter"], required=True)
     ap.add_argument("--block", type=int, default=16, help="drafter: attention block (SDAR block_size)")
-    ap.add_argument("--init", type=Path, default=None, help="drafter: start from this dLLM checkpoint (same shape)")
+    ap.add_argument("--format", choices=["llada", "dream"], default="llada",
+                    help="dllm: the checkpoint format (dream: shifted logits, Qwen2 names; start it from the AR "
+                         "model with --init, as Dream was made from Qwen2.5)")
+    ap.add_argument("--init", type=Path, default=None,
+                    help="start from this checkpoint of the same shape: a dLLM (drafter), or the AR model (dllm "
+                         "--format dream; its q/k/v biases start at zero)")
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--size", choices=list(SIZES), default="small")
     ap.add_argument("--steps", type=int, default=3000)
@@ -186,13 +217,16 @@ def main(argv=None):
             texts.append(render_prompt(e.prompt) + e.answer + EOS)
         tok = train_tokenizer(texts, args.out)
 
-    model, cfg = build_model(args.kind, args.size, tok, max_len=512, block=args.block)
+    model, cfg = build_model(args.kind, args.size, tok, max_len=512, block=args.block, fmt=args.format)
     if args.init is not None:
         from model_executor.models.reference import ReferenceDLLM
 
         init = ReferenceDLLM.from_pretrained(args.init).state_dict()
-        missing, unexpected = model.load_state_dict(init, strict=False)
-        if unexpected or any("norm" not in m for m in missing):
+        try:
+            missing, unexpected = model.load_state_dict(init, strict=False)
+        except RuntimeError as e:  # a tensor of another shape
+            raise SystemExit(f"--init {args.init}: shapes differ ({str(e).splitlines()[-1].strip()})") from None
+        if unexpected or any("norm" not in m and not m.endswith("bias") for m in missing):
             raise SystemExit(f"--init {args.init}: shapes differ (missing {missing}, unexpected {unexpected})")
     model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -257,7 +291,8 @@ def main(argv=None):
             save_model(args.kind, model, cfg, tok, args.out)
     bar.close()
     info = {"kind": args.kind, "size": args.size, "parameters": n_params, "steps": step, "batch": args.batch,
-            "lr": args.lr, "gen_len": args.gen_len, "init": str(args.init.name) if args.init else None, "seed": args.seed, "device": device,
+            "lr": args.lr, "gen_len": args.gen_len, "format": args.format if args.kind == "dllm" else None,
+            "init": str(args.init.name) if args.init else None, "seed": args.seed, "device": device,
             "wall_time_s": round(time.time() - t0, 1), "tokens_seen": tokens,
             "final_loss": log[-1]["loss"] if log else None, "schedule_restarts": resumes, "tasks": list(TASKS),
             "loss_log": log}
