@@ -108,51 +108,39 @@ def ar_loss(model, prompts, answers, eos, device):
 
 
 def build_model(kind: str, size: str, tok, max_len: int, block: int = 16, fmt: str = "llada"):
+    """A freshly initialised model: the dLLM (LLaDA or Dream format), the SDAR-format drafter (reference models
+    with scaled normal weights, zero biases) or the Llama-format AR model; with its config."""
     hidden, layers, heads, mlp = SIZES[size]
-    if kind == "dllm" and fmt == "dream":
-        from model_executor.models.configs import ArchSpec, DreamConfig
+    ids = dict(mask_token_id=tok.mask_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+               bos_token_id=tok.bos_token_id)
+    qwen = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=heads, rope_theta=10000.0, rms_norm_eps=1e-5,
+                max_position_embeddings=max_len, tie_word_embeddings=False, **ids)
+    cfg = None
+    if kind == "drafter":
+        from model_executor.models.configs import SDARConfig
+
+        cfg = SDARConfig(block_size=block, head_dim=hidden // heads, architectures=["SDARForCausalLM"], **qwen)
+    elif kind == "dllm" and fmt == "dream":
+        from model_executor.models.configs import DreamConfig
+
+        cfg = DreamConfig(architectures=["DreamModel"], **qwen)
+    elif kind == "dllm":
+        from model_executor.models.configs import LLaDAConfig
+
+        cfg = LLaDAConfig(d_model=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads, mlp_hidden_size=mlp,
+                          vocab_size=len(tok), embedding_size=len(tok), rope_theta=10000.0, rms_norm_eps=1e-5,
+                          max_sequence_length=max_len, architectures=["LLaDAModelLM"], **ids)
+    if cfg is not None:
+        from model_executor.models.configs import ArchSpec
         from model_executor.models.reference import ReferenceDLLM
 
-        cfg = DreamConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
-                          num_attention_heads=heads, num_key_value_heads=heads, rope_theta=10000.0, rms_norm_eps=1e-5,
-                          max_position_embeddings=max_len, mask_token_id=tok.mask_token_id,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                          tie_word_embeddings=False, architectures=["DreamModel"])
         model = ReferenceDLLM(ArchSpec.from_hf_config(cfg))
         for n, p in model.named_parameters():
             if p.dim() == 2:
                 torch.nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if n.endswith(("o.weight", "down.weight")) else 1))
             elif n.endswith("bias"):
                 torch.nn.init.zeros_(p)
-        return model, cfg
-    if kind == "drafter":
-        from model_executor.models.configs import ArchSpec, SDARConfig
-        from model_executor.models.reference import ReferenceDLLM
-
-        cfg = SDARConfig(block_size=block, vocab_size=len(tok), hidden_size=hidden, intermediate_size=mlp,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         head_dim=hidden // heads, rope_theta=10000.0, rms_norm_eps=1e-5,
-                         max_position_embeddings=max_len, mask_token_id=tok.mask_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
-                         tie_word_embeddings=False, architectures=["SDARForCausalLM"])
-        model = ReferenceDLLM(ArchSpec.from_hf_config(cfg))
-        for n, p in model.named_parameters():
-            if p.dim() == 2:
-                torch.nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if n.endswith(("o.weight", "down.weight")) else 1))
-        return model, cfg
-    if kind == "dllm":
-        from model_executor.models.configs import ArchSpec, LLaDAConfig
-        from model_executor.models.reference import ReferenceDLLM
-
-        cfg = LLaDAConfig(d_model=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads, mlp_hidden_size=mlp,
-                          vocab_size=len(tok), embedding_size=len(tok), rope_theta=10000.0, rms_norm_eps=1e-5,
-                          max_sequence_length=max_len, mask_token_id=tok.mask_token_id,
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-                          bos_token_id=tok.bos_token_id, architectures=["LLaDAModelLM"])
-        model = ReferenceDLLM(ArchSpec.from_hf_config(cfg))
-        for n, p in model.named_parameters():
-            if p.dim() == 2:
-                torch.nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if n.endswith(("o.weight", "down.weight")) else 1))
         return model, cfg
     from transformers import LlamaConfig, LlamaForCausalLM
 
