@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from model_executor.engine import ReferenceEngine  # noqa: E402
-from model_executor.grammar import GrammarFrontier, build_grammar, compile_grammar, tokenizer_info  # noqa: E402
+from model_executor.grammar import build_grammar, compile_grammar, tokenizer_info  # noqa: E402
 from psd_plugin import DEFAULT_DLLM, default_graph  # noqa: E402
 from psd_plugin.evaluate import encode, load  # noqa: E402
 from psd_plugin.train.tasks import TASKS, load_heldout  # noqa: E402
@@ -57,20 +57,10 @@ def main():
     info = tokenizer_info(tok, engine.spec.vocab_size)
     g = compile_grammar(build_grammar("json", SCHEMA, any_whitespace=False), info)
     text = compile_grammar(build_grammar("regex", TEXT), info)
-    counters = {"forced": 0, "rejected": 0}
-    init = GrammarFrontier.__init__
-
-    def counting_init(self, *args, **kw):  # the grammar's counters, summed over requests
-        init(self, *args, **kw)
-        counters_of.append(self)
-
-    counters_of: list = []
-    GrammarFrontier.__init__ = counting_init
     rows = []
     for name, knobs in methods(a.model):
         row = {"method": name, "prompts": len(prompts)}
         for label, grammar in (("free", None), ("text", text), ("json", g)):
-            counters_of.clear()
             res = engine.generate(prompts, max_tokens=a.max_tokens, method=name, grammar=grammar, **knobs)
             tokens, nfe = sum(len(r.token_ids) for r in res), sum(r.nfe for r in res)
             row[f"{label}_tpf"] = round(tokens / nfe, 3)
@@ -89,8 +79,8 @@ def main():
                     except ValueError:
                         pass
                 row["json_valid"] = f"{ok}/{len(res)}"
-                for k in counters:
-                    row[k] = sum(getattr(f, k) for f in counters_of)
+                for k in ("forced", "rejected"):  # the grammar's counters (request stats)
+                    row[k] = sum(r.stats.get(f"grammar_{k}", 0) for r in res)
         rows.append(row)
         print(row, flush=True)
     out = Path(a.out)

@@ -235,6 +235,8 @@ class DLLMRequest:
         block = self.dec.state
         self.tokens[b0:b1] = block
         self.stats = merge_stats([self.stats, self.dec.stats()])  # method counters summed over blocks
+        if self.grammar is not None:  # the grammar's counters run over the whole request
+            self.stats.update(self.grammar.stats())
         out = block.tolist()
         eos = self.eos_id in out
         self.emitted += out.index(self.eos_id) + 1 if eos else len(out)

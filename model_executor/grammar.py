@@ -137,9 +137,9 @@ class GrammarFrontier:
     def new_block(self) -> None:
         self.front = 0
 
-    @property
-    def terminated(self) -> bool:
-        return self.matcher.is_terminated()
+    def stats(self) -> dict:
+        """Counters over every canvas the rule read (the request's ``stats``)."""
+        return {"grammar_forced": self.forced, "grammar_rejected": self.rejected}
 
     def _walk(self, canvas: list[int]) -> _Walk:
         """Accept ``canvas``'s decided positions from :attr:`front` up to its first undecided one (the caller
