@@ -39,11 +39,12 @@ def calibrate_graph(engine, prompts: list[list[int]], *, model_name: str, policy
 
 
 def default_calibration_prompts(n: int, seed: int = 12345) -> list[str]:
-    """``n`` prompts from the training distribution (never the held-out split), tasks interleaved."""
-    from .train.tasks import load_heldout, training_stream
+    """``n`` prompts of the short tasks from the training distribution (never the held-out split), tasks
+    interleaved (the draft graphs are calibrated at the short tasks' 32-token budget)."""
+    from .train.tasks import TASKS, load_heldout, training_stream
 
     held = {r["prompt"] for r in load_heldout()}
-    stream = training_stream(seed, held)
+    stream = training_stream(seed, held, TASKS)
     return [next(stream).prompt for _ in range(n)]
 
 

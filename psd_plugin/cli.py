@@ -291,10 +291,10 @@ def cmd_demo(args) -> int:
 
 def cmd_eval(args) -> int:
     from .evaluate import evaluate
-    from .train.tasks import TASKS, load_heldout
+    from .train.tasks import ALL_TASKS, load_heldout
 
-    if args.task != "all" and args.task not in TASKS:
-        raise UsageError(f"--task {args.task!r}; allowed: all, {', '.join(TASKS)}")
+    if args.task != "all" and args.task not in ALL_TASKS:
+        raise UsageError(f"--task {args.task!r}; allowed: all, {', '.join(ALL_TASKS)}")
     if args.limit is not None and args.limit <= 0:
         raise UsageError(f"--limit must be > 0 (got {args.limit})")
     engine, tok, kw, method = _setup(args)

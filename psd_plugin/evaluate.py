@@ -11,7 +11,7 @@ import torch
 
 from model_executor.decoding import merge_stats
 
-from .train.tasks import grade
+from .train.tasks import answer_budget, grade
 from .tokenizer import render_prompt
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
@@ -63,10 +63,19 @@ def decode_answer(tok, token_ids: list[int]) -> str:
 
 
 def evaluate(engine, tok, rows: list[dict], **gen_kwargs) -> dict:
-    """Accuracy per task, mean TPF and NFE (PSD appendix B.1 counting) over ``rows`` of the held-out split."""
+    """Accuracy per task, mean TPF and NFE (PSD appendix B.1 counting) over ``rows`` of the held-out split.
+
+    ``max_tokens`` in ``gen_kwargs`` is the short tasks' budget; a long task runs with at least its own
+    (:func:`~psd_plugin.train.tasks.answer_budget`)."""
     prompts = [encode(tok, r["prompt"]) for r in rows]
+    budgets = [answer_budget(r["task"]) for r in rows]
+    results: list = [None] * len(rows)
     t0 = time.perf_counter()
-    results = engine.generate(prompts, **gen_kwargs)
+    for budget in sorted(set(budgets)):  # a long task gets its budget (at least), the short ones max_tokens
+        idx = [i for i, b in enumerate(budgets) if b == budget]
+        kw = {**gen_kwargs, "max_tokens": max(gen_kwargs.get("max_tokens", budget), budget)}
+        for i, res in zip(idx, engine.generate([prompts[i] for i in idx], **kw)):
+            results[i] = res
     seconds = time.perf_counter() - t0
     per_task: dict[str, list[bool]] = defaultdict(list)
     tokens = nfe = 0

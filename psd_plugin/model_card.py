@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from .evaluate import evaluate, is_dllm, load
-from .train.tasks import HELDOUT_SIZE, TASKS, load_heldout
+from .train.tasks import ALL_TASKS, HELDOUT_SIZE, LONG_TASKS, SHORT_BUDGET, TASKS, answer_budget, load_heldout
 
 DLLM_RUNS = {"static": {"method": "static"}, "confidence": {"method": "confidence", "threshold": 0.9}}
 
@@ -22,38 +22,59 @@ def main(argv=None):
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--cache", choices=["prefix", "dual"], default="prefix", help="dLLM cache mode")
     args = ap.parse_args(argv)
     engine, tok = load(args.model)
-    rows = load_heldout()
     training = json.loads((args.model / "training.json").read_text())
+    rows = [r for r in load_heldout() if r["task"] in training.get("tasks", TASKS)]
     training.pop("loss_log", None)
     dllm = is_dllm(args.model)
     evals = {}
     if dllm:
         for name, kw in DLLM_RUNS.items():
-            evals[name] = evaluate(engine, tok, rows, max_tokens=args.max_tokens, block_size=args.block_size, **kw)
+            evals[name] = evaluate(engine, tok, rows, max_tokens=args.max_tokens, block_size=args.block_size,
+                                   cache=args.cache, **kw)
             print(name, json.dumps(evals[name]))
     else:
         evals["greedy"] = evaluate(engine, tok, rows, max_tokens=args.max_tokens)
         print("greedy", json.dumps(evals["greedy"]))
+    for r in evals.values():
+        short = [r["accuracy"][t] for t in TASKS if t in r["accuracy"]]
+        r["short_mean_accuracy"] = round(sum(short) / max(1, len(short)), 4)
     card = {"training": training, "eval": {"max_tokens": args.max_tokens, "block_size": args.block_size if dllm else None,
-                                           "dtype": "float32", "engine": "reference", "results": evals}}
+                                           "cache": args.cache if dllm else None, "dtype": "float32",
+                                           "engine": "reference", "results": evals}}
     (args.model / "card.json").write_text(json.dumps(card, indent=1))
     (args.model / "README.md").write_text(render(args.model.name, dllm, training, card["eval"]))
 
 
+FORMATS = {"llada": "LLaDA (`model_type: llada`, `LLaDAModelLM`)",
+           "dream": "Dream (`model_type: Dream`, `DreamModel`: Qwen2 tensor names, shifted predictions)",
+           None: "Llama (`LlamaForCausalLM`)"}
+
+
 def render(name: str, dllm: bool, t: dict, ev: dict) -> str:
-    fmt = "LLaDA (`model_type: llada`, `LLaDAModelLM`)" if dllm else "Llama (`LlamaForCausalLM`)"
-    obj = ("LLaDA SFT objective: answer tokens (answer + EOS padding to 32) masked with probability t ~ U(0,1], "
-           "cross-entropy on masked positions weighted by 1/t" if dllm else "next-token cross-entropy on answer + EOS")
+    fmt = FORMATS[(t.get("format") or "llada") if dllm else None]
+    tasks = [x for x in ALL_TASKS if x in t.get("tasks", TASKS)]
+    budgets = ", ".join(f"{'the long ones' if b > SHORT_BUDGET else 'the short tasks'} to {b}"
+                        for b in sorted({answer_budget(x) for x in tasks}))
+    obj = (f"LLaDA SFT objective: answer tokens (answer + EOS padding: {budgets}) masked with probability "
+           "t ~ U(0,1], cross-entropy on masked positions weighted by 1/t"
+           + ("; each position predicted from the output before it (Dream's shift)" if t.get("format") == "dream"
+              else "") if dllm else "next-token cross-entropy on answer + EOS")
+    long = [x for x in tasks if x in LONG_TASKS]
+    stages = t.get("stages", [])
     lines = [f"# {name}", "",
              f"A {t['parameters'] / 1e6:.2f}M-parameter {'masked-diffusion' if dllm else 'autoregressive'} model in the "
              f"{fmt} checkpoint format, trained by psd-plugin (`psd train --kind {t['kind']}`) on its generated task "
              "corpus. It exists so that decoding methods can be measured on a model whose confidences mean something; "
              "it is not a general language model.", "",
              "## Training", "",
-             f"- data: the seven generated tasks ({', '.join(TASKS)}), uniformly mixed, chat template applied; "
-             f"the {HELDOUT_SIZE}-item-per-task held-out split never seen",
+             f"- data: {len(tasks)} generated tasks ({', '.join(tasks)}"
+             + (f"; long answers: {', '.join(long)}" if long else "")
+             + f"), uniformly mixed, chat template applied; the {HELDOUT_SIZE}-item-per-task held-out split never seen",
+             *(f"- {s}" for s in stages),
+             *([f"- initialised from `{t['init']}`"] if t.get("init") else []),
              f"- objective: {obj}",
              f"- steps {t['steps']}, batch {t['batch']}, peak lr {t['lr']}, seed {t['seed']}, "
              f"{t['tokens_seen'] / 1e6:.1f}M tokens, device {t['device']}",
@@ -61,13 +82,17 @@ def render(name: str, dllm: bool, t: dict, ev: dict) -> str:
              + ("".join(f"; schedule restarted at step {r['at_step']} (cosine over {r['steps']} steps)"
                         for r in t.get("schedule_restarts", []))), "",
              f"## Held-out accuracy (reference engine, float32, max_tokens {ev['max_tokens']}"
-             + (f", block {ev['block_size']})" if dllm else ")"), "",
-             "| method | " + " | ".join(TASKS) + " | mean | TPF | NFE/sample |",
-             "|---" * (len(TASKS) + 4) + "|"]
+             + (f", long tasks {max(answer_budget(x) for x in long)}" if long else "")
+             + (f", block {ev['block_size']}, {ev.get('cache') or 'prefix'} cache)" if dllm else ")"), "",
+             "| method | " + " | ".join(tasks) + " | mean" + (" (short)" if long else "") + " | "
+             + ("mean (all) | " if long else "") + "TPF | NFE/sample |",
+             "|---" * (len(tasks) + 4 + bool(long)) + "|"]
     for m, r in ev["results"].items():
         label = {"confidence": "confidence τ=0.9"}.get(m, m)
-        lines.append(f"| {label} | " + " | ".join(f"{100 * r['accuracy'][k]:.1f}" for k in TASKS)
-                     + f" | {100 * r['mean_accuracy']:.1f} | {r['tpf']:.2f} | {r['nfe_per_sample']:.1f} |")
+        lines.append(f"| {label} | " + " | ".join(f"{100 * r['accuracy'][k]:.1f}" for k in tasks)
+                     + f" | {100 * r.get('short_mean_accuracy', r['mean_accuracy']):.1f} | "
+                     + (f"{100 * r['mean_accuracy']:.1f} | " if long else "")
+                     + f"{r['tpf']:.2f} | {r['nfe_per_sample']:.1f} |")
     cmd = ("`psd eval --model PATH --method static` (and `--method confidence`)" if dllm
            else "`psd eval --model PATH --method ar`")
     lines += ["", f"Reproduce: {cmd}.", ""]

@@ -1,4 +1,5 @@
 import random
+import re
 
 import pytest
 
@@ -9,7 +10,7 @@ def test_heldout_file_is_the_seeded_split():
     shipped = tasks.load_heldout()
     regenerated = [e.to_json() for e in tasks.make_heldout()]
     assert shipped == regenerated
-    for t in tasks.TASKS:
+    for t in tasks.ALL_TASKS:
         rows = tasks.load_heldout(t)
         assert len(rows) == tasks.HELDOUT_SIZE
         assert len({r["prompt"] for r in rows}) == len(rows)
@@ -20,13 +21,17 @@ def test_training_stream_never_yields_heldout_prompts():
     stream = tasks.training_stream(0, held)
     seen = [next(stream) for _ in range(3000)]
     assert not any(e.prompt in held for e in seen)
-    assert {e.task for e in seen} == set(tasks.TASKS)
+    assert {e.task for e in seen} == set(tasks.ALL_TASKS)
+    short = tasks.training_stream(0, held, tasks.TASKS)
+    assert {next(short).task for _ in range(500)} == set(tasks.TASKS)
+    with pytest.raises(ValueError, match="unknown task"):
+        next(tasks.training_stream(0, held, ("sort", "nope")))
 
 
 def test_graders_accept_reference_answers_and_reject_wrong_ones():
     rows = tasks.load_heldout()
     rng = random.Random(0)
-    for t in tasks.TASKS:
+    for t in tasks.ALL_TASKS:
         sample = rng.sample([r for r in rows if r["task"] == t], 5)
         for r in sample:
             assert tasks.grade(r, r["answer"]), r
@@ -52,3 +57,21 @@ def test_python_grader_runs_asserts_with_timeout():
 def test_unknown_task_is_named():
     with pytest.raises(ValueError, match="unknown task 'nope'; allowed: all, sort"):
         tasks.load_heldout("nope")
+
+
+def test_the_long_family_has_several_block_answers_from_short_prompts():
+    from transformers import AutoTokenizer
+
+    from psd_plugin import DEFAULT_AR
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))
+    rows = tasks.load_heldout("count")
+    n = [len(tok(r["answer"], add_special_tokens=False).input_ids) for r in rows]
+    assert 64 <= min(n) and max(n) + 1 <= tasks.answer_budget("count") == 256
+    assert sum(n) / len(n) > 120 and tasks.answer_budget("sort") == 32
+    r = rows[0]
+    assert tasks.grade(r, r["answer"] + "\n")
+    assert not tasks.grade(r, r["answer"].replace("\n", " "))  # the lines are graded, not just the letters
+    a, b, step = (int(x) for x in re.findall(r"\d+", r["prompt"]))
+    assert r["answer"].split() == [str(x) for x in range(a, b + 1, step)]
+    assert all(len(line.split()) == 10 for line in r["answer"].splitlines()[:-1])

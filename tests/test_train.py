@@ -35,3 +35,39 @@ def test_training_writes_a_dream_checkpoint(tmp_path):
     with pytest.raises(SystemExit, match="shapes differ"):  # a tiny model cannot start from the small AR model
         main(["--kind", "dllm", "--format", "dream", "--size", "tiny", "--steps", "1", "--batch", "2",
               "--init", str(DEFAULT_AR), "--tokenizer", str(DEFAULT_DLLM), "--out", str(tmp_path / "bad")])
+
+
+def test_a_batch_goes_through_the_model_by_answer_region():
+    """Short rows are padded to their own region, never to a long row's 256: at inference a short answer's
+    canvas has nothing after it, and bidirectional attention would see the padding."""
+    from transformers import AutoTokenizer
+
+    from psd_plugin.train.trainer import _batch, _dllm_tensors, by_region
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))
+    prompts, answers, row_tasks = _batch(3, 0, 32, tok, set())
+    assert "count" in row_tasks and len(set(row_tasks)) > 2
+    groups = by_region(row_tasks, 32)
+    assert [r for r, _ in groups] == [32, 256]
+    assert sorted(i for _, rows in groups for i in rows) == list(range(32))
+    assert all((row_tasks[i] == "count") == (region == 256) for region, rows in groups for i in rows)
+    short = groups[0][1]
+    ids, is_answer = _dllm_tensors([prompts[i] for i in short], [answers[i] for i in short], 32, tok.eos_token_id)
+    assert ids.shape[1] <= max(len(prompts[i]) for i in short) + 32 + 7
+    assert ids.shape[1] < 256
+
+
+def test_a_second_stage_continues_a_model_and_records_the_first(tmp_path):
+    import json
+
+    from psd_plugin.train.trainer import main
+
+    common = ["--size", "tiny", "--batch", "4", "--tokenizer", str(DEFAULT_DLLM)]
+    main(["--kind", "ar", "--steps", "1", "--tasks", "sort,reverse", *common, "--out", str(tmp_path / "a")])
+    first = json.loads((tmp_path / "a" / "training.json").read_text())
+    assert first["tasks"] == ["sort", "reverse"] and first["stages"] == []
+    main(["--kind", "ar", "--steps", "1", "--init", str(tmp_path / "a"), *common, "--out", str(tmp_path / "b")])
+    second = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert "count" in second["tasks"] and "on sort, reverse" in second["stages"][0]
+    with pytest.raises(SystemExit):
+        main(["--kind", "ar", "--steps", "1", "--tasks", "sort,nope", *common, "--out", str(tmp_path / "c")])

@@ -5,6 +5,11 @@ few-million-parameter model can learn them on a CPU, and so that output position
 other (a sorted list, a reversed list, a carried digit, a function body): committing many tokens in
 one forward can break them, which is what parallel decoders have to get right.
 
+Two families: the short tasks (answers of about 5-8 tokens, one block) and the long ones (``LONG_TASKS``:
+answers of 64-256 tokens, several blocks, from a short prompt), so that block decoding, caches and drafts
+are measured where they matter. ``answer_budget(task)`` is the generation budget a task is evaluated and
+trained with.
+
 The held-out split is fixed: ``HELDOUT_SEED`` generates ``HELDOUT_SIZE`` distinct prompts per task,
 shipped as ``psd_plugin/data/heldout.jsonl``; the training stream skips every held-out prompt.
 """
@@ -126,6 +131,17 @@ def gen_python(rng: random.Random) -> Example:
     return Example("python", prompt, f"def {name}({arg}):\n    return {body}", tests)
 
 
+def gen_count(rng: random.Random) -> Example:
+    """Count from ``a`` to ``b`` in steps of ``s``: a short prompt, an answer of 64-256 tokens (a token per digit
+    and per space) where the digits carry and the count must stop at ``b``; a line break every ten numbers."""
+    s = rng.choice([1, 2, 3, 5, 10])
+    a = rng.randint(10, 300)
+    n = rng.randint(22, 60)
+    xs = [a + s * i for i in range(n)]
+    lines = [_fmt(xs[i:i + 10]) for i in range(0, n, 10)]
+    return Example("count", f"Count from {a} to {xs[-1]} in steps of {s}.", "\n".join(lines))
+
+
 GENERATORS: dict[str, Callable[[random.Random], Example]] = {
     "sort": gen_sort,
     "reverse": gen_reverse,
@@ -134,8 +150,17 @@ GENERATORS: dict[str, Callable[[random.Random], Example]] = {
     "lookup": gen_lookup,
     "arith": gen_arith,
     "python": gen_python,
+    "count": gen_count,  # the long family: new tasks go last, so the held-out items of earlier ones stay put
 }
-TASKS = tuple(GENERATORS)
+LONG_TASKS = ("count",)
+TASKS = tuple(t for t in GENERATORS if t not in LONG_TASKS)  # the short tasks (32-token budget)
+ALL_TASKS = tuple(GENERATORS)
+SHORT_BUDGET, LONG_BUDGET = 32, 256
+
+
+def answer_budget(task: str) -> int:
+    """Tokens a task's answer may take (answer + EOS fits): 32 for the short tasks, 256 for the long ones."""
+    return LONG_BUDGET if task in LONG_TASKS else SHORT_BUDGET
 
 
 # ---------------------------------------------------------------------------------------- graders
@@ -182,6 +207,8 @@ def grade(example: dict | Example, output: str) -> bool:
         return extract_number(output) == extract_number(ex["answer"])
     if task == "python":
         return run_python_tests(output, ex.get("tests", ()))
+    if task == "count":  # line by line, each line exact
+        return [_norm(x) for x in output.strip().splitlines()] == [_norm(x) for x in ex["answer"].splitlines()]
     return _norm(output) == _norm(ex["answer"])
 
 
@@ -205,16 +232,20 @@ def load_heldout(task: str | None = None) -> list[dict]:
     text = resources.files("psd_plugin").joinpath("data/heldout.jsonl").read_text()
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     if task is not None and task != "all":
-        if task not in TASKS:
-            raise ValueError(f"unknown task {task!r}; allowed: all, {', '.join(TASKS)}")
+        if task not in ALL_TASKS:
+            raise ValueError(f"unknown task {task!r}; allowed: all, {', '.join(ALL_TASKS)}")
         rows = [r for r in rows if r["task"] == task]
     return rows
 
 
-def training_stream(seed: int, exclude: set[str]):
-    """An endless, reproducible stream of training examples, tasks interleaved uniformly."""
+def training_stream(seed: int, exclude: set[str], tasks: tuple[str, ...] = ALL_TASKS):
+    """An endless, reproducible stream of training examples of ``tasks``, interleaved uniformly (the models
+    shipped before the long family were trained on ``TASKS``, the short ones)."""
+    unknown = [t for t in tasks if t not in GENERATORS]
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; allowed: {', '.join(ALL_TASKS)}")
     rng = random.Random(seed)
-    gens = list(GENERATORS.values())
+    gens = [GENERATORS[t] for t in tasks]
     while True:
         ex = rng.choice(gens)(rng)
         if ex.prompt not in exclude:

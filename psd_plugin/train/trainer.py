@@ -7,7 +7,7 @@ batch of step ``s`` is generated from ``seed + s``, so a resumed run sees exactl
 
 Objectives:
 - dLLM (LLaDA SFT, Nie et al. 2025 Eq. 5): the prompt stays clean; each answer token (answer plus EOS
-  padding to ``--gen-len``) is masked with probability ``t ~ U(eps, 1]``; loss = cross-entropy on masked
+  padding to ``--gen-len``, or to the task's budget for a long task: 256) is masked with probability ``t ~ U(eps, 1]``; loss = cross-entropy on masked
   positions weighted by ``1/t``, normalised by the answer length, averaged over the batch.
 - AR: next-token cross-entropy on the answer and its EOS.
 - drafter (SDAR format, block-causal attention of ``--block`` tokens aligned to absolute positions): as the
@@ -16,6 +16,10 @@ Objectives:
   the rest of the current block and the next block, masked, behind the accepted context (a choice: SDAR's
   own recipe trains against clean context only; drafting one block ahead needs the noisy case too).
   ``--init DIR`` starts from a dLLM checkpoint of the same shape (q/k norms start at one).
+- ``--init`` also continues a model of the same kind (a second stage on another task mix, ``--tasks``).
+
+Rows of one batch with different answer regions (short and long tasks) go through the model as separate
+forwards, each padded to its own length: a short row never attends to a long row's padding, as at inference.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .tasks import TASKS, load_heldout, training_stream
+from .tasks import ALL_TASKS, answer_budget, load_heldout, training_stream
 from ..tokenizer import EOS, render_prompt, train_tokenizer
 
 SIZES = {  # name: (hidden, layers, heads, mlp)
@@ -39,12 +43,19 @@ SIZES = {  # name: (hidden, layers, heads, mlp)
 }
 
 
-def _batch(step: int, seed: int, batch: int, tok, exclude: set[str]):
-    stream = training_stream(seed * 100003 + step, exclude)
+def _batch(step: int, seed: int, batch: int, tok, exclude: set[str], tasks=ALL_TASKS):
+    stream = training_stream(seed * 100003 + step, exclude, tasks)
     exs = [next(stream) for _ in range(batch)]
     prompts = [tok(render_prompt(e.prompt), add_special_tokens=False).input_ids for e in exs]
     answers = [tok(e.answer, add_special_tokens=False).input_ids for e in exs]
-    return prompts, answers
+    return prompts, answers, [e.task for e in exs]
+
+
+def by_region(row_tasks: list[str], gen_len: int) -> list[tuple[int, list[int]]]:
+    """The rows of a batch grouped by answer region (``gen_len``, or a long task's budget): ``(region, rows)``
+    in increasing region order; each group is one forward, padded to its own length."""
+    regions = [max(gen_len, answer_budget(t)) for t in row_tasks]
+    return [(r, [i for i, x in enumerate(regions) if x == r]) for r in sorted(set(regions))]
 
 
 def _dllm_tensors(prompts, answers, gen_len, eos, pad_to_multiple=8):
@@ -183,7 +194,13 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--save-every", type=int, default=250)
     ap.add_argument("--tokenizer", type=Path, default=None, help="reuse this tokenizer (default: train one)")
+    ap.add_argument("--tasks", default=",".join(ALL_TASKS),
+                    help=f"comma-separated tasks to train on (default: all, {','.join(ALL_TASKS)})")
     args = ap.parse_args(argv)
+    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
+    bad = [t for t in tasks if t not in ALL_TASKS]
+    if bad or not tasks:
+        ap.error(f"--tasks: unknown {bad or 'empty'}; allowed: {', '.join(ALL_TASKS)}")
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
@@ -198,7 +215,7 @@ def main(argv=None):
 
         tok = AutoTokenizer.from_pretrained(str(args.tokenizer))
     else:
-        stream = training_stream(10**9 + args.seed, exclude)
+        stream = training_stream(10**9 + args.seed, exclude, tasks)
         texts = []
         for _ in range(20000):
             e = next(stream)
@@ -206,7 +223,12 @@ def main(argv=None):
         tok = train_tokenizer(texts, args.out)
 
     model, cfg = build_model(args.kind, args.size, tok, max_len=512, block=args.block, fmt=args.format)
-    if args.init is not None:
+    if args.init is not None and args.kind == "ar":
+        from transformers import LlamaForCausalLM
+
+        model = LlamaForCausalLM.from_pretrained(str(args.init), dtype=torch.float32)
+        cfg = model.config
+    elif args.init is not None:
         from model_executor.models.reference import ReferenceDLLM
 
         init = ReferenceDLLM.from_pretrained(args.init).state_dict()
@@ -248,20 +270,27 @@ def main(argv=None):
     model.train()
     ema = None
     while step < args.steps:
-        prompts, answers = _batch(step, args.seed, args.batch, tok, exclude)
+        prompts, answers, row_tasks = _batch(step, args.seed, args.batch, tok, exclude, tasks)
         gen.manual_seed(args.seed * 7919 + step)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         if args.kind in ("dllm", "drafter"):
-            ids, is_answer = _dllm_tensors(prompts, answers, args.gen_len, tok.eos_token_id)
-            ids, is_answer = ids.to(device), is_answer.to(device)
-            if args.kind == "dllm":
-                loss = dllm_loss(model, ids, is_answer, tok.mask_token_id, gen)
-            else:
-                loss = drafter_loss(model, ids, is_answer, tok.mask_token_id, args.block, gen)
-            tokens += ids.numel()
+            loss = 0.0
+            for region, rows in by_region(row_tasks, args.gen_len):  # one forward each (module docstring)
+                ids, is_answer = _dllm_tensors([prompts[i] for i in rows], [answers[i] for i in rows], region,
+                                               tok.eos_token_id)
+                ids, is_answer = ids.to(device), is_answer.to(device)
+                if args.kind == "dllm":
+                    part = dllm_loss(model, ids, is_answer, tok.mask_token_id, gen)
+                else:
+                    part = drafter_loss(model, ids, is_answer, tok.mask_token_id, args.block, gen)
+                loss = loss + part * (len(rows) / len(row_tasks))
+                tokens += ids.numel()
         else:
-            loss = ar_loss(model, prompts, answers, tok.eos_token_id, device)
+            loss = 0.0
+            for _, rows in by_region(row_tasks, 0):  # short rows are not padded to a long row's length
+                part = ar_loss(model, [prompts[i] for i in rows], [answers[i] for i in rows], tok.eos_token_id, device)
+                loss = loss + part * (len(rows) / len(row_tasks))
             tokens += sum(len(p) + len(a) + 1 for p, a in zip(prompts, answers))
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -278,11 +307,19 @@ def main(argv=None):
                         "wall": time.time() - t0, "resumes": resumes}, state_file)
             save_model(args.kind, model, cfg, tok, args.out)
     bar.close()
+    stages = []  # what the --init checkpoint went through, from its training record
+    if args.init is not None and (args.init / "training.json").exists():
+        it = json.loads((args.init / "training.json").read_text())
+        stages = it.get("stages", []) + [
+            f"earlier stage: {it['steps']} steps of `psd train --kind {it['kind']}`"
+            + (f" --format {it['format']}" if it.get("format") else "")
+            + f" on {', '.join(it.get('tasks', []))} (batch {it['batch']}, lr {it['lr']}, "
+            f"{it['wall_time_s'] / 60:.0f} min" + (f", from {it['init']}" if it.get("init") else "") + ")"]
     info = {"kind": args.kind, "size": args.size, "parameters": n_params, "steps": step, "batch": args.batch,
             "lr": args.lr, "gen_len": args.gen_len, "format": args.format if args.kind == "dllm" else None,
-            "init": str(args.init.name) if args.init else None, "seed": args.seed, "device": device,
+            "init": str(args.init.name) if args.init else None, "stages": stages, "seed": args.seed, "device": device,
             "wall_time_s": round(time.time() - t0, 1), "tokens_seen": tokens,
-            "final_loss": log[-1]["loss"] if log else None, "schedule_restarts": resumes, "tasks": list(TASKS),
+            "final_loss": log[-1]["loss"] if log else None, "schedule_restarts": resumes, "tasks": list(tasks),
             "loss_log": log}
     (args.out / "training.json").write_text(json.dumps(info, indent=1))
     print(json.dumps({k: v for k, v in info.items() if k != "loss_log"}))
