@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 
 from .block_schedule import cached_after_step, kept_suffix, plan_blocks, window
-from .decoding import BlockDecoder, Proposal, RowPredictions, merge_stats
-from .grammar import GrammarFrontier
+from .decoding import BlockDecoder, Proposal, RowPredictions, apply_rules, logits_map, merge_stats, predict_rows
+from .grammar import GrammarFrontier, constrain_rows, mask_frontiers
 
 
 @dataclass
@@ -304,6 +304,25 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], pr
         r, ki = requests[i], ks[i]
         alts = dict(zip(map(int, row[2: 2 + ki]), row[2 + k: 2 + k + ki])) if ki > 0 else {}
         r.logprobs[r.block[0] + pos - r.prompt_len] = (tok, row[0], alts, int(row[1]))
+
+
+def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests: list[DLLMRequest],
+                     steps: list[DLLMStep], firsts: list[list[int]], ruled: list | None = None) -> RowPredictions:
+    """What the decoders read of one forward's ``logits`` (the ``kept`` rows), both engines alike: the requests'
+    rules applied (``ruled``: :func:`~model_executor.decoding.apply_rules`'s jobs), structured outputs'
+    frontier rule (grammar masks before the top-1, the running-min constraint after), and the top-1 of every
+    kept row computed once (:func:`~model_executor.decoding.predict_rows`; the mask token is never a
+    prediction). ``requests``, ``steps``, ``firsts`` (each canvas's first prediction row): the step's requests."""
+    at = logits_map(kept)
+    if ruled:
+        apply_rules(logits, ruled, at)
+    jobs = grammar_jobs(requests, steps, firsts)
+    if jobs:
+        mask_frontiers(logits, jobs, at)
+    preds = predict_rows(logits, mask_id=mask_id, kept=kept)
+    if jobs:
+        constrain_rows(preds.tokens, preds.conf, jobs)
+    return preds
 
 
 def grammar_jobs(requests: list[DLLMRequest], steps: list[DLLMStep], firsts: list[list[int]]) -> list:

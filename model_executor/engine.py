@@ -41,9 +41,9 @@ from attention_backends.step_batch import StepBatch, build_step_batch
 import msgspec
 
 from .decode_config import ConfigError, DecodeConfig, DecodeKnobs, resolve
-from .decoding import BlockDecoder, LogitsRules, apply_rules, logits_map, predict_rows, propose_all, update_all
-from .dllm_request import DLLMRequest, grammar_jobs, record_logprobs
-from .grammar import GrammarFrontier, constrain_rows, mask_frontiers
+from .decoding import BlockDecoder, LogitsRules, propose_all, update_all
+from .dllm_request import DLLMRequest, record_logprobs, step_predictions
+from .grammar import GrammarFrontier
 from .models.reference import ReferenceDLLM
 from .outputs import GenerationResult
 
@@ -159,16 +159,9 @@ class ReferenceEngine:
         self.step_time["forward_seconds"] += time.perf_counter() - t0
         self.step_time["steps"] += 1
         firsts = batch.canvas_rows
-        if rules is not None:
-            apply_rules(logits, [(rules, f[0], st.num_canvases, st.block_len, st.b0 - r.prompt_len, r.history)
-                                 for f, st, (_, r) in zip(firsts, steps, live)], logits_map(kept))
-        jobs = grammar_jobs([r for _, r in live], steps, firsts)  # structured outputs: the frontier rule
-        if jobs:
-            mask_frontiers(logits, jobs, logits_map(kept))
-        # once for every canvas of every request; the mask token is never a prediction
-        preds = predict_rows(logits, mask_id=self.spec.mask_token_id, kept=kept)
-        if jobs:
-            constrain_rows(preds.tokens, preds.conf, jobs)
+        ruled = None if rules is None else [(rules, f[0], st.num_canvases, st.block_len, st.b0 - r.prompt_len,
+                                             r.history) for f, st, (_, r) in zip(firsts, steps, live)]
+        preds = step_predictions(logits, kept, self.spec.mask_token_id, [r for _, r in live], steps, firsts, ruled)
         before = [r.dec.state.clone() for _, r in live] if logprobs is not None else None
         update_all([r.dec for _, r in live], proposals, preds, firsts)  # a method at a time
         if before is not None:  # under the state canvas's distribution (rules applied, mask excluded)

@@ -39,10 +39,9 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from attention_backends.step_batch import Rows, StepBatch, build_step_batch
-from model_executor.decoding import (LogitsRules, apply_rules, logits_map, merge_stats, predict_rows, propose_all,
-                                     update_all)
-from model_executor.dllm_request import DLLMRequest, grammar_jobs, record_logprobs
-from model_executor.grammar import GrammarFrontier, compile_grammar, constrain_rows, mask_frontiers, tokenizer_info
+from model_executor.decoding import LogitsRules, merge_stats, predict_rows, propose_all, update_all
+from model_executor.dllm_request import DLLMRequest, record_logprobs, step_predictions
+from model_executor.grammar import GrammarFrontier, compile_grammar, tokenizer_info
 from model_executor.models.configs import ArchSpec
 
 from . import compat
@@ -249,18 +248,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         ruled = [(s.rules, canvas_rows[i][0], st.num_canvases, st.block_len, st.b0 - s.req.prompt_len, s.req.history)
                  for i, s in self._stepping.items() if s.rules is not None and not (st := steps[i]).rebuild]
         logits = logits[: int(self._kept.sum())]  # past them: vLLM's one row when the step keeps none
-        at = logits_map(self._kept)
-        if ruled:  # the request's logit bias, allowed / banned tokens and min_tokens, as the reference engine
-            apply_rules(logits, ruled, at)
-        decoding = [i for i, st in steps.items() if not st.rebuild]
-        jobs = grammar_jobs([self._stepping[i].req for i in decoding], [steps[i] for i in decoding],
-                            [canvas_rows[i] for i in decoding])  # structured outputs: the frontier rule
-        if jobs:
-            mask_frontiers(logits, jobs, at)
-        # once for every kept row of every canvas of every request (a rebuild's logits are not for the decoder)
-        preds = predict_rows(logits, mask_id=self.spec.mask_token_id, kept=self._kept)
-        if jobs:
-            constrain_rows(preds.tokens, preds.conf, jobs)
+        decoding = [i for i, st in steps.items() if not st.rebuild]  # a rebuild's logits are not for the decoder
+        # rules, grammar and the top-1 of every kept row, as the reference engine (one function for both)
+        preds = step_predictions(logits, self._kept, self.spec.mask_token_id, [self._stepping[i].req for i in decoding],
+                                 [steps[i] for i in decoding], [canvas_rows[i] for i in decoding], ruled)
         want_lp = {i: k for i in decoding if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
         before = {i: self._served(req_ids[i]).req.dec.state.clone() for i in want_lp}
         update_all([self._stepping[i].req.dec for i in decoding], [steps[i].proposal for i in decoding],
