@@ -45,12 +45,16 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     dtype = getattr(torch, args.dtype)
-    _, tok = load(DEFAULT_DLLM)
+    methods = args.methods.split(",")
+    dllm_methods = [m for m in methods if m != "presto"]
+    _, tok = load(DEFAULT_DLLM if dllm_methods else DEFAULT_AR)  # one tokenizer for the embedded models
     prompts = [encode(tok, r["prompt"]) for t in TASKS for r in load_heldout(t)[: args.limit]]
-    dllm = ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=dtype, device=args.device,
-                                           attention_backend=args.backend)
+    dllm = eng = None
+    if dllm_methods:
+        dllm = ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=dtype, device=args.device,
+                                               attention_backend=args.backend)
     runs = {}
-    for method in args.methods.split(","):
+    for method in methods:
         t0 = time.perf_counter()
         if method == "presto":
             eng = PrestoEngine.from_pretrained(DEFAULT_AR, DEFAULT_DRAFTER, default_ngram(DEFAULT_DRAFTER), dtype=dtype,
@@ -64,7 +68,7 @@ def main() -> None:
         dt = time.perf_counter() - t0
         runs[method] = {"tokens": [r.token_ids for r in res], "nfe": [r.nfe for r in res], "seconds": dt}
         print(f"{method:<16} NFE {sum(runs[method]['nfe']):5d}  {dt:6.2f} s", flush=True)
-    report = {"device": args.device, "dtype": args.dtype, "backend": args.backend,
+    report = {"device": args.device, "dtype": args.dtype, "backend": (dllm or eng).attn.name,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
               "prompts": len(prompts), "runs": runs}
     if args.compare:
@@ -83,7 +87,8 @@ def main() -> None:
                   f"NFE {sum(run['nfe'])} vs {sum(o['nfe'])}", flush=True)
         report["compared_with"] = {"device": other["device"], "dtype": other["dtype"], "methods": agree}
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"reference_{args.device.split(':')[0]}_{args.dtype}.json"
+    backend = "" if args.backend == "auto" else f"_{args.backend}"
+    out = args.out / f"reference_{args.device.split(':')[0]}_{args.dtype}{backend}.json"
     out.write_text(json.dumps(report))
     print(f"wrote {out}")
 

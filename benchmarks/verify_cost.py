@@ -39,15 +39,20 @@ DRAFTS = (0, 1, 3, 7, 15)
 
 
 def verify_inputs(model: ReferenceDLLM, batch: int, prefix: int, window: int, canvases: int, shared: bool,
-                  page: int = 16, seed: int = 0):
-    """Token ids, positions, plan and a filled cache for one verification forward (module docstring)."""
+                  page: int = 16, seed: int = 0, cache: PagedKVCache | None = None):
+    """Token ids, positions, plan and a filled cache for one verification forward (module docstring); ``cache``:
+    one made for the same ``batch``, ``prefix`` and ``window`` to reuse (filling a large one costs more than
+    the forwards)."""
     s = model.spec
     p = next(model.parameters())
     g = torch.Generator().manual_seed(seed)
-    cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, [prefix + window] * batch, page, p.dtype, p.device)
-    for kc, vc in cache.layers:  # a random prefix: only its layout matters for the cost
-        kc.copy_(torch.randn(kc.shape, generator=g))
-        vc.copy_(torch.randn(vc.shape, generator=g))
+    if cache is None:
+        cache = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, [prefix + window] * batch, page, p.dtype,
+                             p.device)
+        fill = torch.Generator(device=p.device).manual_seed(seed)
+        for kc, vc in cache.layers:  # a random prefix, drawn where the cache is: only its layout matters
+            kc.normal_(generator=fill)
+            vc.normal_(generator=fill)
     n = batch * canvases * window
     ids = torch.randint(3, s.vocab_size, (n,), generator=g, device="cpu").to(p.device)
     pos = torch.arange(prefix, prefix + window).repeat(batch * canvases).to(p.device)
@@ -58,9 +63,69 @@ def verify_inputs(model: ReferenceDLLM, batch: int, prefix: int, window: int, ca
     else:  # each canvas a request of its own, reading its sequence's prefix pages
         qo = seg
         table = cache.block_table.repeat_interleave(canvases, 0)
-    plan = AttentionPlan(qo, torch.full((qo.numel() - 1,), prefix), table, page, kind=s.attention, seg_indptr=seg,
+    plan = AttentionPlan(qo, torch.full((qo.numel() - 1,), prefix), table, cache.page_size, kind=s.attention,
+                         seg_indptr=seg,
                          positions=pos.cpu(), block_size=s.attention_block)
     return ids, pos, plan, cache
+
+
+def llada_8b_spec():
+    """LLaDA-8B's shape (32 layers, hidden 4096, 32 heads, MLP 12288, vocabulary 126464)."""
+    from model_executor.models.configs import ArchSpec
+
+    return ArchSpec("llada", 4096, 32, 32, 32, 128, 12288, 126464, 500000.0, 1e-5, 4096, 126336, 126081,
+                    False, False, False, "bidirectional", None, False)
+
+
+def random_model(spec, dtype: torch.dtype, device) -> ReferenceDLLM:
+    """A model of ``spec`` with random weights, made directly in ``dtype`` on ``device``."""
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return ReferenceDLLM(spec).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def captured(fn):
+    """``fn`` captured in a CUDA graph after three warm-up runs on a side stream: returns ``(replay, output)``. On
+    the CPU (dry runs) ``fn`` itself is the replay."""
+    if not torch.cuda.is_available():
+        return fn, None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph.replay, out
+
+
+def forward_ms(model: ReferenceDLLM, ids, pos, plan, cache, attn, reps: int, sync, graph: bool = False) -> float:
+    """Median milliseconds of one forward: eager (plan included, as the reference engines run it) or, with
+    ``graph``, the replay of a CUDA graph captured for this step with FlashInfer in CUDA-graph mode (the GPU's time
+    without the host's launch overhead, as a served step with CUDA graphs)."""
+    if not graph:
+        return median_ms(lambda: model.forward_paged(ids, pos, plan, cache, attn), reps, sync)
+    from attention_backends.flashinfer_backend import FlashInferPrefixAttention, GraphShape
+
+    s = model.spec
+    p = next(model.parameters())
+    for workspace in (512 << 20, 2 << 30, 8 << 30):  # FlashInfer says when its split-KV buffers need more
+        g_attn = FlashInferPrefixAttention(p.device, workspace_bytes=workspace, graph=GraphShape.of(plan))
+        try:
+            g_attn.plan(plan, s.num_heads, s.num_kv_heads, s.head_dim, p.dtype)
+            break
+        except RuntimeError as e:
+            if "workspace" not in str(e) or workspace == 8 << 30:
+                raise
+            print(f"FlashInfer workspace {workspace >> 20} MB too small for {plan.num_tokens} rows: {e}", flush=True)
+    with torch.no_grad():
+        replay, _ = captured(lambda: model.forward_planned(ids, pos, cache, g_attn))
+        return median_ms(replay, reps, sync)
 
 
 def median_ms(forward, reps: int, sync) -> float:
@@ -91,8 +156,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--batches", default="1,8", help="requests per forward")
     ap.add_argument("--prefixes", default="64,448")
-    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--window", default="32", help="new rows per canvas, a comma list: the block alone (the dual "
+                    "cache's forward) or the block plus the masks after it (the prefix cache's)")
+    ap.add_argument("--max-rows", type=int, default=1 << 30, help="skip forwards of more rows (reported as skipped)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--graph", action="store_true", help="time CUDA-graph replays (FlashInfer in CUDA-graph mode) "
+                    "instead of eager forwards")
     ap.add_argument("--ar", action="store_true", help="also time the AR baseline (Llama-8B shape with --shape "
                     "llada-8b) and print predicted tokens/s per method")
     ap.add_argument("--tpf", default="confidence:1.98:1,psd:2.77:4",
@@ -102,41 +171,48 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     if args.shape == "llada-8b":
-        from model_executor.models.configs import ArchSpec
-
-        spec = ArchSpec("llada", 4096, 32, 32, 32, 128, 12288, 126464, 500000.0, 1e-5, 4096, 126336, 126081,
-                        False, False, False, "bidirectional", None, False)
-        torch.set_default_dtype(dtype)
-        with torch.device(args.device):
-            model = ReferenceDLLM(spec).eval()
-        torch.set_default_dtype(torch.float32)
+        model = random_model(llada_8b_spec(), dtype, args.device)
     else:
         model = ReferenceDLLM.from_pretrained(args.model, dtype=dtype, device=args.device)
     attn = make_backend(args.backend, args.device, dtype)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    rows = []
-    for batch, prefix in [(b, p) for b in map(int, args.batches.split(",")) for p in map(int, args.prefixes.split(","))]:
-        base = {}
-        for k in DRAFTS:
-            row = {"batch": batch, "prefix": prefix, "drafts": k}
-            for layout in ("shared", "expanded"):
-                ids, pos, plan, cache = verify_inputs(model, batch, prefix, args.window, k + 1, layout == "shared")
-                ms = median_ms(lambda: model.forward_paged(ids, pos, plan, cache, attn), args.reps, sync)
-                base.setdefault(layout, ms)
-                row[f"{layout}_ms"] = round(ms, 3)
-                row[f"{layout}_vs_k0"] = round(ms / base[layout], 2)
-            row["expanded_over_shared"] = round(row["expanded_ms"] / row["shared_ms"], 2)
-            rows.append(row)
-            print(row, flush=True)
+    rows, skipped = [], []
+    windows = [int(w) for w in str(args.window).split(",")]
+    for window in windows:
+        for batch, prefix in [(b, p) for b in map(int, args.batches.split(",")) for p in map(int, args.prefixes.split(","))]:
+            base, cache = {}, None
+            for k in DRAFTS:
+                if batch * (k + 1) * window > args.max_rows:
+                    skipped.append({"window": window, "batch": batch, "prefix": prefix, "drafts": k})
+                    continue
+                row = {"window": window, "batch": batch, "prefix": prefix, "drafts": k,
+                       "rows": batch * (k + 1) * window}
+                for layout in ("shared", "expanded"):
+                    ids, pos, plan, cache = verify_inputs(model, batch, prefix, window, k + 1, layout == "shared",
+                                                          cache=cache)
+                    ms = forward_ms(model, ids, pos, plan, cache, attn, args.reps, sync, args.graph)
+                    base.setdefault(layout, ms)
+                    row[f"{layout}_ms"] = round(ms, 3)
+                    row[f"{layout}_vs_k0"] = round(ms / base[layout], 2)
+                row["expanded_over_shared"] = round(row["expanded_ms"] / row["shared_ms"], 2)
+                rows.append(row)
+                print(row, flush=True)
+            del cache
     ar_rows = ar_cost(args, dtype, sync) if args.ar else []
-    meta = {"model": Path(args.model).name if args.shape == "checkpoint" else "LLaDA-8B shape, random", "backend": attn.name, "device": args.device, "dtype": args.dtype,
-            "window": args.window, "reps": args.reps, "threads": torch.get_num_threads()}
+    meta = {"model": Path(args.model).name if args.shape == "checkpoint" else "LLaDA-8B shape, random",
+            "backend": attn.name, "device": args.device, "dtype": args.dtype, "window": args.window, "reps": args.reps,
+            "threads": torch.get_num_threads(), "timing": "CUDA-graph replay" if args.graph else "eager, plan included"}
     if args.device.startswith("cuda"):
         meta["gpu"] = torch.cuda.get_device_name()
     args.out.mkdir(parents=True, exist_ok=True)
     name = "verify_cost" if args.device == "cpu" else f"verify_cost_{args.device.split(':')[0]}_{args.shape}"
-    (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows, "ar": ar_rows}, indent=1))
-    text = render(meta, rows) + (render_ar(rows, ar_rows, args.tpf) if ar_rows else "")
+    name += "_graph" if args.graph else ""
+    (args.out / f"{name}.json").write_text(json.dumps({"meta": meta, "rows": rows, "ar": ar_rows,
+                                                       "skipped": skipped}, indent=1))
+    text = render(meta, rows) + bends(rows) + (render_ar([r for r in rows if r["window"] == windows[0]], ar_rows,
+                                                         args.tpf) if ar_rows else "")
+    if skipped:
+        text += f"\nSkipped (over --max-rows {args.max_rows} rows): {skipped}\n"
     (args.out / f"{name}.md").write_text(text)
     print(text)
 
@@ -153,17 +229,14 @@ def ar_cost(args, dtype, sync) -> list[dict]:
                                         "num_attention_heads": 32, "num_key_value_heads": 8,
                                         "intermediate_size": 14336, "vocab_size": 128256, "rope_theta": 500000.0,
                                         "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "eos_token_id": 2})
-        torch.set_default_dtype(dtype)
-        with torch.device(args.device):
-            model = ReferenceDLLM(spec).eval()
-        torch.set_default_dtype(torch.float32)
+        model = random_model(spec, dtype, args.device)
     else:
         model = ReferenceDLLM.from_pretrained(DEFAULT_AR, dtype=dtype, device=args.device)
     attn = make_backend(args.backend, args.device, dtype)
     out = []
     for batch, prefix in [(b, p) for b in map(int, args.batches.split(",")) for p in map(int, args.prefixes.split(","))]:
         ids, pos, plan, cache = verify_inputs(model, batch, prefix, 1, 1, True)
-        ms = median_ms(lambda: model.forward_paged(ids, pos, plan, cache, attn), args.reps, sync)
+        ms = forward_ms(model, ids, pos, plan, cache, attn, args.reps, sync, args.graph)
         out.append({"batch": batch, "prefix": prefix, "ar_ms": round(ms, 3)})
         print(out[-1], flush=True)
     del model
@@ -188,12 +261,37 @@ def render_ar(rows: list[dict], ar_rows: list[dict], tpf: str) -> str:
 
 
 def render(meta: dict, rows: list[dict]) -> str:
-    lines = [f"{meta['model']}, {meta['backend']} backend, {meta['device']}, {meta['dtype']}, window {meta['window']} "
-             f"tokens per canvas, {meta['threads']} thread(s), median of {meta['reps']} forwards",
-             "", "| batch | prefix | drafts K | shared ms | shared vs K=0 | expanded ms | expanded vs K=0 | expanded / shared |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['prefix']} | {r['drafts']} | {r['shared_ms']:.2f} | {r['shared_vs_k0']:.2f}x | "
-              f"{r['expanded_ms']:.2f} | {r['expanded_vs_k0']:.2f}x | {r['expanded_over_shared']:.2f} |" for r in rows]
+    gpu = f" ({meta['gpu']})" if meta.get("gpu") else ""
+    lines = [f"{meta['model']}, {meta['backend']} backend, {meta['device']}{gpu}, {meta['dtype']}, window "
+             f"{meta['window']} tokens per canvas, {meta['threads']} thread(s), median of {meta['reps']} forwards "
+             f"({meta.get('timing', 'eager, plan included')})",
+             "", "| window | batch | prefix | drafts K | rows | shared ms | shared vs K=0 | expanded ms | expanded vs K=0 | "
+             "expanded / shared |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['window']} | {r['batch']} | {r['prefix']} | {r['drafts']} | {r['rows']} | {r['shared_ms']:.2f} | "
+              f"{r['shared_vs_k0']:.2f}x | {r['expanded_ms']:.2f} | {r['expanded_vs_k0']:.2f}x | "
+              f"{r['expanded_over_shared']:.2f} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def bends(rows: list[dict]) -> str:
+    """Where the cost curve bends, per window, batch and prefix (shared layout): the most drafts that cost at most
+    10% over one canvas (memory-bound: rows nearly free), the first K that costs 1.5x or more, and the time per
+    row at the largest K against K = 0 (compute-bound: time grows with rows)."""
+    lines = ["", "Where the curve bends (shared layout; free = at most +10% over K = 0):", "",
+             "| window | batch | prefix | K=3 vs K=0 | most drafts within +10% | first K at >= 1.5x | rows there |",
+             "|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["window"], r["batch"], r["prefix"]) for r in rows})
+    for w, b, p in keys:
+        rs = sorted((r for r in rows if (r["window"], r["batch"], r["prefix"]) == (w, b, p)), key=lambda r: r["drafts"])
+        free = 0
+        for r in rs:  # the drafts up to which every K stays within +10%
+            if r["shared_vs_k0"] > 1.10:
+                break
+            free = r["drafts"]
+        steep = next((r for r in rs if r["shared_vs_k0"] >= 1.5), None)
+        k3 = next((f"{r['shared_vs_k0']:.2f}x" for r in rs if r["drafts"] == 3), "")
+        lines.append(f"| {w} | {b} | {p} | {k3} | {free} | {steep['drafts'] if steep else '-'} | "
+                     f"{steep['rows'] if steep else '-'} |")
     return "\n".join(lines) + "\n"
 
 

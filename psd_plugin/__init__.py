@@ -52,16 +52,24 @@ def claim_model_executor() -> None:
     import sys
 
     ours = Path(__file__).resolve().parents[1] / "model_executor"
-    mod = sys.modules.get("model_executor")
-    if mod is not None and Path(getattr(mod, "__file__", None) or "/").resolve().parent != ours:
-        del sys.modules["model_executor"]
-    import model_executor
 
-    for info in pkgutil.walk_packages(model_executor.__path__, "model_executor."):
+    def reclaim():
+        mod = sys.modules.get("model_executor")
+        if mod is not None and Path(getattr(mod, "__file__", None) or "/").resolve().parent != ours:
+            del sys.modules["model_executor"]
+        import model_executor
+
+        return model_executor
+
+    # A submodule's own imports can touch vLLM's loader and bring the alias back mid-walk (on CUDA platforms,
+    # loading model_executor.models.vllm_models does): take the name back before every import.
+    for info in pkgutil.walk_packages(reclaim().__path__, "model_executor."):
+        reclaim()
         try:
             importlib.import_module(info.name)
         except ImportError:
             pass
+    reclaim()
 
 
 claim_model_executor()

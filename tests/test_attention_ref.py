@@ -19,15 +19,21 @@ from attention_backends.torch_backend import KERNELS, TorchPrefixAttention
 KINDS = ["bidirectional", "causal", "block_causal", "custom"]
 
 
-def _case(seed, kind, H=4, Hkv=2, D=16, page=4, dtype=torch.float64, device="cpu", suffix=False):
+def _case(seed, kind, H=4, Hkv=2, D=16, page=4, dtype=torch.float64, device="cpu", suffix=False, fixed=False):
     """A random batch: requests with prefixes on shuffled pages, each request's rows cut into segments;
-    ``suffix``: each request also has a cached suffix (0 to 9 positions) after its rows' positions."""
+    ``suffix``: each request also has a cached suffix (0 to 9 positions) after its rows' positions. ``fixed``:
+    one step shape for every seed (3 requests, all with a prefix, segments of 3, 5 | 4 | 2, 6, 1 rows, suffixes
+    of 1 to 9 positions) whose prefix lengths, pages, masks and values change with the seed (CUDA-graph mode)."""
     g = torch.Generator().manual_seed(seed)
-    R = int(torch.randint(1, 6, (1,), generator=g))
-    prefix_lens = torch.randint(0, 20, (R,), generator=g)
-    prefix_lens[0] = 0  # always a request without a prefix
-    segs_per_req = [int(torch.randint(1, 5, (1,), generator=g)) for _ in range(R)]
-    seg_lens = [int(torch.randint(1, 9, (1,), generator=g)) for _ in range(sum(segs_per_req))]
+    if fixed:
+        R, segs_per_req, seg_lens = 3, [2, 1, 3], [3, 5, 4, 2, 6, 1]
+        prefix_lens = torch.randint(1, 20, (R,), generator=g)
+    else:
+        R = int(torch.randint(1, 6, (1,), generator=g))
+        prefix_lens = torch.randint(0, 20, (R,), generator=g)
+        prefix_lens[0] = 0  # always a request without a prefix
+        segs_per_req = [int(torch.randint(1, 5, (1,), generator=g)) for _ in range(R)]
+        seg_lens = [int(torch.randint(1, 9, (1,), generator=g)) for _ in range(sum(segs_per_req))]
     seg_indptr = torch.tensor(np.cumsum([0] + seg_lens))
     qo, i = [0], 0
     for n in segs_per_req:
@@ -36,7 +42,7 @@ def _case(seed, kind, H=4, Hkv=2, D=16, page=4, dtype=torch.float64, device="cpu
     suffix_starts = suffix_lens = None
     end = prefix_lens
     if suffix:
-        suffix_lens = torch.randint(0, 10, (R,), generator=g)
+        suffix_lens = torch.randint(1 if fixed else 0, 10, (R,), generator=g)
         suffix_starts = prefix_lens + torch.tensor(qo).diff() + torch.randint(0, 3, (R,), generator=g)
         end = suffix_starts + suffix_lens
     num_pages = int(((end + page - 1) // page).sum()) + 3
@@ -362,6 +368,111 @@ def test_flashinfer_planning_against_its_cpu_stand_in(fake_flashinfer, kind, suf
                     inp = lambda t: torch.empty_like(t).index_copy_(0, rows, t)  # noqa: E731
                     got = fi.run(inp(q), inp(k), inp(v), k_cache, v_cache)[rows]
                 assert torch.allclose(got.double(), want, atol=2e-2, rtol=2e-2), (kind, (H, Hkv, D, page), seed)
+
+
+def test_flashinfer_kernel_choice(fake_flashinfer):
+    """FA2 by default for every wrapper (one kernel family for every mask kind: FA3 takes no custom mask); a
+    kernel FlashInfer's prefill does not have here is refused naming the allowed ones."""
+    from attention_backends.flashinfer_backend import FlashInferPrefixAttention
+
+    fi = FlashInferPrefixAttention("cpu", workspace_bytes=16)
+    assert fi.paged._backend == fi.ragged(True)._backend == fi.ragged(False)._backend == "fa2"
+    assert FlashInferPrefixAttention("cpu", workspace_bytes=16, kernel="auto").ragged(False)._backend == "auto"
+    with pytest.raises(ValueError, match="flashinfer kernel 'cudnn'; allowed: fa2, auto, fa3"):
+        FlashInferPrefixAttention("cpu", kernel="cudnn")
+
+
+def _graph_steps(kind, suffix, device, dtype, geom, seeds=range(4)):
+    """Steps of one fixed shape (``_case(fixed=True)``) with the :class:`GraphShape` that holds them all."""
+    from attention_backends.flashinfer_backend import GraphShape
+
+    H, Hkv, D, page = geom
+    steps = [_case(seed, kind, H, Hkv, D, page, dtype, device, suffix=suffix, fixed=True) for seed in seeds]
+    shapes = [GraphShape.of(s[0]) for s in steps]
+    assert len({(s.segments, s.paged) for s in shapes}) == 1
+    shape = GraphShape(shapes[0].segments, shapes[0].paged, max(s.page_indices for s in shapes),
+                       max(s.mask_bytes for s in shapes))
+    return steps, shape
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("suffix", [False, True])
+def test_flashinfer_graph_mode_plans_into_persistent_buffers(fake_flashinfer, kind, suffix):
+    """CUDA-graph mode over the CPU stand-in: steps of one shape planned one after another land in the same
+    buffers (FlashInfer's index buffers, the mask offsets, the row maps: the addresses a captured graph reads),
+    each run equals the oracle, and a step of another layout is refused instead of replaying a stale one."""
+    from attention_backends.flashinfer_backend import FlashInferPrefixAttention
+
+    H, Hkv, D, page = geom = (8, 2, 16, 4)
+    steps, shape = _graph_steps(kind, suffix, "cpu", torch.bfloat16, geom)
+    fi = FlashInferPrefixAttention("cpu", workspace_bytes=16, graph=shape)
+    addresses = None
+    for i, (plan, q, k, v, kc, vc) in enumerate(steps):
+        rows = torch.randperm(q.shape[0], generator=torch.Generator().manual_seed(i))
+        fi.plan(plan, H, Hkv, D, torch.bfloat16, rows=rows)
+        ragged = fi.ragged_run
+        bufs = [ragged._qo_indptr_buf, ragged._kv_indptr_buf, fi.paged._qo_indptr_buf, fi.paged._paged_kv_indices_buf,
+                fi.rows, fi.perm, fi.inv] + ([ragged._mask_indptr_buf, ragged._custom_mask_buf] if fi.masked else [])
+        now = [t.data_ptr() for t in bufs]
+        assert addresses is None or now == addresses, "a graph-mode plan must reuse the captured buffers"
+        addresses = now
+        inp = lambda t: torch.empty_like(t).index_copy_(0, rows, t)  # noqa: E731
+        got = fi.run(inp(q), inp(k), inp(v), kc, vc)[rows]
+        want = _oracle(plan, q, k, v, kc, vc, D ** -0.5)
+        assert torch.allclose(got.double(), want, atol=2e-2, rtol=2e-2), (kind, i)
+    other = _case(9, kind, H, Hkv, D, page, torch.bfloat16, suffix=suffix)[0]  # another shape
+    with pytest.raises(ValueError, match="CUDA-graph mode|batch size should be fixed"):
+        fi.plan(other, H, Hkv, D, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("suffix", [False, True])
+def test_flashinfer_graph_mode_replays_later_steps(kind, suffix):
+    """FlashInfer in CUDA-graph mode: ``run`` captured on one step and replayed on later steps of the same shape
+    (other prefix lengths, pages, masks, row order and values; only the plan and the inputs' contents change)
+    equals the oracle each time, and equals the same plan run without capture bit for bit."""
+    pytest.importorskip("flashinfer")
+    from attention_backends.flashinfer_backend import FlashInferPrefixAttention
+
+    dtype = torch.bfloat16
+    H, Hkv, D, page = geom = (8, 2, 128, 16)
+    steps, shape = _graph_steps(kind, suffix, "cuda", dtype, geom)
+    fi = FlashInferPrefixAttention("cuda", graph=shape)
+    T = steps[0][1].shape[0]
+    pages = max(s[4].shape[0] for s in steps)
+    q, k, v = (torch.zeros(T, h, D, dtype=dtype, device="cuda") for h in (H, Hkv, Hkv))
+    kc, vc = (torch.zeros(pages, page, Hkv, D, dtype=dtype, device="cuda") for _ in range(2))
+
+    def load(i):
+        plan, q_i, k_i, v_i, kc_i, vc_i = steps[i]
+        rows = torch.randperm(T, generator=torch.Generator().manual_seed(i))
+        fi.plan(plan, H, Hkv, D, dtype, rows=rows)
+        r = rows.cuda()
+        for dst, src in ((q, q_i), (k, k_i), (v, v_i)):
+            dst.index_copy_(0, r, src)
+        kc[: kc_i.shape[0]].copy_(kc_i)
+        vc[: vc_i.shape[0]].copy_(vc_i)
+        return plan, r
+
+    load(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fi.run(q, k, v, kc, vc)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fi.run(q, k, v, kc, vc)
+    for i in range(len(steps)):
+        plan, r = load(i)
+        graph.replay()
+        got = out.clone()
+        assert torch.equal(got, fi.run(q, k, v, kc, vc)), (kind, i)
+        _, q_i, k_i, v_i, kc_i, vc_i = steps[i]
+        want = _oracle(plan, q_i, k_i, v_i, kc_i, vc_i, D ** -0.5)
+        assert torch.allclose(got[r].double().cpu(), want, atol=2e-2, rtol=2e-2), (kind, i)
 
 
 @pytest.mark.gpu

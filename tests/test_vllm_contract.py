@@ -277,3 +277,45 @@ def test_overridden_vllm_methods_are_listed():
                                (PrestoScheduler, Scheduler, compat.SCHEDULER_HOOKS)):
         overridden = {n for n, v in vars(ours).items() if callable(v) and hasattr(base, n) and n != "__init__"}
         assert overridden <= set(listed), f"{ours.__name__} overrides unlisted {sorted(overridden - set(listed))}"
+
+
+def test_model_executor_is_taken_back_when_vllms_alias_returns_mid_walk(monkeypatch):
+    """vLLM's ``LazyLoader("model_executor", ...)`` stores its quantization package as ``sys.modules["model_executor"]``
+    when first touched. On a CUDA platform (seen on an H200 with vLLM's sources on torch 2.11) a submodule's own
+    imports touch it while ``claim_model_executor`` walks this package, and every later submodule failed to
+    import (``No module named 'model_executor.presto_round'`` when the engine built its worker). The claim takes
+    the name back before each import: all submodules load, and the name is ours at the end."""
+    import sys
+    import types
+
+    import psd_plugin
+
+    ours = ROOT / "model_executor" / "__init__.py"
+    saved = {n: m for n, m in sys.modules.items() if n == "model_executor" or n.startswith("model_executor.")}
+    impostor = types.ModuleType("model_executor")
+    impostor.__file__ = "/vllm/model_executor/layers/quantization/__init__.py"
+    real_import = importlib.import_module
+    seen = []
+
+    def import_module(name, package=None):
+        mod = real_import(name, package)
+        if name.startswith("model_executor.") and not seen:
+            seen.append(name)
+            sys.modules["model_executor"] = impostor  # the alias comes back after the first submodule
+        return mod
+
+    for name in saved:
+        del sys.modules[name]
+    monkeypatch.setattr(importlib, "import_module", import_module)
+    try:
+        psd_plugin.claim_model_executor()
+        assert seen, "the walk imported nothing"
+        loaded = {n for n in sys.modules if n.startswith("model_executor.")}
+        assert {"model_executor.presto_round", "model_executor.presto_engine", "model_executor.typed_files",
+                "model_executor.models.vllm_models"} <= loaded
+        assert Path(sys.modules["model_executor"].__file__).resolve() == ours.resolve()
+    finally:
+        monkeypatch.undo()
+        for name in [n for n in sys.modules if n == "model_executor" or n.startswith("model_executor.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)

@@ -285,6 +285,17 @@ class ReferenceDLLM(nn.Module):
             kw["rows"], order = order, None
         attn.plan(plan, s.num_heads, s.num_kv_heads, s.head_dim, x.dtype, device=x.device, **kw)
         order = None if order is None else order.to(x.device)
+        return self.forward_planned(input_ids, positions, cache, attn, write, logits_rows, order, x)
+
+    def forward_planned(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: PagedKVCache,
+                        attn: PrefixAttention, write: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        logits_rows: torch.Tensor | None = None, order: torch.Tensor | None = None,
+                        x: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward_paged` after ``attn`` was planned: device work only (no host reads, no allocation the
+        inputs' shapes do not fix), so with ``input_ids``, ``positions``, ``write``, ``logits_rows`` and
+        ``order`` in persistent device buffers it can be captured in a CUDA graph and replayed after the next
+        step's plan (``benchmarks/cuda_graph_step.py``)."""
+        x = self.embed(input_ids) if x is None else x
         cos, sin = self._rope(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer.forward_paged(i, x, cos, sin, attn, cache, write, order)

@@ -10,7 +10,10 @@ offsets, the row maps) runs against the oracle without CUDA. It keeps the behavi
   ``_custom_mask_buf`` in place (its run then applies it);
 - the paged kernel reads each cache tensor through its page, token and head strides with the head dimension
   contiguous, and the equal-stride FA2 primary needs K and V to have the same strides (``batch_prefill_paged.cuh``);
-- log-sum-exps are base 2 and ``merge_state`` merges them as such.
+- log-sum-exps are base 2 and ``merge_state`` merges them as such;
+- CUDA-graph mode (``use_cuda_graph=True`` with index buffers given at construction): ``plan`` checks the fixed
+  batch size and copies into those buffers (the page indices and the packed mask into their leading part), and
+  ``run`` reads the buffers, as the kernels a captured graph replays do.
 
 Not a kernel: float32 loops over batch entries.
 """
@@ -41,10 +44,17 @@ def _attend(q, k, v, mask, scale):
 
 
 class BatchPrefillWithRaggedKVCacheWrapper:
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", **_):
-        assert kv_layout == "NHD"
-        self.device = float_workspace_buffer.device
-        self._custom_mask_buf = self._mask_indptr_buf = None
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 kv_indptr_buf=None, custom_mask_buf=None, mask_indptr_buf=None, backend="auto", **_):
+        assert kv_layout == "NHD" and backend in ("auto", "fa2", "fa3")
+        self.device, self._backend = float_workspace_buffer.device, backend
+        self._use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:
+            assert torch.is_tensor(qo_indptr_buf) and torch.is_tensor(kv_indptr_buf)
+            assert len(kv_indptr_buf) == len(qo_indptr_buf)
+            self._fixed_batch_size = len(qo_indptr_buf) - 1
+        self._qo_indptr_buf, self._kv_indptr_buf = qo_indptr_buf, kv_indptr_buf
+        self._custom_mask_buf, self._mask_indptr_buf = custom_mask_buf, mask_indptr_buf
 
     def plan(self, qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo=None,
              custom_mask=None, packed_custom_mask=None, causal=False, sm_scale=None, q_data_type="float16",
@@ -54,19 +64,29 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             mask_indptr = torch.zeros_like(qo_indptr)
             mask_indptr[1:] = torch.cumsum((qo_indptr[1:] - qo_indptr[:-1]) * (kv_indptr[1:] - kv_indptr[:-1]), 0)
         assert custom_mask is None, "the backend packs its masks on the host"
-        self._qo = qo_indptr.to("cpu").long()
-        self._kv = kv_indptr.to("cpu").long()
-        if packed_custom_mask is not None:  # no else: an unmasked plan keeps the previous mask (0.7.0.post1)
-            self._custom_mask_buf = packed_custom_mask.to(self.device)
-            self._mask_indptr_buf = mask_indptr.to(self.device)
+        if self._use_cuda_graph:
+            if len(qo_indptr) - 1 != self._fixed_batch_size:
+                raise ValueError("The batch size should be fixed in cudagraph mode")
+            self._qo_indptr_buf.copy_(qo_indptr)
+            self._kv_indptr_buf.copy_(kv_indptr)
+            if packed_custom_mask is not None:
+                assert torch.is_tensor(self._custom_mask_buf) and torch.is_tensor(self._mask_indptr_buf)
+                self._custom_mask_buf[: len(packed_custom_mask)].copy_(packed_custom_mask)
+                self._mask_indptr_buf.copy_(mask_indptr)
+        else:
+            self._qo_indptr_buf, self._kv_indptr_buf = qo_indptr.to(self.device), kv_indptr.to(self.device)
+            if packed_custom_mask is not None:  # no else: an unmasked plan keeps the previous mask (0.7.0.post1)
+                self._custom_mask_buf = packed_custom_mask.to(self.device)
+                self._mask_indptr_buf = mask_indptr.to(self.device)
         self._causal = causal
         self._scale = head_dim_qk ** -0.5 if sm_scale is None else sm_scale
 
     def run(self, q, k, v, return_lse=False, **_):
         out = torch.zeros(q.shape, dtype=torch.float32)
         lse = torch.full(q.shape[:2], float("-inf"))
-        for b in range(self._qo.numel() - 1):
-            a0, a1, c0, c1 = int(self._qo[b]), int(self._qo[b + 1]), int(self._kv[b]), int(self._kv[b + 1])
+        qo, kv = self._qo_indptr_buf.long(), self._kv_indptr_buf.long()  # what the kernel reads
+        for b in range(qo.numel() - 1):
+            a0, a1, c0, c1 = int(qo[b]), int(qo[b + 1]), int(kv[b]), int(kv[b + 1])
             n, m = a1 - a0, c1 - c0
             if n == 0:
                 continue
@@ -83,9 +103,18 @@ class BatchPrefillWithRaggedKVCacheWrapper:
 
 
 class BatchPrefillWithPagedKVCacheWrapper:
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", **_):
-        assert kv_layout == "NHD"
-        self.device = float_workspace_buffer.device
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", use_cuda_graph=False, qo_indptr_buf=None,
+                 paged_kv_indptr_buf=None, paged_kv_indices_buf=None, paged_kv_last_page_len_buf=None,
+                 backend="auto", **_):
+        assert kv_layout == "NHD" and backend in ("auto", "fa2", "fa3")
+        self.device, self._backend = float_workspace_buffer.device, backend
+        self._use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:
+            assert all(torch.is_tensor(t) for t in (qo_indptr_buf, paged_kv_indptr_buf, paged_kv_indices_buf,
+                                                    paged_kv_last_page_len_buf))
+            self._fixed_batch_size = len(qo_indptr_buf) - 1
+        self._qo_indptr_buf, self._paged_kv_indptr_buf = qo_indptr_buf, paged_kv_indptr_buf
+        self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf = paged_kv_indices_buf, paged_kv_last_page_len_buf
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
              head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None, causal=False,
@@ -93,14 +122,24 @@ class BatchPrefillWithPagedKVCacheWrapper:
         _record("paged", qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr, paged_kv_indices=paged_kv_indices,
                 paged_kv_last_page_len=paged_kv_last_page_len, seq_lens=seq_lens)
         assert custom_mask is None and packed_custom_mask is None and not causal
-        self._qo = qo_indptr.to("cpu").long()
-        self._ind = paged_kv_indptr.to("cpu").long()
-        self._pages = paged_kv_indices.to(self.device).long()
-        self._last = paged_kv_last_page_len.to("cpu").long()
-        lens = (self._ind[1:] - self._ind[:-1] - 1).clamp(min=0) * page_size + self._last  # page.py: get_seq_lens
+        ind, last = paged_kv_indptr.to("cpu").long(), paged_kv_last_page_len.to("cpu").long()
+        lens = (ind[1:] - ind[:-1] - 1).clamp(min=0) * page_size + last  # page.py: get_seq_lens
         if seq_lens is not None:
             assert torch.equal(seq_lens.to("cpu").long(), lens), "seq_lens disagree with the pages"
-        self._lens, self._page = lens, page_size
+        if self._use_cuda_graph:
+            if len(qo_indptr) - 1 != self._fixed_batch_size:
+                raise ValueError("The batch size should be fixed during the lifecycle of the wrapper")
+            if len(paged_kv_indices) > len(self._paged_kv_indices_buf):
+                raise ValueError("The length of paged_kv_indices exceeds the allocated buffer size.")
+            self._qo_indptr_buf.copy_(qo_indptr)
+            self._paged_kv_indptr_buf.copy_(paged_kv_indptr)
+            self._paged_kv_last_page_len_buf.copy_(paged_kv_last_page_len)
+            self._paged_kv_indices_buf[: len(paged_kv_indices)].copy_(paged_kv_indices)
+        else:
+            self._qo_indptr_buf, self._paged_kv_indptr_buf = qo_indptr.to(self.device), paged_kv_indptr.to(self.device)
+            self._paged_kv_indices_buf = paged_kv_indices.to(self.device)
+            self._paged_kv_last_page_len_buf = paged_kv_last_page_len.to(self.device)
+        self._page = page_size
         self._scale = head_dim_qk ** -0.5 if sm_scale is None else sm_scale
 
     def run(self, q, paged_kv_cache, return_lse=False, **_):
@@ -110,10 +149,12 @@ class BatchPrefillWithPagedKVCacheWrapper:
         assert kc.stride() == vc.stride(), "the FA2 primary needs K and V with equal strides"
         out = torch.zeros(q.shape, dtype=torch.float32)
         lse = torch.full(q.shape[:2], float("-inf"))
-        for b in range(self._qo.numel() - 1):
-            a0, a1 = int(self._qo[b]), int(self._qo[b + 1])
-            pages = self._pages[int(self._ind[b]): int(self._ind[b + 1])]
-            m = int(self._lens[b])
+        qo, ind = self._qo_indptr_buf.long(), self._paged_kv_indptr_buf.long()  # what the kernel reads
+        last, all_pages = self._paged_kv_last_page_len_buf.long(), self._paged_kv_indices_buf.long()
+        for b in range(qo.numel() - 1):
+            a0, a1 = int(qo[b]), int(qo[b + 1])
+            pages = all_pages[int(ind[b]): int(ind[b + 1])]
+            m = max(int(ind[b + 1] - ind[b]) - 1, 0) * self._page + int(last[b])
             slot = torch.arange(m)
             # page.cuh: page * stride_page + entry * stride_n + head * stride_h + feature
             k = kc[pages[slot // self._page], slot % self._page]

@@ -1,0 +1,301 @@
+"""vLLM 0.32's Python sources on the GPU image (torch 2.11): does ``LLM.generate`` with psd-plugin run there?
+
+On the GPU machine, from the repo root, after unpacking the bundle of benchmarks/vllm_gpu_bundle.sh
+(docs/vllm-on-gpu-image.md; gpu_suite.sh step 5 does exactly this):
+
+    mkdir -p /tmp/vsite && for t in wheels/vllm/*.tar.xz; do tar -xJf $t -C /tmp/vsite; done
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite wheels/vllm/*.whl
+    PYTHONPATH=/tmp/vsite:/tmp/site:$PYTHONPATH python3 benchmarks/vllm_gpu_try.py OUT [BUDGET_S]
+
+    .venv/bin/python benchmarks/vllm_gpu_try.py OUT 300 --device cpu   # dry run here (the venv's vLLM)
+
+Stages, each in its own process with a time limit (the whole run stays within BUDGET_S, default 150), each
+printing one line ``PASS|FAIL|SKIP stage: ...`` with the exception and the file:line where it stopped:
+  1 import vllm (version, where from)   2 current_platform is CUDA   3 import psd_plugin; register()
+  4 LLM(llada-tiny, speculative_config psd, enforce_eager, custom_ops ["none"], float32)
+  5 generate (greedy, held-out prompts) == the reference engine (tokens and NFE), float32 then bfloat16
+  6 without enforce_eager: torch.compile + PIECEWISE CUDA graphs (the same comparison)
+Writes OUT/vllm_try.json (every stage's result) and OUT/vllm_try.log (every stage's full output).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 32
+N_PROMPTS = 6
+SPEC = {"method": "psd", "decoding": "psd", "cache": "prefix"}
+
+
+def where(exc: BaseException) -> str:
+    """The deepest frame of the traceback, and the deepest one in vLLM or this project if that differs."""
+    tb = traceback.extract_tb(exc.__traceback__)
+    if not tb:
+        return "?"
+    last = f"{tb[-1].filename}:{tb[-1].lineno}"
+    ours = [f for f in tb if any(k in f.filename for k in ("/vllm/", "psd_plugin", "model_executor", "attention_"))]
+    if ours and ours[-1] is not tb[-1]:
+        return f"{last} (via {ours[-1].filename}:{ours[-1].lineno})"
+    return last
+
+
+def line(status: str, stage: str, msg: str) -> str:
+    s = f"{status} {stage}: {msg}"
+    print(s, flush=True)
+    return s
+
+
+# ----------------------------------------------------------------------------------------------- child stages
+def stage_import(device: str) -> dict:
+    res = {}
+    try:
+        import torch
+
+        res["torch"] = torch.__version__
+        res["cuda_available"] = torch.cuda.is_available()
+        import vllm
+
+        res["vllm"] = vllm.__version__
+        res["vllm_file"] = vllm.__file__
+        res["1_import_vllm"] = line("PASS", "1_import_vllm", f"vllm {vllm.__version__} from {vllm.__file__}, "
+                                    f"torch {torch.__version__}")
+    except BaseException as e:  # noqa: BLE001
+        res["1_import_vllm"] = line("FAIL", "1_import_vllm", f"{type(e).__name__}: {e} at {where(e)}")
+        return res
+    try:
+        from vllm.platforms import current_platform
+
+        name = type(current_platform).__name__
+        want = "CpuPlatform" if device == "cpu" else "CudaPlatform"  # or a subclass (NvmlCudaPlatform on CUDA)
+        ok = current_platform.is_cpu() if device == "cpu" else current_platform.is_cuda()
+        res["platform"] = name
+        res["2_platform"] = line("PASS" if ok else "FAIL", "2_platform", f"current_platform is {name} (want {want})"
+                                 + (f", {torch.cuda.get_device_name()}" if ok and device != "cpu" else ""))
+    except BaseException as e:  # noqa: BLE001
+        res["2_platform"] = line("FAIL", "2_platform", f"{type(e).__name__}: {e} at {where(e)}")
+    try:
+        import psd_plugin
+
+        psd_plugin.register()
+        from vllm import ModelRegistry
+
+        ok = "LLaDAModelLM" in ModelRegistry.get_supported_archs()
+        from importlib.metadata import entry_points
+
+        eps = [ep.value for ep in entry_points(group="vllm.general_plugins")]
+        res["3_register"] = line("PASS" if ok else "FAIL", "3_register", f"LLaDAModelLM registered: {ok}; "
+                                 f"vllm.general_plugins entry points: {eps}")
+    except BaseException as e:  # noqa: BLE001
+        res["3_register"] = line("FAIL", "3_register", f"{type(e).__name__}: {e} at {where(e)}")
+    return res
+
+
+def stage_llm(device: str, dtype: str, eager: bool, tag: str, res: dict) -> dict:
+    """Stages 4-5 (or 6 with eager=False): build the LLM, generate, compare with the reference engine. Fills
+    ``res`` as it goes (a stage killed at its time limit still reports how far it got)."""
+    import torch
+
+    res.update(dtype=dtype, eager=eager)
+    if device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    from psd_plugin import DEFAULT_DLLM
+    from psd_plugin.evaluate import encode, load
+    from psd_plugin.train.tasks import load_heldout
+
+    _, tok = load(DEFAULT_DLLM)
+    prompts = [encode(tok, r["prompt"]) for r in load_heldout()[::151][:N_PROMPTS]]
+    res["prompt_lengths"] = [len(p) for p in prompts]
+    ref = None
+    try:  # the reference engine first: it needs no vLLM, so its result stands even if vLLM fails
+        from model_executor.engine import ReferenceEngine
+
+        t0 = time.perf_counter()
+        eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=getattr(torch, dtype), device=device)
+        block = eng.spec.attention_block or 8
+        out = eng.generate(prompts, max_tokens=MAX_TOKENS, block_size=block, method="psd", cache=SPEC["cache"])
+        ref = {"tokens": [r.token_ids for r in out], "nfe": [r.nfe for r in out]}
+        res["reference"] = {**ref, "seconds": round(time.perf_counter() - t0, 2), "backend": eng.attn.name}
+        del eng
+    except BaseException as e:  # noqa: BLE001
+        res["reference_error"] = line("FAIL", f"{tag}_reference", f"{type(e).__name__}: {e} at {where(e)}")
+    stage4 = f"4_llm_{tag}" if eager else f"6_llm_{tag}"
+    stage5 = f"5_generate_{tag}" if eager else f"6_generate_{tag}"
+    comp = {"custom_ops": ["none"]}
+    if not eager and device != "cpu":
+        comp["cudagraph_mode"] = "PIECEWISE"
+    kw = dict(model=str(DEFAULT_DLLM), speculative_config=dict(SPEC), enforce_eager=eager, compilation_config=comp,
+              dtype=dtype, seed=0, max_model_len=512)
+    if device != "cpu":
+        kw["gpu_memory_utilization"] = 0.3
+    res["llm_kwargs"] = {k: v for k, v in kw.items() if k != "model"}
+    try:
+        from vllm import LLM, SamplingParams
+
+        t0 = time.perf_counter()
+        llm = LLM(**kw)
+        res["build_seconds"] = round(time.perf_counter() - t0, 1)
+        res[stage4] = line("PASS", stage4, f"LLM built in {res['build_seconds']} s ({dtype}, "
+                           f"{'eager' if eager else 'compiled' + (' + PIECEWISE graphs' if device != 'cpu' else '')})")
+    except BaseException as e:  # noqa: BLE001
+        res[stage4] = line("FAIL", stage4, f"{type(e).__name__}: {str(e)[:600]} at {where(e)}")
+        res["traceback"] = traceback.format_exc()[-6000:]
+        return res
+    try:
+        t0 = time.perf_counter()
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        res["generate_seconds"] = round(time.perf_counter() - t0, 2)
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        res["tokens"] = tokens
+        try:
+            stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+            res["nfe"] = [stats[o.request_id]["nfe"] for o in outs]
+        except BaseException as e:  # noqa: BLE001
+            res["nfe_error"] = f"{type(e).__name__}: {e} at {where(e)}"
+        if ref is None:
+            res[stage5] = line("FAIL", stage5, f"generated {len(tokens)} outputs in {res['generate_seconds']} s; "
+                               "no reference to compare")
+        else:
+            same = sum(a == b for a, b in zip(tokens, ref["tokens"]))
+            nfe_same = res.get("nfe") == ref["nfe"]
+            res["same_tokens"] = same
+            ok = same == len(prompts) and nfe_same
+            exact = dtype == "float32"  # bfloat16: agreement is the figure, not a pass condition
+            status = "PASS" if ok or not exact else "FAIL"
+            res[stage5] = line(status, stage5, f"{same}/{len(prompts)} prompts token-equal to the reference engine, "
+                               f"NFE vLLM {sum(res.get('nfe') or [0])} vs reference {sum(ref['nfe'])}"
+                               f"{'' if exact else ' (bfloat16: agreement reported, not required)'}; "
+                               f"{res['generate_seconds']} s")
+    except BaseException as e:  # noqa: BLE001
+        res[stage5] = line("FAIL", stage5, f"{type(e).__name__}: {str(e)[:600]} at {where(e)}")
+        res["traceback"] = traceback.format_exc()[-6000:]
+    return res
+
+
+def child(args) -> None:
+    out = Path(args.result)
+    res = {}
+
+    def dump(*_):
+        out.write_text(json.dumps(res, indent=1, default=str))
+
+    signal.signal(signal.SIGTERM, lambda *a: (res.setdefault("killed", "SIGTERM (time limit)"), dump(), os._exit(124)))
+    try:
+        if args.stage == "import":
+            res.update(stage_import(args.device))
+        else:
+            dtype, eager = {"eager_float32": ("float32", True), "eager_bfloat16": ("bfloat16", True),
+                            "compiled_float32": ("float32", False)}[args.stage]
+            if args.device == "cpu" and dtype == "bfloat16":
+                dtype = "float32"  # CPU dry run: bfloat16 is slow there and proves nothing new
+            stage_llm(args.device, dtype, eager, args.stage, res)
+    finally:
+        dump()
+    sys.stdout.flush()
+    os._exit(0)  # skip vLLM's teardown (atexit handlers of a half-built engine can hang)
+
+
+# ------------------------------------------------------------------------------------------------- orchestrator
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("budget", type=float, nargs="?", default=150.0, help="seconds for the whole run")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--stage", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.stage:
+        return child(args)
+    t_start = time.monotonic()
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = open(args.out / "vllm_try.log", "w")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # engine core in the stage's process (as the tests run it)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("PSD_VLLM_STUB_OPS", "1")
+    summary = {"device": args.device, "budget_s": args.budget, "python": sys.executable, "stages": {}}
+    lines = []
+
+    def run(stage: str, cap: float) -> dict:
+        left = args.budget - (time.monotonic() - t_start) - 3
+        if left < 15:
+            lines.append(line("SKIP", stage, f"time budget spent ({left:.0f} s left)"))
+            return {"skipped": "budget"}
+        limit = min(cap, left)
+        result = args.out / f"stage_{stage}.json"
+        result.unlink(missing_ok=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), str(args.out), "--device", args.device, "--stage", stage,
+               "--result", str(result)]
+        log.write(f"\n===== {stage} (limit {limit:.0f} s): {' '.join(cmd)}\n")
+        log.flush()
+        t0 = time.monotonic()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                             start_new_session=True, text=True, errors="replace")
+        timed_out = False
+        try:
+            out, _ = p.communicate(timeout=limit)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                out, _ = p.communicate(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                out, _ = p.communicate()
+        log.write(out or "")
+        took = time.monotonic() - t0
+        log.write(f"\n===== {stage}: rc={p.returncode} {took:.1f} s{' TIMEOUT' if timed_out else ''}\n")
+        log.flush()
+        res = json.loads(result.read_text()) if result.exists() else {}
+        res["rc"], res["seconds"] = p.returncode, round(time.monotonic() - t0, 1)
+        for l in (out or "").splitlines():
+            if l.split(" ", 1)[0] in ("PASS", "FAIL", "SKIP"):
+                lines.append(l)
+                print(l, flush=True)
+        if timed_out:
+            tail = [l for l in (out or "").splitlines() if l.strip()][-3:]
+            lines.append(line("FAIL", stage, f"no result within {limit:.0f} s (killed); last output: {tail}"))
+            res["timeout"] = True
+        elif not any(k[0].isdigit() for k in res):
+            tail = [l for l in (out or "").splitlines() if l.strip()][-3:]
+            lines.append(line("FAIL", stage, f"process ended rc={p.returncode} without a result; last output: {tail}"))
+        summary["stages"][stage] = res
+        summary["lines"] = lines
+        (args.out / "vllm_try.json").write_text(json.dumps(summary, indent=1, default=str))
+        return res
+
+    imp = run("import", 60)
+    if not str(imp.get("1_import_vllm", "")).startswith("PASS"):
+        lines.append(line("SKIP", "4-6", "vllm does not import"))
+    else:
+        f32 = run("eager_float32", 100)
+        built = str(f32.get("4_llm_eager_float32", "")).startswith("PASS")
+        generated = "tokens" in f32
+        if built and args.device != "cpu":
+            run("eager_bfloat16", 70)
+        if generated:
+            run("compiled_float32", 120)
+        else:
+            lines.append(line("SKIP", "6_compiled", "eager generate did not run"))
+    summary["lines"] = lines
+    summary["seconds"] = round(time.monotonic() - t_start, 1)
+    (args.out / "vllm_try.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"vllm_gpu_try: {sum(l.startswith('PASS') for l in lines)} PASS, {sum(l.startswith('FAIL') for l in lines)} "
+          f"FAIL in {summary['seconds']} s; {args.out / 'vllm_try.json'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
