@@ -14,9 +14,9 @@
 # GPU image's PyTorch is cu130) and put in the tarball's flashinfer/data/aot/, where FlashInfer loads them without
 # compiling; the GPU then spends no time on nvcc. Needs python3 with torch here (the project's .venv).
 #
-# The device tool carries at most 64 MiB a call and the tracked tree is ~67 MB with the three embedded checkpoints:
-# gpu_suite.sh needs llada-tiny only, so move ar-tiny and drafter-tiny out of the work tree for the call
-# (deleted tracked files do not travel; PRESTO is then skipped) and restore them with `git checkout` after.
+# The device tool carries at most 64 MiB a call and the tracked tree is ~89 MB with the four embedded checkpoints:
+# most steps of gpu_suite.sh need llada-tiny only, so move the others out of the work tree for the call (deleted
+# tracked files do not travel) and restore them with `git checkout` after (docs/gpu.md says which step needs what).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 W=wheels
@@ -53,6 +53,6 @@ fi
 find "$TMP/site" -name __pycache__ -prune -exec rm -rf {} +
 tar -C "$TMP/site" -cJf "$W/flashinfer-0.7.0.post1-pruned.tar.xz" flashinfer flashinfer_python-0.7.0.post1.dist-info
 ls -la "$W"
-echo "tracked tree without ar-tiny/drafter-tiny + wheels/: $(( ($(git ls-files -z | grep -zv -e checkpoints/ar-tiny \
-    -e checkpoints/drafter-tiny | du -cb --files0-from=- | tail -1 | cut -f1) + $(du -cb "$W" | tail -1 | cut -f1)) \
-    / 1048576 )) MiB (limit 64)"
+echo "tracked tree with llada-tiny alone + wheels/: $(( ($(git ls-files -z | grep -zv -e checkpoints/ar-tiny \
+    -e checkpoints/drafter-tiny -e checkpoints/dream-tiny | du -cb --files0-from=- | tail -1 | cut -f1) \
+    + $(du -cb "$W" | tail -1 | cut -f1)) / 1048576 )) MiB (limit 64)"
