@@ -149,10 +149,13 @@ def test_a_commit_out_of_order_fails_loudly(engine, tok, mixed_prompts, monkeypa
 def test_an_unmasked_frontier_fails_loudly(engine, tok, mixed_prompts, monkeypatch):
     """Without the frontier's mask its prediction can be one the grammar rejects: that is an error, never a
     request that stops making progress."""
-    import model_executor.dllm_request as dllm_request
+    import sys
 
-    # both engines mask the frontiers through dllm_request.step_predictions
-    monkeypatch.setattr(dllm_request, "mask_frontiers", lambda *a: None)
+    from model_executor.dllm_request import step_predictions
+
+    # both engines mask the frontiers through dllm_request.step_predictions; the module is taken from
+    # sys.modules (vLLM's loader may have aliased the name `model_executor` by now)
+    monkeypatch.setattr(sys.modules[step_predictions.__module__], "mask_frontiers", lambda *a: None)
     g = _compiled(tok, engine.spec.vocab_size, "json", SCHEMA)
     with pytest.raises(RuntimeError, match="not allowed by the grammar"):
         engine.generate(mixed_prompts, max_tokens=MAX_TOKENS, method="confidence", grammar=g)
