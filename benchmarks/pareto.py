@@ -8,7 +8,7 @@ D* = 3, static base), PSD(confidence) and PSD(LocalLeap) d ∈ {1,3,5,7}, FreeDa
 lossless oracle bound: the fewest forwards that any draft-and-verify method reproducing static decoding
 could take on the same outputs (FreeDave's optimal feasible path, Def. 2 / Eq. 7, found by a shortest
 path over each block's recorded static trajectory). Writes ``pareto.csv``, ``pareto.png`` and
-``pareto.md`` (the README table) into ``--out``.
+``pareto.md`` (the table in docs/benchmarks.md) into ``--out``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ command cannot start) drives it: backend ``openai`` (streaming completions), a c
 prompt set (the same for every configuration, in order, the model's chat template applied by the client),
 ``--max-concurrency c`` for each concurrency ``c``, temperature 0, EOS honoured. Then the server is stopped.
 The prompt sets (``SETS``): ``heldout``, held-out items of the short tasks (every task represented, 32 output
-tokens at most); ``long``, held-out items of the long family (answers of 64-256 tokens, 256 at most);
+tokens at most); ``long``, held-out items of the long families both models were trained on (answers of
+64-256 tokens, 256 at most);
 ``outside``, prompts outside the training tasks (``benchmarks/data/outside_prompts.jsonl``, 64 at most, no
 grader: the models were never taught to answer them, so only speed is compared there). From vLLM's result JSON,
 per configuration and concurrency: requests/s, output tokens/s, TTFT, TPOT (time per output token after the
@@ -43,14 +44,17 @@ CONFIGS = [  # name, model ("dllm": the --dllm checkpoint), speculative config (
 SETS = {"heldout": 32, "long": 256, "outside": 64}  # prompt set: max_tokens
 
 
-def prompt_set(name: str, requests: int) -> list[dict]:
-    """``requests`` rows of a prompt set (``prompt``, and ``task``/``answer`` where there is a grader)."""
+def prompt_set(name: str, requests: int, trained: set[str]) -> list[dict]:
+    """``requests`` rows of a prompt set (``prompt``, and ``task``/``answer`` where there is a grader); the long
+    set takes the long families every compared model was trained on (``trained``)."""
     from psd_plugin.train.tasks import LONG_TASKS, TASKS, load_heldout
 
     if name == "outside":
         rows = [json.loads(x) for x in (ROOT / "benchmarks" / "data" / "outside_prompts.jsonl").read_text().splitlines()]
         return rows[:requests]
-    tasks = TASKS if name == "heldout" else LONG_TASKS
+    tasks = TASKS if name == "heldout" else tuple(t for t in LONG_TASKS if t in trained)
+    if not tasks:
+        raise SystemExit(f"--sets {name}: no long family ({', '.join(LONG_TASKS)}) that every model was trained on")
     per_task = -(-requests // len(tasks))
     return [r for t in tasks for r in load_heldout(t)[:per_task]][:requests]
 
@@ -94,7 +98,9 @@ def main() -> None:
     counts = [int(x) for x in args.requests.split(",")]
     if len(counts) != len(names):
         ap.error(f"--requests {args.requests!r}: one count per set in --sets ({len(names)})")
-    sets = {n: prompt_set(n, c) for n, c in zip(names, counts)}
+    trained = set.intersection(*(set(json.loads((CHECKPOINTS / m / "training.json").read_text())["tasks"])
+                                 for m in (args.dllm, "ar-tiny")))
+    sets = {n: prompt_set(n, c, trained) for n, c in zip(names, counts)}
     args.out.mkdir(parents=True, exist_ok=True)
     files = {}
     for n, rows in sets.items():  # vLLM's custom dataset format: one {"prompt": ...} per line

@@ -20,7 +20,8 @@ MODEL_CLASSES = {
 }
 
 CHECKPOINTS = Path(__file__).parent / "checkpoints"
-DEFAULT_DLLM = CHECKPOINTS / "llada-tiny"
+DEFAULT_DLLM = CHECKPOINTS / "llada-tiny"  # the LLaDA-format dLLM: psd generate/eval/serve and the tests
+DEMO_DLLM = CHECKPOINTS / "dream-tiny"  # the most accurate embedded dLLM: psd demo and the serving benchmark
 DEFAULT_AR = CHECKPOINTS / "ar-tiny"
 DEFAULT_DRAFTER = CHECKPOINTS / "drafter-tiny"
 GRAPHS = Path(__file__).parent / "graphs"

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import DEFAULT_AR, DEFAULT_DLLM
+from . import DEFAULT_AR, DEFAULT_DLLM, DEMO_DLLM
 
 from model_executor.decoding import METHODS
 
@@ -24,8 +24,8 @@ class UsageError(Exception):
     pass
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=None, help=f"checkpoint directory (default: {DEFAULT_DLLM.name})")
+def _common(p: argparse.ArgumentParser, dllm: Path = DEFAULT_DLLM) -> None:
+    p.add_argument("--model", type=Path, default=None, help=f"checkpoint directory (default: {dllm.name})")
     p.add_argument("--engine", choices=["reference", "vllm"], default=None,
                    help="vllm (default for dLLMs when vLLM is installed: the serving path) or reference (plain PyTorch)")
     p.add_argument("--method", default=None, help=f"{' | '.join(METHODS)} (dLLMs; default psd); "
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, default=None, help="first N items per task")
     d = sub.add_parser("demo", help="held-out items of every task decoded with PSD through vLLM: expected "
                        "answer, right or wrong, TPF, and the forwards one-token-per-step decoding takes")
-    _common(d)
+    _common(d, DEMO_DLLM)
     d.add_argument("--items", type=int, default=1, help="held-out items per task (default 1)")
     d.add_argument("--verbose", action="store_true", help="show the engine's start-up log instead of filing it")
     c = sub.add_parser("calibrate", help="calibrate a Spiffy draft graph (Spiffy Alg. 2)")
@@ -113,7 +113,8 @@ def _setup(args):
     from .knobs import parse_config
     from .evaluate import is_dllm, load
 
-    model = args.model or (DEFAULT_AR if args.method in AR_METHODS else DEFAULT_DLLM)
+    default = DEMO_DLLM if args.verb == "demo" else DEFAULT_DLLM
+    model = args.model or (DEFAULT_AR if args.method in AR_METHODS else default)
     args.model = model
     if not (Path(model) / "config.json").exists():
         raise UsageError(f"--model {model}: not a model directory (no config.json)")

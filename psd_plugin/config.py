@@ -25,7 +25,7 @@ class RunConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
     """``psd generate/eval --config JSON`` for dLLMs: the method knobs (:class:`DecodeKnobs`) plus
 
     - ``temperature``: 0 is greedy; > 0 samples with Gumbel noise in float64 (LLaDA ``generate.py``;
-      static, confidence and localleap only).
+      static, confidence, localleap, and spiffy, which samples its base policy's tokens losslessly).
     - ``seed``: seed of the sampling noise.
     - ``batch_size``: requests decoded together in one model call.
     """

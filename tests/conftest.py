@@ -1,3 +1,4 @@
+import functools
 import os
 from pathlib import Path
 
@@ -8,6 +9,54 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 from psd_plugin import DEFAULT_DLLM  # noqa: E402
 
 FAMILIES = ("llada", "dream", "sdar", "llada2")
+# Markers that may start a vLLM engine (pyproject.toml's markers say what each holds): the default suite,
+# which leaves them out, starts none, and the guard below holds every other test to that.
+ENGINE_MARKERS = frozenset({"engine", "slow", "gpu"})
+
+
+@functools.cache
+def _names_vllm(path: Path) -> bool:
+    return "vllm" in path.read_text().lower()
+
+
+def _engine_guard(item):
+    """While an unmarked test sets up (its fixtures, module-scoped ones included) and runs, starting a vLLM engine
+    (``LLM``, ``AsyncLLM``, an engine core in this process) raises: the default suite stays quick because nothing
+    in it starts one. vLLM is imported for this only where it is loaded already or the test's module names it."""
+    import sys
+
+    if ENGINE_MARKERS & {m.name for m in item.iter_markers()} or "pytester" in getattr(item, "fixturenames", ()) or (
+            "vllm" not in sys.modules and not _names_vllm(item.path)):
+        return None  # marked; or a session of its own (pytester), which has its own guard
+    from vllm.v1.engine import async_llm, core, llm_engine
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{item.nodeid} starts a vLLM engine: mark it `engine` (or `slow`); the default suite "
+                           "(`pytest -q`) starts none")
+
+    mp = pytest.MonkeyPatch()
+    for cls in (llm_engine.LLMEngine, async_llm.AsyncLLM, core.EngineCore):
+        mp.setattr(cls, "__init__", refuse)
+    return mp
+
+
+def _guarded(item):
+    mp = _engine_guard(item)
+    try:
+        return (yield)
+    finally:
+        if mp is not None:
+            mp.undo()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):  # fixtures, module-scoped ones included
+    return (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _guarded(item))
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,6 @@
-"""The ``psd`` command on the embedded model: JSON output, eval, and one-line errors for bad input."""
+"""The ``psd`` command: one-line errors for bad input, checked in process (no engine starts: the default suite);
+JSON output, eval, the demo and calibration through the command itself, in a subprocess that decodes through
+vLLM (marked ``engine``)."""
 
 import json
 import subprocess
@@ -17,6 +19,7 @@ def psd(*args, input=None):
                           input=input, timeout=600)
 
 
+@pytest.mark.engine
 def test_generate_json_fields():
     r = psd("generate", "--json", "--prompt", "Sort the list: 5 2 8", "--prompt", "Reverse the list: x y z")
     assert r.returncode == 0, r.stderr
@@ -29,6 +32,7 @@ def test_generate_json_fields():
     assert rows[0]["prompt_token_ids"][:2] == [1, 3]  # <|startoftext|><|user|>: the chat template
 
 
+@pytest.mark.engine
 def test_generate_prompts_file_and_static(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt": "Add 1 to each: 1 2"}\n\n{"prompt": "Remove duplicates: 1 1 2"}\n')
@@ -38,6 +42,7 @@ def test_generate_prompts_file_and_static(tmp_path):
     assert len(rows) == 2 and all(row["nfe"] >= len(row["token_ids"]) for row in rows)
 
 
+@pytest.mark.engine
 def test_demo_shows_each_task_with_its_answer_and_forwards():
     """The first command: one held-out item per task through vLLM with PSD, graded, with the forwards static
     decoding takes beside PSD's; the engine's start-up log goes to a file, not the terminal."""
@@ -46,7 +51,7 @@ def test_demo_shows_each_task_with_its_answer_and_forwards():
     r = psd("demo")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("psd through vLLM on llada-tiny")
+    assert lines[0].startswith("psd through vLLM on dream-tiny")
     table = [line for line in lines if line.split(" ", 1)[0] in TASKS]
     assert [line.split()[0] for line in table] == list(TASKS)
     rows = [load_heldout(t)[0] for t in TASKS]
@@ -64,6 +69,7 @@ def test_demo_shows_each_task_with_its_answer_and_forwards():
     assert "WARNING" not in r.stdout + r.stderr and "WARNING" in open(log).read()
 
 
+@pytest.mark.engine
 def test_eval_json_reproduces_the_model_card():
     """The whole held-out split of one task through the serving path gives the model card's figure (the card
     was measured with the reference engine: the vLLM path decodes the same tokens)."""
@@ -89,22 +95,46 @@ def test_eval_json_reproduces_the_model_card():
     (["generate", "--engine", "vllm", "--model", str(DEFAULT_AR)], "--engine vllm decodes dLLMs"),
     (["generate", "--model", "/nonexistent"], "not a model directory"),
     (["eval", "--task", "poetry"], "--task 'poetry'; allowed: all, sort"),
+    (["generate", "--method", "spiffy", "--config", '{"policy": "static", "graph": "/nope.json"}'],
+     "draft graph /nope.json: no such file"),
+    (["generate", "--method", "spiffy", "--block-size", "16", "--config", '{"policy": "static"}'],
+     "calibrated with block_size 8, this run uses 16"),
+    (["calibrate", "--out", "/tmp/g.json", "--lookahead", "0"], "--lookahead must be > 0 (got 0)"),
+    (["ngram", "--out", "/tmp/n.json", "--n", "0"], "--n and --examples must be >= 1"),
 ])
-def test_bad_input_is_one_line_error(args, needle):
-    r = psd(*args)
-    assert r.returncode == 2
-    assert "Traceback" not in r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.startswith("psd ")]
-    assert len(lines) == 1 and needle in lines[0], r.stderr
+def test_bad_input_is_one_line_error(capsys, args, needle):
+    """In process, as ``psd`` runs it (``sys.exit(main())``): exit status 2, one line on stderr starting with the
+    verb and naming the argument, no traceback, no engine started (the default suite's guard)."""
+    from psd_plugin.cli import main
+
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.startswith("psd ")]
+    assert len(lines) == 1 and needle in lines[0], err
 
 
-def test_spiffy_graph_checks(tmp_path):
-    r = psd("generate", "--method", "spiffy", "--config", '{"policy": "static", "graph": "/nope.json"}')
-    assert r.returncode == 2 and "draft graph /nope.json: no such file" in r.stderr
-    r = psd("generate", "--method", "spiffy", "--block-size", "16", "--config", '{"policy": "static"}')
-    assert r.returncode == 2 and "calibrated with block_size 8, this run uses 16" in r.stderr
+def test_argparse_errors_are_one_line_too(capsys):
+    from psd_plugin.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--max-tokens", "many"])
+    assert e.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("psd ")]
+    assert len(lines) == 1 and "--max-tokens: invalid int value: 'many'" in lines[0]
 
 
+@pytest.mark.engine
+def test_the_command_exits_with_status_2():
+    """The process itself: ``python -m psd_plugin.cli`` turns ``main``'s 2 into the exit status."""
+    r = psd("generate", "--method", "magic")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert [line for line in r.stderr.splitlines() if line.startswith("psd ")] == [
+        "psd generate: error: --method 'magic' for a dLLM; allowed: static, confidence, localleap, lopa, freedave, "
+        "spiffy, psd, joint_threshold"]
+
+
+@pytest.mark.engine
 def test_calibrate_command(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"prompt": f"Sort the list: {i} 3 1"}) + "\n" for i in range(6)))

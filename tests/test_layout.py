@@ -1,4 +1,4 @@
-"""Dependencies run one way (README, "Layout"): the vLLM adapter imports neither reference engine nor the command
+"""Dependencies run one way (docs/architecture.md): the vLLM adapter imports neither reference engine nor the command
 line; model classes import no engine; decoding and attention import no engine and no vLLM (but the vLLM attention
 backend); nothing on the serving path imports the training package."""
 

@@ -179,7 +179,7 @@ def test_two_data_parallel_ranks_answer_as_one(heldout_prompts):
     _served_as_alone(heldout_prompts, "--data-parallel-size", "2", "--max-num-seqs", "8")
 
 
-KILLED_WORKER_EXIT_S = 60  # the bound README states
+KILLED_WORKER_EXIT_S = 60  # the bound docs/configuration.md states
 
 
 def test_a_killed_worker_fails_the_requests_and_the_server_exits(heldout_prompts):

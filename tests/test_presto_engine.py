@@ -40,7 +40,8 @@ def ar_greedy(prompts):
     return [r.token_ids for r in AREngine.from_pretrained(DEFAULT_AR).generate(prompts, max_tokens=32)]
 
 
-@pytest.mark.parametrize("search,budget", [("ar", 1), ("linear", 16), ("beam", 32), ("beam", 128), ("best_first", 64)])
+@pytest.mark.parametrize("search,budget", [("beam", 32)] + [  # one in the default suite, the rest in -m slow
+    pytest.param(s, b, marks=pytest.mark.slow) for s, b in (("ar", 1), ("linear", 16), ("beam", 128), ("best_first", 64))])
 def test_greedy_equals_the_target_greedy(presto, prompts, ar_greedy, search, budget):
     res = presto.generate(prompts, search=search, tree_budget=budget, max_tokens=32)
     assert [r.token_ids for r in res] == ar_greedy
@@ -53,12 +54,14 @@ def test_greedy_equals_the_target_greedy(presto, prompts, ar_greedy, search, bud
         assert tau > 1.5, tau
 
 
+@pytest.mark.slow
 def test_batch_size_one_and_adaptive_lambda(presto, prompts, ar_greedy):
     res = presto.generate(prompts[:5], search="beam", tree_budget=64, max_tokens=32, batch_size=1,
                           adaptive=(0.4, 1.0))
     assert [r.token_ids for r in res] == ar_greedy[:5]
 
 
+@pytest.mark.slow
 def test_drafter_row_budget_splits_a_step_and_keeps_the_trees(presto, prompts, monkeypatch):
     """``TreeDrafter.max_rows``: a step whose requests need more drafter rows drafts them in several forwards of
     at most that many rows (one request's longest context alone), with the same trees as one forward."""
@@ -84,6 +87,7 @@ def test_drafter_row_budget_splits_a_step_and_keeps_the_trees(presto, prompts, m
     assert sum(c <= 48 for c in calls) > len(calls) // 2  # most forwards keep to the budget
 
 
+@pytest.mark.slow
 def test_sampled_first_token_follows_the_target(presto, prompts):
     """Temperature 1: over 3000 draws the first token's histogram matches the target's softmax."""
     target = presto.target
@@ -111,6 +115,7 @@ def test_bad_models_and_options_are_rejected(presto):
         presto.generate([[5] * 500], search="beam")
 
 
+@pytest.mark.slow
 def test_cli_presto_and_linear(capsys):
     assert main(["generate", "--method", "presto", "--json", "--prompt", "Reverse the list: 1 2 3",
                  "--config", '{"tree_budget": 32}']) == 0

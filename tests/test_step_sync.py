@@ -27,7 +27,7 @@ from sync_audit import DeviceStandIn, SyncAudit, on_device  # noqa: E402
 
 from psd_plugin import DEFAULT_AR, DEFAULT_DLLM  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("in_process_vllm")
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("in_process_vllm")]
 
 # site ("path:function op") -> reads per step at most. Reviewed: each is the single device-to-host copy its
 # step needs, and is asynchronous-safe only where it is the last thing the host waits for.

@@ -68,13 +68,15 @@ def engine():
     return ReferenceEngine.from_pretrained(DEFAULT_DLLM)
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", [  # PSD in the default suite, every method in -m slow
+    m if m == "psd" else pytest.param(m, marks=pytest.mark.slow) for m in METHODS])
 def test_every_output_follows_the_schema(engine, tok, mixed_prompts, method):
     g = _compiled(tok, engine.spec.vocab_size, "json", SCHEMA)
     res = engine.generate(mixed_prompts, max_tokens=MAX_TOKENS, method=method, grammar=g, **_knobs(method))
     _check_json(tok, res)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ("confidence", "psd", "freedave"))
 def test_regex_and_choice_hold(engine, tok, mixed_prompts, method):
     V = engine.spec.vocab_size
@@ -85,6 +87,7 @@ def test_regex_and_choice_hold(engine, tok, mixed_prompts, method):
     assert all(tok.decode(r.token_ids, skip_special_tokens=True) in CHOICE for r in res)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ("llada", "dream", "sdar", "llada2"))
 @pytest.mark.parametrize("method", ("static", "confidence", "localleap", "psd", "lopa", "freedave"))
 def test_random_models_follow_the_schema(tiny_checkpoints, tok, family, method):
@@ -98,6 +101,7 @@ def test_random_models_follow_the_schema(tiny_checkpoints, tok, family, method):
     _check_json(tok, res)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
 @pytest.mark.parametrize("lossless,base", (("freedave", "static"), ("spiffy", "static"),
                                            ("spiffy", "confidence")))
@@ -120,6 +124,7 @@ def test_lossless_methods_equal_their_base_policy_under_the_grammar(tok, mixed_p
     assert fast, f"{lossless} took no fewer forwards than {base} under the grammar"
 
 
+@pytest.mark.slow
 def test_sampling_under_a_grammar(engine, tok, mixed_prompts):
     g = _compiled(tok, engine.spec.vocab_size, "json", SCHEMA)
     for seed in range(3):
@@ -189,6 +194,7 @@ def _vllm_llm(method, **spec):
                speculative_config={"method": "psd", "decoding": method, **knobs, **spec})
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("method", METHODS)
 def test_vllm_equals_the_reference_engine_under_each_constraint(in_process_vllm, tok, mixed_prompts, method):
     """One batch mixing JSON-schema, regex, choice and free requests: each request's tokens and forwards are the
@@ -226,6 +232,7 @@ def test_vllm_equals_the_reference_engine_under_each_constraint(in_process_vllm,
             assert text in CHOICE, text
 
 
+@pytest.mark.engine
 def test_vllm_refuses_what_the_rule_cannot_serve(in_process_vllm, mixed_prompts):
     """A 400 naming the field, and the engine keeps serving: joint_threshold edits committed tokens, structural
     tags are not supported, a grammar xgrammar cannot build is refused by vLLM's own check; then sampled

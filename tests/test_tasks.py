@@ -75,3 +75,24 @@ def test_the_long_family_has_several_block_answers_from_short_prompts():
     a, b, step = (int(x) for x in re.findall(r"\d+", r["prompt"]))
     assert r["answer"].split() == [str(x) for x in range(a, b + 1, step)]
     assert all(len(line.split()) == 10 for line in r["answer"].splitlines()[:-1])
+
+
+def test_sort_lines_answers_span_blocks_and_fit_the_context():
+    """The second long family: 8-16 lists sorted line by line, 64-192 answer tokens; prompt + the 256-token budget
+    fit the embedded models' 512 positions; a line out of order or merged fails."""
+    from transformers import AutoTokenizer
+
+    from psd_plugin import DEFAULT_AR
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))
+    rows = tasks.load_heldout("sort_lines")
+    n = [len(tok(r["answer"], add_special_tokens=False).input_ids) for r in rows]
+    p = [len(tok(r["prompt"], add_special_tokens=False).input_ids) for r in rows]
+    assert 64 <= min(n) and max(n) + 1 <= tasks.answer_budget("sort_lines") == 256
+    assert max(p) + 16 + 256 <= 512  # the chat template's few tokens included
+    r = rows[0]
+    lines = r["prompt"].splitlines()[1:]
+    assert [sorted(x.split()) for x in lines] == [x.split() for x in r["answer"].splitlines()]
+    assert tasks.grade(r, r["answer"] + "\n")
+    assert not tasks.grade(r, r["answer"].replace("\n", " "))
+    assert not tasks.grade(r, "\n".join(reversed(r["answer"].splitlines())))

@@ -42,15 +42,16 @@ def test_a_batch_goes_through_the_model_by_answer_region():
     canvas has nothing after it, and bidirectional attention would see the padding."""
     from transformers import AutoTokenizer
 
+    from psd_plugin.train.tasks import LONG_TASKS
     from psd_plugin.train.trainer import _batch, _dllm_tensors, by_region
 
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))
     prompts, answers, row_tasks = _batch(3, 0, 32, tok, set())
-    assert "count" in row_tasks and len(set(row_tasks)) > 2
+    assert set(LONG_TASKS) & set(row_tasks) and len(set(row_tasks)) > 2
     groups = by_region(row_tasks, 32)
     assert [r for r, _ in groups] == [32, 256]
     assert sorted(i for _, rows in groups for i in rows) == list(range(32))
-    assert all((row_tasks[i] == "count") == (region == 256) for region, rows in groups for i in rows)
+    assert all((row_tasks[i] in LONG_TASKS) == (region == 256) for region, rows in groups for i in rows)
     short = groups[0][1]
     ids, is_answer = _dllm_tensors([prompts[i] for i in short], [answers[i] for i in short], 32, tok.eos_token_id)
     assert ids.shape[1] <= max(len(prompts[i]) for i in short) + 32 + 7
@@ -68,6 +69,6 @@ def test_a_second_stage_continues_a_model_and_records_the_first(tmp_path):
     assert first["tasks"] == ["sort", "reverse"] and first["stages"] == []
     main(["--kind", "ar", "--steps", "1", "--init", str(tmp_path / "a"), *common, "--out", str(tmp_path / "b")])
     second = json.loads((tmp_path / "b" / "training.json").read_text())
-    assert "count" in second["tasks"] and "on sort, reverse" in second["stages"][0]
+    assert {"count", "sort_lines"} <= set(second["tasks"]) and "on sort, reverse" in second["stages"][0]
     with pytest.raises(SystemExit):
         main(["--kind", "ar", "--steps", "1", "--tasks", "sort,nope", *common, "--out", str(tmp_path / "c")])

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from model_executor.engine import ReferenceEngine
-from psd_plugin import DEFAULT_DLLM
+from psd_plugin import DEFAULT_DLLM, DEMO_DLLM
 
 vllm = pytest.importorskip("vllm")
 from vllm.exceptions import VLLMValidationError  # noqa: E402
@@ -121,12 +121,23 @@ def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True, 
         assert n == r.nfe, f"{method} prompt {i}: vLLM took {n} forwards, the reference {r.nfe}"
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("cache", ("prefix", "dual"))
 @pytest.mark.parametrize("method", METHODS)
 def test_embedded_llada_matches_reference(heldout_prompts, method, cache):
     _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache=cache)
 
 
+@pytest.mark.engine
+@pytest.mark.parametrize("cache", ("prefix", "dual"))
+@pytest.mark.parametrize("method", ("confidence", "lopa", "psd"))
+def test_embedded_dream_matches_reference(heldout_prompts, method, cache):
+    """dream-tiny, the demo's and the serving benchmark's dLLM (trained weights, shifted logits; the same
+    tokenizer as llada-tiny): tokens and forwards equal the reference engine's."""
+    _check_parity(DEMO_DLLM, heldout_prompts, method, cache=cache)
+
+
+@pytest.mark.engine
 def test_compiled_model_matches_reference(heldout_prompts):
     """vLLM's default on CPU compiles the model's decoder layers (one Dynamo trace, Inductor, guards dropped):
     PSD's extra draft rows and the dual cache's kept suffix go through that one traced graph, and the outputs
@@ -140,6 +151,7 @@ def test_compiled_model_matches_reference(heldout_prompts):
             > before.num_aot_compiles + before.num_aot_artifacts_loaded)  # and ran compiled (fresh or cached)
 
 
+@pytest.mark.engine
 def test_model_inputs_are_vllms_persistent_buffers(monkeypatch, heldout_prompts):
     """Every row of a step, extra draft rows included, reaches the compiled module through vLLM's persistent
     ``input_ids`` / ``positions`` buffers (what a CUDA graph captures): the same addresses every step, with
@@ -167,12 +179,14 @@ def test_model_inputs_are_vllms_persistent_buffers(monkeypatch, heldout_prompts)
     assert len({ids for ids, _, _ in seen}) == 1 and len({pos for _, pos, _ in seen}) == 1
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("method", ("confidence", "psd", "lopa", "freedave", "spiffy"))
 @pytest.mark.parametrize("family", ("dream", "sdar"))
 def test_random_dream_and_sdar_match_reference(tiny_checkpoints, random_prompts, family, method):
     _check_parity(tiny_checkpoints[family], random_prompts, method, max_tokens=20)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("method", METHODS)
 def test_random_llada2_matches_reference(tiny_checkpoints, random_prompts, method):
     """LLaDA2 (mixture of experts through vLLM's fused MoE layer, block-causal blocks of 8 with the exact block
@@ -180,12 +194,14 @@ def test_random_llada2_matches_reference(tiny_checkpoints, random_prompts, metho
     _check_parity(tiny_checkpoints["llada2"], random_prompts, method, max_tokens=20)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("method", ("psd", "spiffy"))
 def test_random_dream_with_the_dual_cache_matches_reference(tiny_checkpoints, random_prompts, method):
     """Dream's shifted logits: the block's later steps forward from b0 - 1 against the kept suffix."""
     _check_parity(tiny_checkpoints["dream"], random_prompts, method, max_tokens=20, cache="dual")
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("cache", ("prefix", "dual"))
 def test_plain_prefill_where_the_first_canvas_cannot_ride_with_it(heldout_prompts, cache):
     """The scheduler keeps vLLM's prompt-only prefill for a request asking for prompt logprobs, and for one whose
@@ -220,6 +236,7 @@ def test_plain_prefill_where_the_first_canvas_cannot_ride_with_it(heldout_prompt
     assert kinds == {0, 1}  # some first canvases rode with their prompt, some had no room
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("method", ("lopa", "freedave", "spiffy", "psd"))
 def test_requests_waiting_for_room_keep_their_drafts(heldout_prompts, method):
     """Every request at once in a token budget that holds a few of their steps: requests proposed together
@@ -229,6 +246,7 @@ def test_requests_waiting_for_room_keep_their_drafts(heldout_prompts, method):
                   llm_kw=dict(max_num_batched_tokens=200, max_num_seqs=len(heldout_prompts)))
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
 def test_continuous_batching_and_per_request_max_tokens(heldout_prompts, max_num_seqs):
     """max_num_seqs 1 (batch size 1) and 3 (requests join and leave between steps); per-request max_tokens."""
@@ -252,6 +270,7 @@ def test_continuous_batching_and_per_request_max_tokens(heldout_prompts, max_num
         assert got[: len(stop)] == stop
 
 
+@pytest.mark.engine
 def test_sampling_options(heldout_prompts):
     """seeded sampling, n, stop strings; unsupported options rejected; the engine keeps serving."""
     from vllm import SamplingParams
@@ -289,6 +308,7 @@ def test_sampling_options(heldout_prompts):
         del llm
 
 
+@pytest.mark.engine
 def test_greedy_only_methods_reject_temperature(heldout_prompts):
     from vllm import SamplingParams
 
@@ -352,6 +372,7 @@ def test_sdar_block_size_must_be_the_models(tiny_checkpoints):
         _llm(tiny_checkpoints["sdar"], cache="dual")
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("family,cache", [("llada", "prefix"), ("llada", "dual"), ("sdar", "block")])
 def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, family, cache):
     """A KV cache of 8 usable pages of 16 tokens forces vLLM to preempt and resume requests; outputs stay the
@@ -380,6 +401,7 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
     assert [list(o.outputs[0].token_ids) for o in outs] == [r.token_ids for r in ref]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("cache", ("prefix", "dual"))
 def test_preemption_in_a_blocks_later_steps_keeps_outputs(monkeypatch, tiny_checkpoints, cache):
     """Under the prefix and dual caches a request takes all its KV pages at its first block step, so FCFS
@@ -424,6 +446,7 @@ def test_preemption_in_a_blocks_later_steps_keeps_outputs(monkeypatch, tiny_chec
     assert [outs[i] for i in ids] == [r.token_ids for r in ref]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("cache", ("prefix", "dual"))
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_serves_a_request_that_fills_the_context(tiny_checkpoints, method, cache):
@@ -458,6 +481,7 @@ def test_every_method_serves_a_request_that_fills_the_context(tiny_checkpoints, 
     assert [len(o.outputs[0].token_ids) for o in full] == max_tokens
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("method", ("confidence", "psd"))
 def test_request_options_match_reference(heldout_prompts, method):
     """logit_bias, allowed_token_ids, bad_words (one token), min_tokens and (confidence) the penalties in vLLM
@@ -517,6 +541,7 @@ def test_request_options_match_reference(heldout_prompts, method):
         del llm
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("method", ("confidence", "psd"))
 def test_logprobs_equal_the_reference_engine(heldout_prompts, method):
     """logprobs=k: each returned token's log-probability under the state canvas's distribution of the forward
@@ -545,6 +570,7 @@ def test_logprobs_equal_the_reference_engine(heldout_prompts, method):
                 assert got[tok].rank == 1
 
 
+@pytest.mark.engine
 def test_spiffy_samples_its_base_policys_tokens_in_vllm(heldout_prompts):
     """Spiffy under sampling in vLLM: per-request seeds give the static policy's sampled tokens, token for
     token, in fewer forwards."""
@@ -565,6 +591,7 @@ def test_spiffy_samples_its_base_policys_tokens_in_vllm(heldout_prompts):
     assert runs["spiffy"][1] < runs["static"][1]
 
 
+@pytest.mark.engine
 def test_max_logits_rows_bounds_every_step(monkeypatch, heldout_prompts):
     """``max_logits_rows``: no step computes more logits rows than the budget (requests whose canvases do not
     fit wait, whole), outputs and forwards stay the reference engine's; a budget below one request's step is
@@ -604,6 +631,7 @@ def test_max_logits_rows_bounds_every_step(monkeypatch, heldout_prompts):
     assert profiled[0] == one_step  # the profile's logits: the budget's rows (then vLLM's own, a row a request)
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("method, temperature", [("psd", 0.0), ("confidence", 0.9)])
 def test_vllm_computes_logits_only_for_the_rows_a_decoder_reads(monkeypatch, heldout_prompts, method, temperature):
     """vLLM's logits indices are the canvas rows the decoders read: greedy, the positions each canvas leaves
@@ -632,3 +660,32 @@ def test_vllm_computes_logits_only_for_the_rows_a_decoder_reads(monkeypatch, hel
     for computed, masked, rows in seen:
         assert computed == max(1, rows if temperature > 0 else masked), seen
     assert temperature > 0 or sum(m for _, m, _ in seen) < sum(r for _, _, r in seen)
+
+
+def test_room_checks_name_the_limit_they_hit():
+    """The front end's room checks, without an engine: the answer region must fit ``max_model_len``, and a step's
+    canvases the step's token budget, which is ``max_num_batched_tokens`` less the row the scheduler keeps free
+    per request (the message gives both numbers)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from model_executor.decode_config import DecodeKnobs, resolve
+    from model_executor.models.configs import ArchSpec, register_configs
+    from psd_plugin.vllm.validation import check
+
+    register_configs()
+    hf = AutoConfig.from_pretrained(str(DEFAULT_DLLM))
+    cfg = resolve("psd", DecodeKnobs(), ArchSpec.from_hf_config(hf))
+    vc = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512, get_vocab_size=lambda: 512, hf_config=hf),
+                         scheduler_config=SimpleNamespace(max_num_batched_tokens=300, max_num_seqs=16))
+    check(vc, cfg, SamplingParams(max_tokens=32, temperature=0), prompt_len=10)
+    rows = cfg.step_rows(10, 200)
+    assert 284 < rows, "the case below must not fit 300 - 16 rows"
+    with pytest.raises(VLLMValidationError, match=rf"forwards up to {rows} tokens in one step with decoding 'psd'; "
+                       r"a step holds 284 \(max_num_batched_tokens 300 less a row per request, max_num_seqs 16\)"):
+        check(vc, cfg, SamplingParams(max_tokens=200, temperature=0), prompt_len=10)
+    with pytest.raises(VLLMValidationError, match=r"\+ max_tokens \(200\) is 600; max_model_len is 512"):
+        check(vc, cfg, SamplingParams(max_tokens=200, temperature=0), prompt_len=400)

@@ -46,6 +46,7 @@ def _engine_rows(path, prompts, dtype="float32", eager=True, **llm_kw):
         del llm
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("family,dtype", [("llada", "float32"), ("dream", "float32"), ("sdar", "float32"),
                                           ("llada2", "float32"), ("llada", "bfloat16"), ("sdar", "bfloat16")])
 def test_vllm_class_matches_reference(tiny_checkpoints, family, dtype):
@@ -62,6 +63,7 @@ def test_vllm_class_matches_reference(tiny_checkpoints, family, dtype):
         assert err < (1e-4 if dtype == "float32" else 0.06), f"{family} {dtype}: max |logprob diff| {err}"
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("family", ["sdar", "llada2"])
 def test_compiled_class_matches_reference(tiny_checkpoints, family):
     """Without ``enforce_eager`` vLLM compiles the decoder layers (its CPU default: one Dynamo trace, Inductor,
@@ -83,6 +85,7 @@ def test_compiled_class_matches_reference(tiny_checkpoints, family):
         assert err < 1e-4, f"{family} compiled: max |logprob diff| {err}"
 
 
+@pytest.mark.engine
 def test_sdar_config_fields_from_hf_overrides(tiny_checkpoints, tmp_path):
     """An SDAR config without mask_token_id and block_size, and a tokenizer without <|MASK|>: vLLM refuses it
     naming the field; ``hf_overrides`` (``--hf-overrides``) supplies both, and the block size set there is the
@@ -108,6 +111,7 @@ def test_sdar_config_fields_from_hf_overrides(tiny_checkpoints, tmp_path):
     assert (rows[0] - want4).abs().max().item() > 1e-3
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("family,name", [("llada", "model.transformer.blocks.1.attn_out.weight"),
                                          ("llada2", "model.layers.1.mlp.experts.5.down_proj.weight")])
 def test_vllm_names_a_missing_tensor(tiny_checkpoints, tmp_path, capfd, family, name):
@@ -138,6 +142,7 @@ def test_plugin_entry_point_registers_models():
     assert {"LLaDAModelLM", "DreamModel", "SDARForCausalLM", "LLaDA2MoeModelLM"} <= set(ModelRegistry.get_supported_archs())
 
 
+@pytest.mark.engine
 def test_embedded_ar_model_in_vllm_matches_transformers_greedy(tokenizer_dir):
     """The embedded AR baseline (Llama format) runs in vLLM as is, with the reference's greedy outputs."""
     from vllm import LLM, SamplingParams

@@ -48,6 +48,7 @@ def _generate(llm, prompts, **kw):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("search,budget,seqs", [("beam", 32, 8), ("beam", 128, 8), ("best_first", 64, 8),
                                                 ("linear", 16, 8), ("beam", 32, 1)])
 def test_vllm_presto_equals_the_reference(prompts, reference, search, budget, seqs):
@@ -64,6 +65,7 @@ def test_vllm_presto_equals_the_reference(prompts, reference, search, budget, se
     assert tau > 1.5, stats
 
 
+@pytest.mark.engine
 def test_preemption_keeps_outputs(monkeypatch, prompts, reference):
     from vllm import LLM
 
@@ -85,6 +87,7 @@ def test_preemption_keeps_outputs(monkeypatch, prompts, reference):
     assert tokens == [r.token_ids for r in ref]
 
 
+@pytest.mark.engine
 def test_seeded_sampling_is_reproducible(prompts):
     llm = _llm(tree_budget=32)
     try:
@@ -122,6 +125,7 @@ def test_presto_mode_needs_an_ar_target():
         LLM(model=str(DEFAULT_DLLM), dtype="float32", speculative_config={"method": "psd", "mode": "presto"})
 
 
+@pytest.mark.engine
 def test_drafter_peak_is_in_vllms_memory_profile():
     """vLLM's memory profile runs the drafter's largest forward too (its rows budget: the target's token budget,
     or one request's longest context), so the KV cache vLLM sizes leaves the drafter its room."""

@@ -4,7 +4,7 @@ The classes read the real ``config.json`` files of LLaDA (``model_type "llada"``
 SDAR (``"sdar"``) and LLaDA2 (``"llada2_moe"``, a mixture-of-experts block-diffusion model) and are registered with ``transformers.AutoConfig`` by :func:`register_configs`,
 so neither vLLM nor transformers needs ``trust_remote_code`` for them.
 
-:class:`ArchSpec` is the one place where the three formats are reduced to the handful of facts the
+:class:`ArchSpec` is the one place where the four formats are reduced to the handful of facts the
 reference model, the vLLM model classes and the decoders need (sizes, q/k/v bias, q/k norm, whether
 logits are shifted, the attention pattern, the mask token, the experts).
 """

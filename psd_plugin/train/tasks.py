@@ -6,8 +6,9 @@ other (a sorted list, a reversed list, a carried digit, a function body): commit
 one forward can break them, which is what parallel decoders have to get right.
 
 Two families: the short tasks (answers of about 5-8 tokens, one block) and the long ones (``LONG_TASKS``:
-answers of 64-256 tokens, several blocks, from a short prompt), so that block decoding, caches and drafts
-are measured where they matter. ``answer_budget(task)`` is the generation budget a task is evaluated and
+answers of 64-256 tokens, several blocks: ``count``, from a short prompt, where every number is computed from
+the one before; ``sort_lines``, the short ``sort`` skill applied to 8-16 lines), so that block decoding, caches
+and drafts are measured where they matter. ``answer_budget(task)`` is the generation budget a task is evaluated and
 trained with.
 
 The held-out split is fixed: ``HELDOUT_SEED`` generates ``HELDOUT_SIZE`` distinct prompts per task,
@@ -142,6 +143,14 @@ def gen_count(rng: random.Random) -> Example:
     return Example("count", f"Count from {a} to {xs[-1]} in steps of {s}.", "\n".join(lines))
 
 
+def gen_sort_lines(rng: random.Random) -> Example:
+    """Sort each of 8-16 lists, one per line: an answer of 64-192 tokens (a token per digit and per separator)
+    made of a skill the short ``sort`` task teaches, applied line by line; every line is graded."""
+    lines = [_digits(rng, 4, 6) for _ in range(rng.randint(8, 16))]
+    prompt = "Sort each line:\n" + "\n".join(_fmt(xs) for xs in lines)
+    return Example("sort_lines", prompt, "\n".join(_fmt(sorted(xs)) for xs in lines))
+
+
 GENERATORS: dict[str, Callable[[random.Random], Example]] = {
     "sort": gen_sort,
     "reverse": gen_reverse,
@@ -150,9 +159,10 @@ GENERATORS: dict[str, Callable[[random.Random], Example]] = {
     "lookup": gen_lookup,
     "arith": gen_arith,
     "python": gen_python,
-    "count": gen_count,  # the long family: new tasks go last, so the held-out items of earlier ones stay put
+    "count": gen_count,  # the long families: new tasks go last, so the held-out items of earlier ones stay put
+    "sort_lines": gen_sort_lines,
 }
-LONG_TASKS = ("count",)
+LONG_TASKS = ("count", "sort_lines")
 TASKS = tuple(t for t in GENERATORS if t not in LONG_TASKS)  # the short tasks (32-token budget)
 ALL_TASKS = tuple(GENERATORS)
 SHORT_BUDGET, LONG_BUDGET = 32, 256
@@ -207,7 +217,7 @@ def grade(example: dict | Example, output: str) -> bool:
         return extract_number(output) == extract_number(ex["answer"])
     if task == "python":
         return run_python_tests(output, ex.get("tests", ()))
-    if task == "count":  # line by line, each line exact
+    if task in ("count", "sort_lines"):  # line by line, each line exact
         return [_norm(x) for x in output.strip().splitlines()] == [_norm(x) for x in ex["answer"].splitlines()]
     return _norm(output) == _norm(ex["answer"])
 

@@ -65,7 +65,7 @@ assert set(Decoding.__args__) == set(METHODS)
 
 
 class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
-    """The dLLM decoding path in vLLM (README: "Speculative config").
+    """The dLLM decoding path in vLLM (docs/configuration.md, "dLLM mode").
 
     - ``method``: ``"psd"`` (the key vLLM routes on).
     - ``decoding``: the algorithm, one of static | confidence | localleap | lopa | freedave | spiffy | psd |

@@ -10,7 +10,7 @@ This module never imports vLLM's CPU worker or CPU runner (``vllm.v1.worker.cpu_
 ``vllm.v1.worker.cpu.shm``, which replaces ``torch.cuda.Event``/``Stream`` and ``Tensor.pin_memory``
 process-wide; ``tests/test_vllm_gpu_worker.py`` checks). Selected on CUDA platforms by :mod:`.config`.
 
-Status: accepted on CUDA platforms, **never run on a GPU** (see README, "What runs where").
+Status: accepted on CUDA platforms, **never run on a GPU** (see README, "Limitations", and docs/vllm-adapter.md, "GPU").
 """
 
 from __future__ import annotations

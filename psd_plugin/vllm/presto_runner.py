@@ -58,7 +58,7 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         cfg = self.presto
         # on the runner's device, beside the target. Its weights and paged cache (below) are allocated before
         # vLLM's memory profile, and its largest forward runs in it (_dummy_sampler_run): vLLM sizes its KV
-        # cache from what is left of gpu_memory_utilization (README: PRESTO)
+        # cache from what is left of gpu_memory_utilization (docs/presto.md)
         drafter = ReferenceDLLM.from_pretrained(cfg.model, dtype=self.model_config.dtype, device=self.device)
         ngram = NGramModel.load(cfg.ngram) if cfg.ngram else None
         self.drafting = TreeDrafter(drafter, ngram, make_backend("auto", self.device, self.model_config.dtype))

@@ -134,12 +134,14 @@ def check(vllm_config, cfg: DecodeConfig, params, prompt_len: int) -> None:
             f"max_model_len is {limit}: a dLLM decodes its whole answer region in context. Lower max_tokens, or "
             "raise max_model_len", parameter="max_tokens", value=params.max_tokens)
     tokens = cfg.step_rows(prompt_len, params.max_tokens)
-    budget = vllm_config.scheduler_config.max_num_batched_tokens - vllm_config.scheduler_config.max_num_seqs
+    sched = vllm_config.scheduler_config
+    budget = sched.max_num_batched_tokens - sched.max_num_seqs  # the scheduler keeps a row per request free
     if tokens > budget:
         raise VLLMValidationError(
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) forwards up to {tokens} tokens in one "
-            f"step with decoding {cfg.method!r}; max_num_batched_tokens is {budget}: lower max_tokens or raise "
-            "max_num_batched_tokens", parameter="max_tokens", value=params.max_tokens)
+            f"step with decoding {cfg.method!r}; a step holds {budget} (max_num_batched_tokens "
+            f"{sched.max_num_batched_tokens} less a row per request, max_num_seqs {sched.max_num_seqs}): lower "
+            "max_tokens or raise max_num_batched_tokens", parameter="max_tokens", value=params.max_tokens)
 
 
 def _hold_from_spec_decode_check(params):
