@@ -98,8 +98,9 @@ def main() -> None:
     counts = [int(x) for x in args.requests.split(",")]
     if len(counts) != len(names):
         ap.error(f"--requests {args.requests!r}: one count per set in --sets ({len(names)})")
+    models = {args.dllm if m == "dllm" else m for _, m, _ in CONFIGS}
     trained = set.intersection(*(set(json.loads((CHECKPOINTS / m / "training.json").read_text())["tasks"])
-                                 for m in (args.dllm, "ar-tiny")))
+                                 for m in models))
     sets = {n: prompt_set(n, c, trained) for n, c in zip(names, counts)}
     args.out.mkdir(parents=True, exist_ok=True)
     files = {}

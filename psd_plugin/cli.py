@@ -26,6 +26,7 @@ class UsageError(Exception):
 
 def _common(p: argparse.ArgumentParser, dllm: Path = DEFAULT_DLLM) -> None:
     p.add_argument("--model", type=Path, default=None, help=f"checkpoint directory (default: {dllm.name})")
+    p.set_defaults(default_dllm=dllm)
     p.add_argument("--engine", choices=["reference", "vllm"], default=None,
                    help="vllm (default for dLLMs when vLLM is installed: the serving path) or reference (plain PyTorch)")
     p.add_argument("--method", default=None, help=f"{' | '.join(METHODS)} (dLLMs; default psd); "
@@ -113,8 +114,7 @@ def _setup(args):
     from .knobs import parse_config
     from .evaluate import is_dllm, load
 
-    default = DEMO_DLLM if args.verb == "demo" else DEFAULT_DLLM
-    model = args.model or (DEFAULT_AR if args.method in AR_METHODS else default)
+    model = args.model or (DEFAULT_AR if args.method in AR_METHODS else args.default_dllm)
     args.model = model
     if not (Path(model) / "config.json").exists():
         raise UsageError(f"--model {model}: not a model directory (no config.json)")

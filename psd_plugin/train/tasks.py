@@ -217,7 +217,7 @@ def grade(example: dict | Example, output: str) -> bool:
         return extract_number(output) == extract_number(ex["answer"])
     if task == "python":
         return run_python_tests(output, ex.get("tests", ()))
-    if task in ("count", "sort_lines"):  # line by line, each line exact
+    if task in LONG_TASKS:  # the long families: line by line, each line exact
         return [_norm(x) for x in output.strip().splitlines()] == [_norm(x) for x in ex["answer"].splitlines()]
     return _norm(output) == _norm(ex["answer"])
 
