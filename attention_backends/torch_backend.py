@@ -158,16 +158,16 @@ class TorchPrefixAttention:
                 kvs = joint.index_select(0, self.k_slots).view(R, Lk, Hkv, 2 * D).to(acc)
                 ks, vs = kvs[..., :D], kvs[..., D:]
             else:
-                ks = k_cache.flatten(0, 1).index_select(0, self.k_slots).view(R, Lk, Hkv, D).to(acc)
-                vs = v_cache.flatten(0, 1).index_select(0, self.k_slots).view(R, Lk, Hkv, D).to(acc)
+                ks = slot_rows(k_cache, self.k_slots).view(R, Lk, Hkv, D).to(acc)
+                vs = slot_rows(v_cache, self.k_slots).view(R, Lk, Hkv, D).to(acc)
         elif joint is not None:  # the new rows' K|V, then the cached prefix's: one source, one gather
             src = torch.cat([torch.cat([k, v], -1).to(acc), joint.index_select(0, self.p_slots).to(acc)])
             kvs = src.index_select(0, self.k_idx).view(R, Lk, Hkv, 2 * D)
             ks, vs = kvs[..., :D], kvs[..., D:]
         else:
-            ks = torch.cat([k.to(acc), k_cache.flatten(0, 1).index_select(0, self.p_slots).to(acc)]) \
+            ks = torch.cat([k.to(acc), slot_rows(k_cache, self.p_slots).to(acc)]) \
                 .index_select(0, self.k_idx).view(R, Lk, Hkv, D)
-            vs = torch.cat([v.to(acc), v_cache.flatten(0, 1).index_select(0, self.p_slots).to(acc)]) \
+            vs = torch.cat([v.to(acc), slot_rows(v_cache, self.p_slots).to(acc)]) \
                 .index_select(0, self.k_idx).view(R, Lk, Hkv, D)
         qs = q.to(acc).index_select(0, self.q_idx).view(R, Lq, H, D)
         kh, vh = ks.transpose(1, 2), vs.transpose(1, 2)
@@ -183,6 +183,17 @@ class TorchPrefixAttention:
             o = o.masked_fill(self.unseen, 0.0)
         # [T, H, D] in input row order
         return o.transpose(1, 2).reshape(R * Lq, H, D).index_select(0, self.o_idx).to(q.dtype)
+
+
+def slot_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``[n, Hkv, D]``: the rows of a ``[pages, page, Hkv, D]`` cache view at flat ``slots`` (``page * page_size +
+    offset``). Token-major pages (NHD) are one flat gather; a view of head-major pages (vLLM's CPU layout, where a
+    page's tokens are not contiguous across heads) is gathered by page and offset, never by flattening (which would
+    copy the whole cache)."""
+    if cache.stride(0) == cache.shape[1] * cache.stride(1):
+        return cache.flatten(0, 1).index_select(0, slots)
+    page = cache.shape[1]
+    return cache[slots // page, slots % page]
 
 
 def _joint_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:

@@ -7,15 +7,18 @@ and plain prefills. The model classes of the project hand this backend to their 
 public per-layer route, which works on every platform), so vLLM allocates the KV cache in the backend's layout and builds the
 backend's metadata once per forward:
 
-- **KV cache**: vLLM's logical per-layer page ``[blocks, kv_heads, page, K|V]`` in the ``LBNHC`` physical
-  order, i.e. FlashInfer's ``NHD`` pages with K and V side by side; the backend reads ``[blocks, page,
-  kv_heads, head_dim]`` views of K and V without copying.
+- **KV cache**: vLLM's logical per-layer page ``[blocks, kv_heads, page, K|V]``. On CUDA in the ``LBNHC``
+  physical order, i.e. FlashInfer's ``NHD`` pages with K and V side by side; the backend reads ``[blocks, page,
+  kv_heads, head_dim]`` views of K and V without copying. On the CPU in vLLM's CPU attention layout (``LBHNC``,
+  each page's keys then its values per KV head), so that vLLM's own paged CPU kernel attends the scheduled rows
+  in place (:mod:`.vllm_cpu_attention`; ``PSD_CPU_ATTENTION=torch`` turns it off).
 - **Metadata** (:class:`PSDMetadataBuilder`): a plan per forward, from the step's
   :class:`~.step_batch.StepBatch`, which a model runner of the project publishes for the forward
   (:func:`~.step_batch.set_step`) with the host copies of vLLM's block tables
   (:class:`~.step_batch.HostPages`). The builder turns it into the plan and the planned backend
   (``TorchPrefixAttention`` on CPU, ``FlashInferPrefixAttention`` on CUDA with fp16/bf16), which every layer
-  then runs. It plans on the host and reads no device tensor: the request layout from
+  then runs; on the CPU, vLLM's kernel takes the scheduled rows wherever they see exactly their pages
+  (:func:`~.vllm_cpu_attention.kernel_rows`) and the planned backend only the extra rows. It plans on the host and reads no device tensor: the request layout from
   ``query_start_loc_cpu``, the prefixes from ``seq_lens_cpu_upper_bound`` (exact outside async scheduling,
   which vLLM turns off for the plugin's ``custom_class`` method), the pages from the published block tables,
   the new rows' slots from those (vLLM's slot formula; on CUDA vLLM 0.32 computes its slot mapping on the
@@ -52,17 +55,32 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
 
 from .prefix_attention import AttentionPlan, make_backend, to_device
 from .step_batch import Rows, StepBatch, build_step_batch, current_step
+from .vllm_cpu_attention import CPUPagedKernel, extra_rows_plan, kernel_rows, kernel_supports, page_views, write_pages
 
 PATTERNS = ("bidirectional", "causal", "block_causal")
+CPU_KERNELS = ("vllm", "torch")
+CPU_KERNEL_ENV = "PSD_CPU_ATTENTION"  # vllm (default): vLLM's paged kernel where it applies; torch: the project's
+
+
+def cpu_kernel_choice() -> str:
+    """``PSD_CPU_ATTENTION``: which kernel attends the scheduled rows on the CPU (module docstring)."""
+    import os
+
+    choice = os.environ.get(CPU_KERNEL_ENV, "vllm")
+    if choice not in CPU_KERNELS:
+        raise ValueError(f"{CPU_KERNEL_ENV}={choice!r}; allowed: {', '.join(CPU_KERNELS)}")
+    return choice
 
 
 @dataclass
 class PSDAttentionMetadata:
-    plan: AttentionPlan
-    attn: object  # the planned PrefixAttention backend (planned with the step's row order)
+    plan: AttentionPlan  # what ``attn`` runs: every row, or (with ``kernel``) the extra rows alone
+    attn: object | None  # the planned PrefixAttention backend (planned with its rows' order); None: no such rows
     write_rows: torch.Tensor | None  # rows of vLLM's whose K/V is written at ``write_slots`` (None: all ``T``)
     write_slots: torch.Tensor
     num_tokens: int  # T: the rows vLLM scheduled
+    head_major: bool = False  # the pages are in vLLM's CPU layout (``LBHNC``)
+    kernel: CPUPagedKernel | None = None  # planned: vLLM's CPU kernel attends rows [0, T)
 
 
 class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
@@ -90,22 +108,34 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
         if kv_heads != kv_cache_spec.num_kv_heads:
             raise ValueError(f"psd attention backend: the layers have {kv_heads} KV heads on this rank, the KV "
                              f"cache {kv_cache_spec.num_kv_heads}")
-        self._geometry(heads, kv_heads, kv_cache_spec.head_size, kv_cache_spec.block_size, mc.dtype, scale)
+        # the page layout vLLM resolved for the KV cache (from this backend's ``supported_kv_cache_layouts``)
+        layout = vllm_config.cache_config.kv_cache_layout
+        head_major = layout == "LBHNC" if layout is not None else self.device.type == "cpu"
+        self._geometry(heads, kv_heads, kv_cache_spec.head_size, kv_cache_spec.block_size, mc.dtype, scale,
+                       head_major)
 
     @classmethod
     def for_geometry(cls, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
-                     device, scale: float | None = None, layer_names: tuple[str, ...] = ("layer",)):
-        """A builder outside a vLLM config (tests, benchmarks): the same ``build``."""
+                     device, scale: float | None = None, layer_names: tuple[str, ...] = ("layer",),
+                     head_major: bool = False):
+        """A builder outside a vLLM config (tests, benchmarks): the same ``build``; ``head_major``: the pages are
+        in vLLM's CPU layout (else FlashInfer's NHD)."""
         self = cls.__new__(cls)
         AttentionMetadataBuilder.__init__(self, None, list(layer_names), None, torch.device(device))
-        self._geometry(num_heads, num_kv_heads, head_dim, page_size, dtype, scale)
+        self._geometry(num_heads, num_kv_heads, head_dim, page_size, dtype, scale, head_major)
         return self
 
-    def _geometry(self, num_heads, num_kv_heads, head_dim, page_size, dtype, scale) -> None:
+    def _geometry(self, num_heads, num_kv_heads, head_dim, page_size, dtype, scale, head_major) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.page_size, self.dtype, self.scale = page_size, dtype, scale
         self.attn = make_backend("auto", self.device, self.dtype)  # one per builder: planned anew every forward
         self._group: int | None = None  # this builder's KV-cache group in the published pages
+        # head-major pages (vLLM's CPU layout, ``supported_kv_cache_layouts``): vLLM's kernel reads them in place
+        self.head_major = head_major
+        self.kernel = None
+        if self.head_major and cpu_kernel_choice() == "vllm" and kernel_supports(head_dim, page_size, dtype):
+            self.kernel = CPUPagedKernel(num_heads, num_kv_heads, head_dim, page_size, dtype,
+                                         head_dim ** -0.5 if scale is None else scale)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> PSDAttentionMetadata:
@@ -135,16 +165,30 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
                                        "from vLLM's slot mapping")
         # rows vLLM scheduled have their K/V written (``forward``) before attending; extra rows do not
         E = batch.num_extra
-        plan = batch.plan(table, self.page_size, self.pattern, self.block_size)
-        self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
-                       device=self.device, cached=torch.cat([slots, torch.full((E,), -1, dtype=torch.long)]),
-                       rows=batch.order)
+        kernel = None
+        # vLLM's kernel attends the scheduled rows, PyTorch the extra rows, when there are no more extra rows than
+        # scheduled ones; else PyTorch every row (its fixed cost per layer is paid either way, and the split plans
+        # twice: benchmarks/results/cpu_attention.md)
+        rows = kernel_rows(batch, self.pattern) if self.kernel is not None and E <= T else None
+        if rows is not None:
+            kernel = self.kernel
+            kernel.plan(rows, table)
+            plan, order = extra_rows_plan(batch, table, self.page_size, batch.kind or self.pattern)
+            if E:
+                self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
+                               device=self.device, rows=order)
+        else:
+            plan = batch.plan(table, self.page_size, self.pattern, self.block_size)
+            self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
+                           device=self.device, cached=torch.cat([slots, torch.full((E,), -1, dtype=torch.long)]),
+                           rows=batch.order)
+        attn = self.attn if kernel is None or E else None
         ok = slots >= 0
         if bool(ok.all()):  # vLLM's own slot mapping, where it is (every published step)
-            return PSDAttentionMetadata(plan, self.attn, None, cam.slot_mapping[:T], T)
+            return PSDAttentionMetadata(plan, attn, None, cam.slot_mapping[:T], T, self.head_major, kernel)
         rows = ok.nonzero().flatten()  # a dummy run's -1 slots: nothing written there
         d = to_device({"rows": rows, "slots": slots[rows]}, self.device)
-        return PSDAttentionMetadata(plan, self.attn, d["rows"], d["slots"], T)
+        return PSDAttentionMetadata(plan, attn, d["rows"], d["slots"], T, self.head_major, kernel)
 
     def _published_table(self, batch: StepBatch, R: int) -> torch.Tensor:
         """This builder's host block table rows of the published step."""
@@ -225,17 +269,33 @@ class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
         md: PSDAttentionMetadata | None = attn_metadata
         if md is None:  # profiling / warm-up run without metadata
             return output.zero_()
-        kc, vc = kv_views(kv_cache, self.head_size)
-        if md.write_slots.numel():  # flat views of the NHD pages
-            T = md.num_tokens
+        T = md.num_tokens
+        if md.write_slots.numel():
             k_new = key[:T] if md.write_rows is None else key[md.write_rows]
             v_new = value[:T] if md.write_rows is None else value[md.write_rows]
-            kc.flatten(0, 1).index_copy_(0, md.write_slots, k_new.to(kc.dtype))
-            vc.flatten(0, 1).index_copy_(0, md.write_slots, v_new.to(vc.dtype))
-        T = md.plan.num_tokens  # the backend reads the rows in the model's order (planned with the row map)
-        output[:T] = md.attn.run(query[:T], key[:T], value[:T], kc, vc).to(output.dtype)
-        if output.shape[0] > T:  # padding rows (vLLM sizes a forward up, for CUDA graphs): inert
-            output[T:].zero_()
+        if md.head_major:  # vLLM's CPU pages: [blocks, kv_heads, page, D] K and V
+            kp, vp = page_views(kv_cache, self.head_size)
+            kc, vc = kp.transpose(1, 2), vp.transpose(1, 2)  # the [blocks, page, kv_heads, D] views PyTorch reads
+            if md.write_slots.numel():
+                if md.kernel is not None:
+                    md.kernel.write(k_new, v_new, kv_cache, md.write_slots)
+                else:
+                    write_pages(k_new, v_new, kp, vp, md.write_slots)
+        else:
+            kc, vc = kv_views(kv_cache, self.head_size)
+            if md.write_slots.numel():  # flat views of the NHD pages
+                kc.flatten(0, 1).index_copy_(0, md.write_slots, k_new.to(kc.dtype))
+                vc.flatten(0, 1).index_copy_(0, md.write_slots, v_new.to(vc.dtype))
+        if md.kernel is not None:  # the scheduled rows read the pages in place; the extra rows after them
+            md.kernel.run(query[:T], kv_cache, output[:T])
+            n = T + md.plan.num_tokens if md.attn is not None else T
+            if md.attn is not None:
+                output[T:n] = md.attn.run(query[T:n], key[T:n], value[T:n], kc, vc).to(output.dtype)
+        else:
+            n = md.plan.num_tokens  # the backend reads the rows in the model's order (planned with the row map)
+            output[:n] = md.attn.run(query[:n], key[:n], value[:n], kc, vc).to(output.dtype)
+        if output.shape[0] > n:  # padding rows (vLLM sizes a forward up, for CUDA graphs): inert
+            output[n:].zero_()
         return output
 
 
@@ -276,7 +336,10 @@ class PSDAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBNHC,)  # FlashInfer's NHD pages
+        from vllm.platforms import current_platform
+
+        # the CPU: vLLM's CPU attention layout, which its kernels read in place; elsewhere FlashInfer's NHD pages
+        return (KVCacheLayout.LBHNC,) if current_platform.is_cpu() else (KVCacheLayout.LBNHC,)
 
 
 @functools.lru_cache

@@ -58,7 +58,7 @@ CASES = {  # layer pattern, attention block, entries
 }
 
 
-def _step(case: str, seed: int = 0):
+def _step(case: str, seed: int = 0, page: int = PAGE):
     """The batch, vLLM's ``CommonAttentionMetadata`` for it (device tensors as stand-ins), the runner's host
     block table (all its rows: ``max_num_reqs`` of them) and a builder."""
     pattern, block, entries = CASES[case]
@@ -74,7 +74,7 @@ def _step(case: str, seed: int = 0):
     for r in range(R):  # vLLM's slot mapping, token by token
         for i in range(int(qsl[r + 1] - qsl[r])):
             pos = int(batch.prefix_lens[r]) + i
-            slots.append(int(host_table[r, pos // PAGE]) * PAGE + pos % PAGE)
+            slots.append(int(host_table[r, pos // page]) * page + pos % page)
     cam = CommonAttentionMetadata(
         query_start_loc=on_device(qsl.clone()), query_start_loc_cpu=qsl, seq_lens=on_device(seq.clone()),
         num_reqs=R, num_actual_tokens=T, max_query_len=int(batch.scheduled_lens.max()), max_seq_len=int(seq.max()),
@@ -88,9 +88,9 @@ def _builder(pattern: str, block: int, device, dtype=torch.float64):
     return cls.for_geometry(H, HKV, D, PAGE, dtype, device, scale=0.3, layer_names=(LAYER,))
 
 
-def _publish(batch, host_table):
+def _publish(batch, host_table, page: int = PAGE):
     """What ``PSDRunnerMixin._publish`` publishes (``compat.host_pages``: the rows of the step's requests)."""
-    batch.pages = HostPages((frozenset({LAYER, "model.layers.1.self_attn.attn"}),), (PAGE,),
+    batch.pages = HostPages((frozenset({LAYER, "model.layers.1.self_attn.attn"}),), (page,),
                             (host_table[: batch.num_requests],))
     set_step(batch)
 
@@ -272,3 +272,62 @@ def test_the_builder_does_not_synchronise_on_cuda(case, dtype):
     want = _oracle(plan, q[order], k[order], v[order], kc, vc, 0.3)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
     assert torch.allclose(out[order.cuda()].double().cpu(), want, atol=tol, rtol=tol), case
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("kernel", ["vllm", "torch"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_head_major_pages_attend_as_the_oracle(monkeypatch, case, kernel, dtype, tol):
+    """vLLM's CPU page layout (``LBHNC``, what the backend declares on the CPU): K/V written at vLLM's slots, then
+    vLLM's own paged kernel for the scheduled rows where it applies (``kernel_rows``: here the prompt prefill and
+    the first canvases of the DualCache step, whose kept suffix follows it, and of the prefix-cache step; not
+    SDAR's block-causal layers or PRESTO's trees) and PyTorch for the rest (the draft canvases);
+    ``PSD_CPU_ATTENTION=torch`` runs PyTorch for every row. Equal to the dense oracle."""
+    from attention_backends.vllm_cpu_attention import kernel_rows, page_views
+
+    monkeypatch.setenv("PSD_CPU_ATTENTION", kernel)
+    Dk, page = 64, 32  # a head size and a page vLLM's CPU kernel runs
+    batch, cam, host_table, pattern, block = _step(case, seed=1, page=page)
+    cls = psd_attention_backend(pattern, block).get_builder_cls()
+    builder = cls.for_geometry(H, HKV, Dk, page, dtype, "cpu", scale=0.3, layer_names=(LAYER,), head_major=True)
+    assert (builder.kernel is not None) == (kernel == "vllm")
+    _publish(batch, host_table, page)
+    md = builder.build(0, cam)
+    assert (md.kernel is not None) == (kernel == "vllm" and kernel_rows(batch, pattern) is not None)
+    N = batch.num_rows
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(N, h, Dk, generator=g).to(dtype) for h in (H, HKV, HKV))
+    pages = int(host_table.max()) + 1
+    kv_cache = torch.randn(pages, HKV, page, 2 * Dk, generator=g).to(dtype)  # vLLM's CPU layout: contiguous
+    impl = PSDAttentionImpl(H, Dk, 0.3, num_kv_heads=HKV)
+    out = impl.forward(None, q, k, v, kv_cache, md, torch.full((N + 3, H, Dk), float("nan"), dtype=dtype))
+    assert torch.equal(out[N:], torch.zeros(3, H, Dk, dtype=dtype))
+    kp, vp = page_views(kv_cache, Dk)
+    order = batch.order if batch.order is not None else torch.arange(N)
+    plan = batch.plan(host_table[: batch.num_requests], page, pattern, block)
+    want = _oracle(plan, q[order], k[order], v[order], kp.transpose(1, 2), vp.transpose(1, 2), 0.3)
+    assert torch.allclose(out[:N][order].double(), want, atol=tol), (out[:N][order].double() - want).abs().max()
+    set_step(None)
+
+
+def test_the_kernel_takes_the_scheduled_rows_that_see_exactly_their_pages():
+    """``kernel_rows``: a prefill and a DualCache first canvas (its kept suffix right after it) qualify, with
+    their key counts; a prefix-cache step whose first canvas is not all its scheduled rows, a suffix elsewhere,
+    block-causal and custom masks do not. ``extra_rows_plan`` lays out the draft canvases alone."""
+    from attention_backends.vllm_cpu_attention import extra_rows_plan, kernel_rows
+
+    g = torch.Generator().manual_seed(0)
+    prefill, dual, prefix = _dllm_entries(g)
+    rows = kernel_rows(build_step_batch([prefill, dual]), "bidirectional")
+    assert rows.query_start_loc.tolist() == [0, 12, 20] and rows.seq_lens.tolist() == [12, 56] and not rows.causal
+    assert kernel_rows(build_step_batch([prefill, dual]), "block_causal") is None
+    assert kernel_rows(build_step_batch([prefill, prefix]), "bidirectional") is not None  # window [17, 33): 16 rows
+    away = DLLMStep(w0=40, w1=48, b0=40, b1=48, tokens=torch.zeros(1, 8, dtype=torch.long), keep=40, shift=0,
+                    suffix=(50, 56))
+    assert kernel_rows(build_step_batch([away]), "bidirectional") is None
+    assert kernel_rows(build_step_batch(_presto_entries(g)), "causal") is None  # custom tree masks
+    batch = build_step_batch([prefill, dual, prefix])
+    plan, order = extra_rows_plan(batch, torch.arange(3 * WIDTH).view(3, WIDTH), PAGE, "bidirectional")
+    assert plan.qo_indptr.tolist() == [0, 16, 32] and plan.seg_indptr.tolist() == [0, 8, 16, 32]
+    assert plan.prefix_lens.tolist() == [40, 17] and plan.suffix_lens.tolist() == [8, 0]
+    assert order.tolist() == list(range(32))  # the extra rows are in plan order already

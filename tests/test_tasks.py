@@ -78,7 +78,7 @@ def test_the_long_family_has_several_block_answers_from_short_prompts():
 
 
 def test_sort_lines_answers_span_blocks_and_fit_the_context():
-    """The second long family: 8-16 lists sorted line by line, 64-192 answer tokens; prompt + the 256-token budget
+    """The second long family: 6-12 labelled lists sorted line by line, 64-180 answer tokens; prompt + the 256-token budget
     fit the embedded models' 512 positions; a line out of order or merged fails."""
     from transformers import AutoTokenizer
 
@@ -92,7 +92,8 @@ def test_sort_lines_answers_span_blocks_and_fit_the_context():
     assert max(p) + 16 + 256 <= 512  # the chat template's few tokens included
     r = rows[0]
     lines = r["prompt"].splitlines()[1:]
-    assert [sorted(x.split()) for x in lines] == [x.split() for x in r["answer"].splitlines()]
+    assert [[x.split()[0]] + sorted(x.split()[1:]) for x in lines] == [x.split() for x in r["answer"].splitlines()]
+    assert [x.split()[0] for x in lines] == [f"{c}:" for c in "ABCDEFGHIJKL"[:len(lines)]]  # labelled in order
     assert tasks.grade(r, r["answer"] + "\n")
     assert not tasks.grade(r, r["answer"].replace("\n", " "))
     assert not tasks.grade(r, "\n".join(reversed(r["answer"].splitlines())))

@@ -319,3 +319,15 @@ def test_model_executor_is_taken_back_when_vllms_alias_returns_mid_walk(monkeypa
         for name in [n for n in sys.modules if n == "model_executor" or n.startswith("model_executor.")]:
             del sys.modules[name]
         sys.modules.update(saved)
+
+
+@pytest.mark.parametrize("name", sorted(compat.CPU_ATTENTION_OPS))
+def test_cpu_attention_ops_take_the_keywords_the_backend_passes(name):
+    from vllm import _custom_ops
+
+    params = inspect.signature(getattr(_custom_ops, name)).parameters
+    missing = [k for k in compat.CPU_ATTENTION_OPS[name] if k not in params]
+    assert not missing, f"vllm._custom_ops.{name} no longer takes {missing}"
+    module, fn = compat.CPU_ATTENTION_ISA
+    assert list(inspect.signature(getattr(importlib.import_module(module), fn)).parameters)[:3] == [
+        "dtype", "block_size", "head_size"]

@@ -7,7 +7,7 @@ one forward can break them, which is what parallel decoders have to get right.
 
 Two families: the short tasks (answers of about 5-8 tokens, one block) and the long ones (``LONG_TASKS``:
 answers of 64-256 tokens, several blocks: ``count``, from a short prompt, where every number is computed from
-the one before; ``sort_lines``, the short ``sort`` skill applied to 8-16 lines), so that block decoding, caches
+the one before; ``sort_lines``, the short ``sort`` skill applied to 6-12 labelled lines), so that block decoding, caches
 and drafts are measured where they matter. ``answer_budget(task)`` is the generation budget a task is evaluated and
 trained with.
 
@@ -144,11 +144,14 @@ def gen_count(rng: random.Random) -> Example:
 
 
 def gen_sort_lines(rng: random.Random) -> Example:
-    """Sort each of 8-16 lists, one per line: an answer of 64-192 tokens (a token per digit and per separator)
-    made of a skill the short ``sort`` task teaches, applied line by line; every line is graded."""
-    lines = [_digits(rng, 4, 6) for _ in range(rng.randint(8, 16))]
-    prompt = "Sort each line:\n" + "\n".join(_fmt(xs) for xs in lines)
-    return Example("sort_lines", prompt, "\n".join(_fmt(sorted(xs)) for xs in lines))
+    """Sort each of 6-12 labelled lists (``A: 3 1 2 5``), one per line, labels kept: an answer of 64-180 tokens
+    (a token per label, colon, digit and separator) made of the short ``sort`` skill applied line by line. The
+    labels make each answer line content-addressable (answer line ``C`` sorts prompt line ``C``), which a small
+    model learns far sooner than counting lines; every line is graded."""
+    lines = [_digits(rng, 4, 6) for _ in range(rng.randint(6, 12))]
+    labels = _LETTERS.upper()
+    prompt = "Sort each line:\n" + "\n".join(f"{labels[i]}: {_fmt(xs)}" for i, xs in enumerate(lines))
+    return Example("sort_lines", prompt, "\n".join(f"{labels[i]}: {_fmt(sorted(xs))}" for i, xs in enumerate(lines)))
 
 
 GENERATORS: dict[str, Callable[[random.Random], Example]] = {

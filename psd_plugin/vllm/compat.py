@@ -154,18 +154,25 @@ DATA_FIELDS = {
     "vllm.v1.attention.backend:AttentionMetadataBuilder": ("device",),
     "vllm.v1.kv_cache_interface:FullAttentionSpec": ("non_causal", "num_kv_heads", "head_size", "block_size"),
     "vllm.model_executor.layers.attention:Attention": ("impl", "layer_name"),
-    "vllm.forward_context:ForwardContext": ("attn_metadata",),
-    "vllm.config:ModelConfig": ("get_num_attention_heads", "hf_config", "dtype", "model"),
+    "vllm.config:ModelConfig": ("get_num_attention_heads", "get_vocab_size", "hf_config", "dtype", "model",
+                                "max_model_len"),
+    "vllm.config:VllmConfig": ("structured_outputs_config",),
+    "vllm.config:CacheConfig": ("kv_cache_layout",),  # the page layout vLLM resolved (the attention builder)  # the front end's whitespace rule for grammars
+    # the attention backend's declared layout and layer type
+    "vllm.v1.kv_cache_interface:KVCacheLayout": ("LBNHC", "LBHNC"),  # FlashInfer's pages; vLLM's CPU pages
+    "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend": ("get_supported_head_sizes",),
+    "vllm.v1.attention.backend:AttentionType": ("DECODER",),
     # what ``config.translate`` reads and rewrites before vLLM builds its config
     "vllm.engine.arg_utils:EngineArgs": ("speculative_config", "additional_config", "scheduler_cls", "worker_cls",
                                          "dtype", "compilation_config"),
     "vllm.config:ParallelConfig": PARALLEL_FIELDS + ("decode_context_parallel_size", "prefill_context_parallel_size"),
     "vllm.config:CompilationConfig": (COMPILATION_CUDAGRAPH_FIELD,),
-    "vllm.config:SchedulerConfig": ("max_num_batched_tokens",),  # the default logits budget
+    # the default logits budget; the step budget (a row per request kept free); PRESTO's drafting slots
+    "vllm.config:SchedulerConfig": ("max_num_batched_tokens", "max_num_seqs"),
     "vllm.entrypoints.llm:LLM": ("llm_engine",),
     "vllm.v1.engine.llm_engine:LLMEngine": ("engine_core",),
     "vllm.v1.engine.core_client:EngineCoreClient": ("shutdown",),
-    "vllm.distributed.parallel_state:GroupCoordinator": ("world_size", "cpu_group", "rank_in_group"),
+    "vllm.distributed.parallel_state:GroupCoordinator": ("world_size", "cpu_group"),
     # structured outputs: the constraint the front end builds and clears (validation.take_structured_outputs)
     "vllm.sampling_params:StructuredOutputsParams": ("json", "regex", "choice", "grammar", "json_object",
                                                      "structural_tag", "all_constraints_none", "_backend"),
@@ -174,13 +181,26 @@ DATA_FIELDS = {
 
 # Module-level functions the plugin calls that vLLM does not document as plugin API.
 FUNCTIONS = (
-    ("vllm.forward_context", "get_forward_context"),
-    ("vllm.forward_context", "is_forward_context_available"),
     ("vllm.config", "get_layers_from_vllm_config"),
     ("vllm.exceptions", "VLLMValidationError"),  # raised with parameter= / value= for a 400
+    ("vllm.exceptions", "VLLMClientError"),  # what `psd generate` reports as a refused request (cli.py)
     ("vllm.distributed", "get_tp_group"),  # a GroupCoordinator: world_size, cpu_group
     ("vllm.tokenizers", "cached_tokenizer_from_config"),  # the worker's tokenizer, for xgrammar
 )
+
+# vLLM's CPU attention ops, which the project's backend calls on the CPU over vLLM's head-major pages
+# (``attention_backends/vllm_cpu_attention.py``), with the keywords it passes; ``_get_attn_isa`` picks the kernel as
+# vLLM's CPU backend does. The page interior those kernels use (``vec``/``vec16``: keys dimension-major, values
+# token-major) is checked by ``tests/test_attention_sync.py::test_head_major_pages_attend_as_the_oracle``.
+CPU_ATTENTION_OPS = {
+    "cpu_attn_get_scheduler_metadata": ("num_reqs", "num_heads", "num_kv_heads", "head_dim", "seq_lens", "dtype",
+                                        "query_start_loc", "causal", "sliding_window_size", "isa", "enable_kv_split"),
+    "cpu_attn_reshape_and_cache": ("key", "value", "key_cache", "value_cache", "slot_mapping", "isa"),
+    "cpu_attention_with_kv_cache": ("query", "key_cache", "value_cache", "output", "query_start_loc", "seq_lens",
+                                    "scale", "causal", "alibi_slopes", "sliding_window", "block_table", "softcap",
+                                    "scheduler_metadata", "s_aux"),
+}
+CPU_ATTENTION_ISA = ("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa")
 
 # Front-end functions wrapped at registration (module, class, method).
 FRONT_END_PATCHES = (

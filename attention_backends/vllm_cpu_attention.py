@@ -1,0 +1,184 @@
+"""vLLM's own CPU paged-attention kernel for the rows vLLM scheduled: prefix and canvas read in place.
+
+On the CPU the project's backend keeps vLLM's KV pages in the layout of vLLM's CPU attention backend
+(``LBHNC``: per page and KV head, the page's keys, then its values) so that vLLM's kernels can read and write
+them: ``cpu_attn_reshape_and_cache`` writes the new rows' K/V at their slots, and ``cpu_attention_with_kv_cache``
+attends each request's query rows over the keys ``[0, seq_len)`` of its pages, bidirectionally or causally, with
+no gather, no padding and no mask tensor.
+
+That covers a request's *scheduled* rows (its first canvas, a prefill, a plain causal step) whenever the keys
+they see are exactly ``[0, seq_len)``: the cached prefix, the rows themselves (written before attending) and,
+under DualCache, the kept suffix when it starts right after the rows. It does not cover the extra rows (draft
+canvases, whose K/V is never written: they see the prefix and themselves only), SDAR's block-causal layers or
+PRESTO's tree masks; those go through :class:`~.torch_backend.TorchPrefixAttention`, which reads the same pages
+(:func:`~.torch_backend.slot_rows`). :func:`kernel_rows` decides per forward; :func:`extra_rows_plan` is the
+plan of the extra rows alone when the kernel takes the scheduled ones. The builder splits a step so only when
+its extra rows are no more than its scheduled ones (a batch where some requests draft): a step of draft
+canvases (three per request: three times the scheduled rows) costs PyTorch's fixed per-layer work either way,
+and there the split measured no faster (``benchmarks/cpu_attention.py``), so PyTorch takes all its rows.
+
+The kernel sums in another order than PyTorch's CPU flash attention (outputs agree to float32 rounding, about
+1e-7), so a vLLM engine on the CPU is token-equal to the reference engine wherever no decision sits within that
+distance of a tie; the tests compare them on the embedded models.
+
+The vLLM names used here (``vllm._custom_ops``' three CPU attention ops, the CPU backend's ISA choice and head
+sizes) are private and listed in :mod:`psd_plugin.vllm.compat`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .prefix_attention import AttentionPlan
+from .step_batch import StepBatch
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_ISAS = ("vec", "vec16")  # the kernels whose page interiors ``page_views`` reads (not AMX's or NEON's)
+
+
+def kernel_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V page tensors vLLM's CPU ops take: one layer's ``[blocks, kv_heads, page, 2 * head_dim]`` cache
+    (contiguous) split per page and head into its keys' and its values' halves, as vLLM's CPU backend does."""
+    blocks, kv_heads, page, _ = kv_cache.shape
+    return kv_cache.view(blocks, kv_heads, 2 * page, head_size).chunk(2, dim=2)
+
+
+def page_views(kv_cache: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V ``[blocks, kv_heads, page, head_dim]`` views of the same cache, element ``[b, h, token, d]``: what
+    PyTorch reads and writes. The kernels (``vec``/``vec16``) keep a page's keys dimension-major (``[head_dim,
+    page]``, so a key dimension of consecutive tokens is one vector) and its values token-major (``[page,
+    head_dim]``); the views follow that, with no copy."""
+    blocks, kv_heads, page, _ = kv_cache.shape
+    half = page * head_size
+    s0, s1 = kv_cache.stride(0), kv_cache.stride(1)
+    k = kv_cache.as_strided((blocks, kv_heads, page, head_size), (s0, s1, 1, page))
+    v = kv_cache.as_strided((blocks, kv_heads, page, head_size), (s0, s1, head_size, 1), kv_cache.storage_offset() + half)
+    return k, v
+
+
+def kernel_supports(head_dim: int, page_size: int, dtype: torch.dtype) -> bool:
+    """Whether vLLM's CPU kernel runs this geometry: its head sizes, dtypes and pages of a multiple of 32 tokens
+    (vLLM's CPU pages are 128), on an instruction set whose page interiors
+    :func:`page_views` knows."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    return (dtype in KERNEL_DTYPES and head_dim in CPUAttentionBackend.get_supported_head_sizes()
+            and page_size % 32 == 0 and kernel_isa(dtype, page_size, head_dim) in KERNEL_ISAS)
+
+
+def kernel_isa(dtype: torch.dtype, page_size: int, head_dim: int) -> str:
+    """The instruction set vLLM's CPU backend picks for these pages (``vec``, ``vec16``, ``amx``, ``neon``, ...)."""
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    return _get_attn_isa(dtype, page_size, head_dim)
+
+
+@dataclass
+class KernelRows:
+    """The scheduled rows as the kernel takes them: ``[R + 1]`` query offsets, ``[R]`` key counts (int32)."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    causal: bool
+
+
+def kernel_rows(batch: StepBatch, pattern: str) -> KernelRows | None:
+    """The kernel's view of ``batch``'s scheduled rows under a layer ``pattern``, or None when some request's
+    scheduled rows do not see exactly the keys ``[0, seq_len)``: a mask other than bidirectional or causal, a
+    request whose first segment is not all its scheduled rows, or a kept suffix that does not start right
+    after the rows (or under a causal mask)."""
+    kind = batch.kind or pattern
+    if kind not in ("bidirectional", "causal"):
+        return None
+    n = batch.scheduled_lens
+    R = n.numel()
+    starts = batch.qo_indptr[:-1]
+    # the first segment of each request (plan order) is its scheduled rows
+    seg = batch.seg_indptr
+    first_end = seg[torch.searchsorted(seg, starts, right=True).clamp(max=seg.numel() - 1)]
+    if R and not bool((first_end - starts == n).all()):
+        return None
+    seq = batch.prefix_lens + n
+    if batch.suffix_lens is not None:
+        has = batch.suffix_lens > 0
+        if bool(has.any()) and (kind == "causal" or not bool((batch.suffix_starts[has] == seq[has]).all())):
+            return None
+        seq = seq + batch.suffix_lens
+    qsl = torch.zeros(R + 1, dtype=torch.int32)
+    torch.cumsum(n, 0, out=qsl[1:])
+    return KernelRows(qsl, seq.to(torch.int32), kind == "causal")
+
+
+def extra_rows_plan(batch: StepBatch, block_table: torch.Tensor, page_size: int, kind: str
+                    ) -> tuple[AttentionPlan, torch.Tensor]:
+    """The attention plan of ``batch``'s extra rows alone (every canvas after a request's first: its prefix, its
+    kept suffix and itself, under ``kind``), over the requests that have any, and ``order``: the extra row (model
+    order, counted from ``T``) of each plan row."""
+    qo, seg, n = batch.qo_indptr, batch.seg_indptr, batch.scheduled_lens
+    P = int(qo[-1])
+    req = torch.repeat_interleave(torch.arange(n.numel()), qo.diff(), output_size=P)  # plan row -> request
+    is_extra = torch.arange(P) - qo[:-1][req] >= n[req]
+    before = torch.cumsum(is_extra, 0) - is_extra.long()  # extra rows before each plan row
+    starts = seg[:-1][is_extra[seg[:-1]]]  # the extra canvases' first plan rows
+    E = int(is_extra.sum())
+    extra = qo.diff() - n
+    keep = (extra > 0).nonzero().flatten()
+    new_qo = torch.zeros(keep.numel() + 1, dtype=torch.long)
+    torch.cumsum(extra[keep], 0, out=new_qo[1:])
+    plan = AttentionPlan(new_qo, batch.prefix_lens[keep], block_table[keep], page_size, kind=kind,
+                         seg_indptr=torch.cat([before[starts], torch.tensor([E])]),
+                         suffix_starts=None if batch.suffix_starts is None else batch.suffix_starts[keep],
+                         suffix_lens=None if batch.suffix_lens is None else batch.suffix_lens[keep])
+    model_row = batch.order if batch.order is not None else torch.arange(P)
+    return plan, model_row[is_extra] - batch.num_scheduled
+
+
+class CPUPagedKernel:
+    """vLLM's CPU attention over the scheduled rows of one forward: ``plan`` once (the kernel's work split),
+    ``run`` per layer."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                 scale: float):
+        self.geom = (num_heads, num_kv_heads, head_dim)
+        self.page_size, self.dtype, self.scale = page_size, dtype, scale
+        self.isa = kernel_isa(dtype, page_size, head_dim)
+        self.rows: KernelRows | None = None
+
+    def plan(self, rows: KernelRows, block_table: torch.Tensor) -> None:
+        from vllm import _custom_ops as ops
+
+        H, Hkv, D = self.geom
+        self.rows, self.block_table = rows, block_table.to(torch.int32)
+        self.metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=rows.seq_lens.numel(), num_heads=H, num_kv_heads=Hkv, head_dim=D, seq_lens=rows.seq_lens,
+            dtype=self.dtype, query_start_loc=rows.query_start_loc, causal=rows.causal, sliding_window_size=-1,
+            isa=self.isa, enable_kv_split=False)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+        """The new rows' K/V at their flat ``slots`` of one layer's cache (vLLM's op)."""
+        from vllm import _custom_ops as ops
+
+        ops.cpu_attn_reshape_and_cache(key, value, *kernel_views(kv_cache, self.geom[2]), slots, self.isa)
+
+    def run(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
+        """Attention of the scheduled rows ``query [T, H, D]`` over one layer's cache into ``out [T, H, D]``."""
+        from vllm import _custom_ops as ops
+
+        r = self.rows
+        k_pages, v_pages = kernel_views(kv_cache, self.geom[2])
+        ops.cpu_attention_with_kv_cache(
+            query=query, key_cache=k_pages, value_cache=v_pages, output=out, query_start_loc=r.query_start_loc,
+            seq_lens=r.seq_lens, scale=self.scale, causal=r.causal, alibi_slopes=None, sliding_window=-1,
+            block_table=self.block_table, softcap=0.0, scheduler_metadata=self.metadata, s_aux=None)
+
+
+def write_pages(key: torch.Tensor, value: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                slots: torch.Tensor) -> None:
+    """The new rows' K/V at their flat ``slots`` of the :func:`page_views`, in PyTorch (a geometry vLLM's kernel
+    does not run)."""
+    page = k_pages.shape[2]
+    blk, off = slots // page, slots % page
+    k_pages[blk, :, off] = key.to(k_pages.dtype)
+    v_pages[blk, :, off] = value.to(v_pages.dtype)
