@@ -133,7 +133,8 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
         # head-major pages (vLLM's CPU layout, ``supported_kv_cache_layouts``): vLLM's kernel reads them in place
         self.head_major = head_major
         self.kernel = None
-        if self.head_major and cpu_kernel_choice() == "vllm" and kernel_supports(head_dim, page_size, dtype):
+        choice = cpu_kernel_choice()  # checked on every platform: a bad value fails at start-up, not later
+        if self.head_major and choice == "vllm" and kernel_supports(head_dim, page_size, dtype):
             self.kernel = CPUPagedKernel(num_heads, num_kv_heads, head_dim, page_size, dtype,
                                          head_dim ** -0.5 if scale is None else scale)
 

@@ -331,3 +331,13 @@ def test_the_kernel_takes_the_scheduled_rows_that_see_exactly_their_pages():
     assert plan.qo_indptr.tolist() == [0, 16, 32] and plan.seg_indptr.tolist() == [0, 8, 16, 32]
     assert plan.prefix_lens.tolist() == [40, 17] and plan.suffix_lens.tolist() == [8, 0]
     assert order.tolist() == list(range(32))  # the extra rows are in plan order already
+
+
+def test_the_cpu_kernel_switch_names_its_values(monkeypatch):
+    from attention_backends.vllm_backend import cpu_kernel_choice
+
+    monkeypatch.setenv("PSD_CPU_ATTENTION", "flash")
+    with pytest.raises(ValueError, match=r"PSD_CPU_ATTENTION='flash'; allowed: vllm, torch"):
+        _builder("bidirectional", 0, "cpu")
+    monkeypatch.delenv("PSD_CPU_ATTENTION")
+    assert cpu_kernel_choice() == "vllm"
