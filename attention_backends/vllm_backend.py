@@ -74,7 +74,7 @@ def cpu_kernel_choice() -> str:
 
 @dataclass
 class PSDAttentionMetadata:
-    plan: AttentionPlan  # what ``attn`` runs: every row, or (with ``kernel``) the extra rows alone
+    plan: AttentionPlan | None  # what ``attn`` runs: every row, or (with ``kernel``) the extra rows alone
     attn: object | None  # the planned PrefixAttention backend (planned with its rows' order); None: no such rows
     write_rows: torch.Tensor | None  # rows of vLLM's whose K/V is written at ``write_slots`` (None: all ``T``)
     write_slots: torch.Tensor
@@ -174,8 +174,9 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
         if rows is not None:
             kernel = self.kernel
             kernel.plan(rows, table)
-            plan, order = extra_rows_plan(batch, table, self.page_size, batch.kind or self.pattern)
+            plan = None
             if E:
+                plan, order = extra_rows_plan(batch, table, self.page_size, batch.kind or self.pattern)
                 self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
                                device=self.device, rows=order)
         else:
@@ -289,8 +290,9 @@ class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
                 vc.flatten(0, 1).index_copy_(0, md.write_slots, v_new.to(vc.dtype))
         if md.kernel is not None:  # the scheduled rows read the pages in place; the extra rows after them
             md.kernel.run(query[:T], kv_cache, output[:T])
-            n = T + md.plan.num_tokens if md.attn is not None else T
+            n = T
             if md.attn is not None:
+                n = T + md.plan.num_tokens
                 output[T:n] = md.attn.run(query[T:n], key[T:n], value[T:n], kc, vc).to(output.dtype)
         else:
             n = md.plan.num_tokens  # the backend reads the rows in the model's order (planned with the row map)
