@@ -24,7 +24,8 @@
 #   3g. the cost of step 3 timed as CUDA-graph replays (FlashInfer in CUDA-graph mode): the GPU's time without
 #      the reference model's host overhead (batch 1 eager is launch-bound)
 #   5. vLLM's Python sources on this torch (benchmarks/vllm_gpu_try.py), where its bundle was carried
-# STEPS picks steps (default "2a 1 4 3 2b 5"), e.g. STEPS="3g 2c" for a second call.
+# STEPS picks steps (default "2a 1 4 3 2b 5"), e.g. STEPS="3g 2c" for a second call; VLLM_BUDGET (default 180)
+# gives step 5 its seconds.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-benchmarks/results/gpu}}
@@ -114,9 +115,10 @@ want 3g && step 3g_verify_cost_graph 300 $PY benchmarks/verify_cost.py "${COSTG[
 want 2b && step 2b_reference_bfloat16_flashinfer 150 $PY benchmarks/reference_devices.py --device "$DEVICE" \
     "${REF[@]}" --dtype bfloat16 --backend "$FI_BACKEND" "${CMP[@]}"
 if want 5 && [ "$DEVICE" != cpu ] && [ -f benchmarks/vllm_gpu_try.py ] && ls wheels/vllm/* > /dev/null 2>&1; then
-    step 5_vllm 200 bash -c "mkdir -p /tmp/vsite && for t in wheels/vllm/*.tar.xz; do tar -xJf \$t -C /tmp/vsite; done;
+    VB=${VLLM_BUDGET:-180}  # seconds for vllm_gpu_try.py's stages (import, eager, bfloat16, methods, compiled)
+    step 5_vllm $((VB + 20)) bash -c "mkdir -p /tmp/vsite && for t in wheels/vllm/*.tar.xz; do tar -xJf \$t -C /tmp/vsite; done;
         $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite wheels/vllm/*.whl;
-        PYTHONPATH=/tmp/vsite:\$PYTHONPATH $PY benchmarks/vllm_gpu_try.py $W/vllm 180"
+        PYTHONPATH=/tmp/vsite:\$PYTHONPATH $PY benchmarks/vllm_gpu_try.py $W/vllm $VB"
 fi
 log "done"
 pack

@@ -142,7 +142,9 @@ rm -rf "$TMP/v"
 # 2. what the image lacks on the LLM.generate path (found by importing vLLM's engine, workers, config and
 #    entrypoints.llm with the image's package set: benchmarks/vllm_gpu_bundle.sh's notes in the doc)
 DEPS=(pydantic pydantic_core annotated-types typing-inspection pyzmq cbor2 pybase64 oss-harmony openai httpx2
-      sniffio cachetools xgrammar llguidance fastapi starlette partial-json-parser)
+      sniffio cachetools xgrammar llguidance fastapi starlette partial-json-parser
+      compressed-tensors loguru depyf astor dill)  # the last five: imported when the GPU runner loads the model
+                                                   # (quantization/online imports compressed_tensors; H100 run)
 SPECS=()
 for d in "${DEPS[@]}"; do
     v=$(ver "$d"); [ -n "$v" ] || { echo "not in $PY's environment: $d" >&2; exit 1; }

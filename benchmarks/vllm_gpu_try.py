@@ -15,6 +15,8 @@ printing one line ``PASS|FAIL|SKIP stage: ...`` with the exception and the file:
   4 LLM(llada-tiny, speculative_config psd, enforce_eager, custom_ops ["none"], float32)
   5 generate (greedy, held-out prompts) == the reference engine (tokens and NFE), float32 then bfloat16
   6 without enforce_eager: torch.compile + PIECEWISE CUDA graphs (the same comparison)
+  7 every other decoding method (eager, float32, prefix cache; Spiffy with the shipped graph), one LLM each in one
+    process, each compared with the reference engine (tokens and NFE)
 Writes OUT/vllm_try.json (every stage's result) and OUT/vllm_try.log (every stage's full output).
 """
 
@@ -34,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 32
 N_PROMPTS = 6
 SPEC = {"method": "psd", "decoding": "psd", "cache": "prefix"}
+# vLLM 0.32 dispatches RMSNorm through its IR ops, whose CUDA default is the compiled `vllm_c` kernel (custom_ops
+# ["none"] does not reach them); the bundle has no compiled extension, so every IR op takes its PyTorch form.
+NATIVE_IR_OPS = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"], "gelu_and_mul_sparse": ["native"]}
 
 
 def where(exc: BaseException) -> str:
@@ -134,9 +139,11 @@ def stage_llm(device: str, dtype: str, eager: bool, tag: str, res: dict) -> dict
     if not eager and device != "cpu":
         comp["cudagraph_mode"] = "PIECEWISE"
     kw = dict(model=str(DEFAULT_DLLM), speculative_config=dict(SPEC), enforce_eager=eager, compilation_config=comp,
-              dtype=dtype, seed=0, max_model_len=512)
+              dtype=dtype, seed=0, max_model_len=512, ir_op_priority=NATIVE_IR_OPS)
     if device != "cpu":
         kw["gpu_memory_utilization"] = 0.3
+    if not eager:  # vLLM's JIT kernel warmup (106 compile keys on the H100) outran the stage's time there
+        kw["kernel_config"] = {"enable_jit_warmup": False}
     res["llm_kwargs"] = {k: v for k, v in kw.items() if k != "model"}
     try:
         from vllm import LLM, SamplingParams
@@ -182,6 +189,62 @@ def stage_llm(device: str, dtype: str, eager: bool, tag: str, res: dict) -> dict
     return res
 
 
+def stage_methods(device: str, res: dict) -> dict:
+    """Stage 7: every decoding method but PSD (stage 5 has it) through ``LLM.generate``, eager float32, one LLM
+    after another in this process, each against the reference engine. ``res`` is filled per method."""
+    import gc
+
+    import torch
+
+    if device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    from model_executor.decoding import METHODS, load_graph
+    from model_executor.engine import ReferenceEngine
+    from psd_plugin import DEFAULT_DLLM, default_graph
+    from psd_plugin.evaluate import encode, load
+    from psd_plugin.train.tasks import load_heldout
+    from vllm import LLM, SamplingParams
+
+    _, tok = load(DEFAULT_DLLM)
+    prompts = [encode(tok, r["prompt"]) for r in load_heldout()[::151][:N_PROMPTS]]
+    eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=torch.float32, device=device)
+    block = eng.spec.attention_block or 8
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    for method in (m for m in METHODS if m != SPEC["decoding"]):
+        stage = f"7_{method}"
+        knobs = {"cache": "prefix"}
+        if method == "spiffy":
+            knobs.update(policy="static", graph=str(default_graph(DEFAULT_DLLM, "static")))
+        try:
+            ref_knobs = dict(knobs, graph=load_graph(knobs["graph"])) if "graph" in knobs else knobs
+            ref = eng.generate(prompts, max_tokens=MAX_TOKENS, block_size=block, method=method, **ref_knobs)
+            t0 = time.perf_counter()
+            llm = LLM(model=str(DEFAULT_DLLM), speculative_config={"method": "psd", "decoding": method, **knobs},
+                      enforce_eager=True, compilation_config={"custom_ops": ["none"]}, dtype="float32", seed=0,
+                      max_model_len=512, ir_op_priority=NATIVE_IR_OPS,
+                      **({"gpu_memory_utilization": 0.08} if device != "cpu" else {}))
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+            nfe = [stats[o.request_id]["nfe"] for o in outs]
+            same = sum(a == r.token_ids for a, r in zip(tokens, ref))
+            ok = same == len(prompts) and nfe == [r.nfe for r in ref]
+            res[stage] = line("PASS" if ok else "FAIL", stage,
+                              f"{same}/{len(prompts)} prompts token-equal, NFE vLLM {sum(nfe)} vs reference "
+                              f"{sum(r.nfe for r in ref)}; {time.perf_counter() - t0:.1f} s with the build")
+            res[method] = {"tokens": tokens, "nfe": nfe, "reference_tokens": [r.token_ids for r in ref],
+                           "reference_nfe": [r.nfe for r in ref]}
+            del llm, outs
+        except BaseException as e:  # noqa: BLE001
+            res[stage] = line("FAIL", stage, f"{type(e).__name__}: {str(e)[:400]} at {where(e)}")
+            res.setdefault("tracebacks", {})[method] = traceback.format_exc()[-3000:]
+        gc.collect()
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    return res
+
+
 def child(args) -> None:
     out = Path(args.result)
     res = {}
@@ -193,6 +256,8 @@ def child(args) -> None:
     try:
         if args.stage == "import":
             res.update(stage_import(args.device))
+        elif args.stage == "methods_float32":
+            stage_methods(args.device, res)
         else:
             dtype, eager = {"eager_float32": ("float32", True), "eager_bfloat16": ("bfloat16", True),
                             "compiled_float32": ("float32", False)}[args.stage]
@@ -226,6 +291,7 @@ def main() -> None:
     env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("PSD_VLLM_STUB_OPS", "1")
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # else vLLM JIT-builds FlashInfer's sampling module (minutes)
     summary = {"device": args.device, "budget_s": args.budget, "python": sys.executable, "stages": {}}
     lines = []
 
@@ -287,9 +353,11 @@ def main() -> None:
         if built and args.device != "cpu":
             run("eager_bfloat16", 70)
         if generated:
+            run("methods_float32", 240)
             run("compiled_float32", 120)
         else:
             lines.append(line("SKIP", "6_compiled", "eager generate did not run"))
+            lines.append(line("SKIP", "7_methods", "eager generate did not run"))
     summary["lines"] = lines
     summary["seconds"] = round(time.monotonic() - t_start, 1)
     (args.out / "vllm_try.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -290,5 +290,6 @@ def test_gpu_start_up_line_says_what_has_not_run(registered, monkeypatch, caplog
         _translate(monkeypatch)
     lines = [r.getMessage() for r in caplog.records if r.name == config.logger.name]
     assert len(lines) == 1
-    assert lines[0].startswith("psd-plugin on cuda: not yet run on a GPU: the vLLM runner")
-    assert "CUDA graphs (off)" in lines[0] and "Nothing of psd-plugin's vLLM path has run on a GPU yet" in lines[0]
+    assert lines[0].startswith("psd-plugin on cuda: the dLLM decoding path (vLLM's V1 GPUModelRunner")
+    assert "CUDA graphs (off)" in lines[0]
+    assert "Not yet run on a GPU: CUDA graphs and torch.compile, the dual cache, PRESTO, tensor parallelism" in lines[0]

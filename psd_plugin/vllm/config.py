@@ -237,11 +237,12 @@ def platform_settings(engine_args, model_config, parallel_config, mode: str, moe
         return platform
     gpu = _gpu_settings(engine_args, model_config)
     graphs = "off" if gpu["cudagraph_mode"] == "NONE" else gpu["cudagraph_mode"]
-    logger.warning("psd-plugin on %s: not yet run on a GPU: the vLLM runner (the %s's hooks on vLLM's V1 "
-                   "GPUModelRunner, built by the plugin's GPU worker), FlashInfer attention (the torch backend "
-                   "without FlashInfer or in float32), %s weights, CUDA graphs (%s)%s. Nothing of psd-plugin's "
-                   "vLLM path has run on a GPU yet: compare outputs with the reference engine (`psd generate "
-                   "--engine reference`)", platform, path, gpu["dtype"], graphs,
+    logger.warning("psd-plugin on %s: the %s (vLLM's V1 GPUModelRunner, the plugin's GPU worker), %s weights, "
+                   "CUDA graphs (%s)%s. Run on a GPU so far (H100, docs/gpu.md): one GPU, eager, prefix cache, "
+                   "token- and NFE-equal to the reference engine for every dLLM method in float32 and for PSD in "
+                   "bfloat16 (FlashInfer). Not yet run on a GPU: CUDA graphs and torch.compile, the dual cache, "
+                   "PRESTO, tensor parallelism, serving; compare such outputs with the reference engine (`psd "
+                   "generate --engine reference`)", platform, path, gpu["dtype"], graphs,
                    ", PRESTO's drafter" if mode == "presto" else "")
     return platform
 
