@@ -15,8 +15,8 @@ printing one line ``PASS|FAIL|SKIP stage: ...`` with the exception and the file:
   4 LLM(llada-tiny, speculative_config psd, enforce_eager, custom_ops ["none"], float32)
   5 generate (greedy, held-out prompts) == the reference engine (tokens and NFE), float32 then bfloat16
   6 without enforce_eager: torch.compile + PIECEWISE CUDA graphs (the same comparison)
-  7 every other decoding method (eager, float32, prefix cache; Spiffy with the shipped graph), one LLM each in one
-    process, each compared with the reference engine (tokens and NFE)
+  7 every decoding method with the prefix cache and the dual cache (eager, float32; Spiffy with the shipped graph),
+    one LLM each in one process, each compared with the reference engine (tokens and NFE)
 Writes OUT/vllm_try.json (every stage's result) and OUT/vllm_try.log (every stage's full output).
 """
 
@@ -190,8 +190,9 @@ def stage_llm(device: str, dtype: str, eager: bool, tag: str, res: dict) -> dict
 
 
 def stage_methods(device: str, res: dict) -> dict:
-    """Stage 7: every decoding method but PSD (stage 5 has it) through ``LLM.generate``, eager float32, one LLM
-    after another in this process, each against the reference engine. ``res`` is filled per method."""
+    """Stage 7: every decoding method through ``LLM.generate`` with the prefix and the dual cache (but stage 5's
+    PSD with the prefix cache), eager float32, one LLM after another in this process, each against the
+    reference engine. ``res`` is filled per run."""
     import gc
 
     import torch
@@ -211,9 +212,10 @@ def stage_methods(device: str, res: dict) -> dict:
     eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=torch.float32, device=device)
     block = eng.spec.attention_block or 8
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-    for method in (m for m in METHODS if m != SPEC["decoding"]):
-        stage = f"7_{method}"
-        knobs = {"cache": "prefix"}
+    runs = [(m, c) for c in ("prefix", "dual") for m in METHODS if (m, c) != (SPEC["decoding"], SPEC["cache"])]
+    for method, cache in runs:
+        stage = f"7_{method}" + ("_dual" if cache == "dual" else "")
+        knobs = {"cache": cache}
         if method == "spiffy":
             knobs.update(policy="static", graph=str(default_graph(DEFAULT_DLLM, "static")))
         try:
@@ -223,7 +225,7 @@ def stage_methods(device: str, res: dict) -> dict:
             llm = LLM(model=str(DEFAULT_DLLM), speculative_config={"method": "psd", "decoding": method, **knobs},
                       enforce_eager=True, compilation_config={"custom_ops": ["none"]}, dtype="float32", seed=0,
                       max_model_len=512, ir_op_priority=NATIVE_IR_OPS,
-                      **({"gpu_memory_utilization": 0.08} if device != "cpu" else {}))
+                      **({"gpu_memory_utilization": 0.04} if device != "cpu" else {}))
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
             stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
             tokens = [list(o.outputs[0].token_ids) for o in outs]
@@ -233,12 +235,13 @@ def stage_methods(device: str, res: dict) -> dict:
             res[stage] = line("PASS" if ok else "FAIL", stage,
                               f"{same}/{len(prompts)} prompts token-equal, NFE vLLM {sum(nfe)} vs reference "
                               f"{sum(r.nfe for r in ref)}; {time.perf_counter() - t0:.1f} s with the build")
-            res[method] = {"tokens": tokens, "nfe": nfe, "reference_tokens": [r.token_ids for r in ref],
+            res[stage[2:]] = {"tokens": tokens, "nfe": nfe, "reference_tokens": [r.token_ids for r in ref],
                            "reference_nfe": [r.nfe for r in ref]}
+            llm.llm_engine.engine_core.shutdown()  # frees this LLM's KV cache before the next one is built
             del llm, outs
         except BaseException as e:  # noqa: BLE001
             res[stage] = line("FAIL", stage, f"{type(e).__name__}: {str(e)[:400]} at {where(e)}")
-            res.setdefault("tracebacks", {})[method] = traceback.format_exc()[-3000:]
+            res.setdefault("tracebacks", {})[stage[2:]] = traceback.format_exc()[-3000:]
         gc.collect()
         if device != "cpu":
             torch.cuda.empty_cache()
@@ -353,7 +356,7 @@ def main() -> None:
         if built and args.device != "cpu":
             run("eager_bfloat16", 70)
         if generated:
-            run("methods_float32", 240)
+            run("methods_float32", 300)
             run("compiled_float32", 120)
         else:
             lines.append(line("SKIP", "6_compiled", "eager generate did not run"))
