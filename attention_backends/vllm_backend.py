@@ -17,8 +17,10 @@ backend's metadata once per forward:
   (:func:`~.step_batch.set_step`) with the host copies of vLLM's block tables
   (:class:`~.step_batch.HostPages`). The builder turns it into the plan and the planned backend
   (``TorchPrefixAttention`` on CPU, ``FlashInferPrefixAttention`` on CUDA with fp16/bf16), which every layer
-  then runs; on the CPU, vLLM's kernel takes the scheduled rows wherever they see exactly their pages
-  (:func:`~.vllm_cpu_attention.kernel_rows`) and the planned backend only the extra rows. It plans on the host and reads no device tensor: the request layout from
+  then runs; on the CPU, vLLM's kernel takes every row wherever the scheduled rows see exactly their pages
+  (:func:`~.vllm_cpu_attention.kernel_rows`), the draft canvases one kernel call per canvas index
+  (:func:`~.vllm_cpu_attention.canvas_passes`). It plans on the host and reads no device tensor: the request
+  layout from
   ``query_start_loc_cpu``, the prefixes from ``seq_lens_cpu_upper_bound`` (exact outside async scheduling,
   which vLLM turns off for the plugin's ``custom_class`` method), the pages from the published block tables,
   the new rows' slots from those (vLLM's slot formula; on CUDA vLLM 0.32 computes its slot mapping on the
@@ -28,12 +30,14 @@ backend's metadata once per forward:
   block table and slot mapping back from the device (:meth:`PSDMetadataBuilder.device_pages`, the builder's
   only device reads).
 - **Extra rows**: draft canvases beyond a request's first are not vLLM tokens. They are rows after the
-  scheduled ones (the runner writes them into vLLM's input buffers) at the positions of the canvas they draft; their K/V is
-  never written to the cache (they see the shared prefix and themselves only), so they take no KV pages and
-  do not count against ``max_model_len``. Rows vLLM scheduled write their K/V through vLLM's slot mapping,
-  inside ``forward`` (``forward_includes_kv_cache_update``), before attending; a row reads only the prefix
-  ``[0, prefix_len)`` from the cache (and a kept suffix the step names, past every row of the step), so
-  what a draft row writes past the prefix is never read before it is rewritten.
+  scheduled ones (the runner writes them into vLLM's input buffers) at the positions of the canvas they draft;
+  their K/V is not kept in the cache (they see the shared prefix and themselves only), so they take no KV
+  pages and do not count against ``max_model_len``. (vLLM's CPU kernel reads a draft canvas's K/V at the
+  scheduled rows' slots, written there just before the canvas attends; the scheduled rows' own K/V is written
+  after every draft canvas.) Rows vLLM scheduled write their K/V through vLLM's slot mapping, inside
+  ``forward`` (``forward_includes_kv_cache_update``), before attending; a row reads only the prefix
+  ``[0, prefix_len)`` from the cache (and a kept suffix the step names, past every row of the step), so what a
+  draft row writes past the prefix is never read before it is rewritten.
 - **Kept suffix** (DualCache): a step may give each request a range of cached positions after its rows
   (``suffix_starts``/``suffix_lens``), K/V an earlier step wrote there and vLLM keeps in the request's pages
   (rolling ``num_computed_tokens`` back frees no page); every row of the request sees them.
@@ -55,7 +59,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout
 
 from .prefix_attention import AttentionPlan, make_backend, to_device
 from .step_batch import Rows, StepBatch, build_step_batch, current_step
-from .vllm_cpu_attention import CPUPagedKernel, extra_rows_plan, kernel_rows, kernel_supports, page_views, write_pages
+from .vllm_cpu_attention import (CPUPagedKernel, canvas_passes, kernel_rows, kernel_supports, page_views, passes_pay,
+                                 write_pages)
 
 PATTERNS = ("bidirectional", "causal", "block_causal")
 CPU_KERNELS = ("vllm", "torch")
@@ -74,13 +79,13 @@ def cpu_kernel_choice() -> str:
 
 @dataclass
 class PSDAttentionMetadata:
-    plan: AttentionPlan | None  # what ``attn`` runs: every row, or (with ``kernel``) the extra rows alone
-    attn: object | None  # the planned PrefixAttention backend (planned with its rows' order); None: no such rows
+    plan: AttentionPlan | None  # what ``attn`` runs: every row (None with ``kernel``)
+    attn: object | None  # the planned PrefixAttention backend (planned with its rows' order); None with ``kernel``
     write_rows: torch.Tensor | None  # rows of vLLM's whose K/V is written at ``write_slots`` (None: all ``T``)
     write_slots: torch.Tensor
     num_tokens: int  # T: the rows vLLM scheduled
     head_major: bool = False  # the pages are in vLLM's CPU layout (``LBHNC``)
-    kernel: CPUPagedKernel | None = None  # planned: vLLM's CPU kernel attends rows [0, T)
+    kernel: CPUPagedKernel | None = None  # planned: vLLM's CPU kernel attends every row
 
 
 class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
@@ -164,27 +169,25 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
                     # on the CPU vLLM's slot mapping is a host tensor: the host slots are checked against it
                     raise RuntimeError("psd attention backend: the slots derived from the host block table differ "
                                        "from vLLM's slot mapping")
-        # rows vLLM scheduled have their K/V written (``forward``) before attending; extra rows do not
+        # rows vLLM scheduled have their K/V written (``forward``) before attending; extra rows do not. On the CPU
+        # vLLM's kernel takes every row where the scheduled rows see exactly their pages and the further canvases
+        # stand on them (one kernel call per canvas index) and, with drafts, where that pays; else PyTorch
         E = batch.num_extra
         kernel = None
-        # vLLM's kernel attends the scheduled rows, PyTorch the extra rows, when there are no more extra rows than
-        # scheduled ones; else PyTorch every row (its fixed cost per layer is paid either way, and the split plans
-        # twice: benchmarks/results/cpu_attention.md)
-        rows = kernel_rows(batch, self.pattern) if self.kernel is not None and E <= T else None
-        if rows is not None:
+        rows = passes = None
+        if self.kernel is not None and (E == 0 or passes_pay(batch, self.num_heads, self.head_dim)):
+            rows = kernel_rows(batch, self.pattern)
+            passes = canvas_passes(batch) if rows is not None and bool((slots >= 0).all()) else None
+        if passes is not None:
             kernel = self.kernel
-            kernel.plan(rows, table)
-            plan = None
-            if E:
-                plan, order = extra_rows_plan(batch, table, self.page_size, batch.kind or self.pattern)
-                self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
-                               device=self.device, rows=order)
+            kernel.plan(rows, table, passes)
+            plan = attn = None
         else:
             plan = batch.plan(table, self.page_size, self.pattern, self.block_size)
             self.attn.plan(plan, self.num_heads, self.num_kv_heads, self.head_dim, self.dtype, scale=self.scale,
                            device=self.device, cached=torch.cat([slots, torch.full((E,), -1, dtype=torch.long)]),
                            rows=batch.order)
-        attn = self.attn if kernel is None or E else None
+            attn = self.attn
         ok = slots >= 0
         if bool(ok.all()):  # vLLM's own slot mapping, where it is (every published step)
             return PSDAttentionMetadata(plan, attn, None, cam.slot_mapping[:T], T, self.head_major, kernel)
@@ -275,6 +278,9 @@ class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
         if md.write_slots.numel():
             k_new = key[:T] if md.write_rows is None else key[md.write_rows]
             v_new = value[:T] if md.write_rows is None else value[md.write_rows]
+        if md.kernel is not None and md.kernel.passes:  # each further canvas in turn at the scheduled rows' slots,
+            # before those rows' own K/V, which the cache keeps
+            md.kernel.run_passes(query, key, value, kv_cache, md.write_slots, output)
         if md.head_major:  # vLLM's CPU pages: [blocks, kv_heads, page, D] K and V
             kp, vp = page_views(kv_cache, self.head_size)
             kc, vc = kp.transpose(1, 2), vp.transpose(1, 2)  # the [blocks, page, kv_heads, D] views PyTorch reads
@@ -288,12 +294,9 @@ class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
             if md.write_slots.numel():  # flat views of the NHD pages
                 kc.flatten(0, 1).index_copy_(0, md.write_slots, k_new.to(kc.dtype))
                 vc.flatten(0, 1).index_copy_(0, md.write_slots, v_new.to(vc.dtype))
-        if md.kernel is not None:  # the scheduled rows read the pages in place; the extra rows after them
+        if md.kernel is not None:  # the scheduled rows read the pages in place (the further canvases did above)
             md.kernel.run(query[:T], kv_cache, output[:T])
-            n = T
-            if md.attn is not None:
-                n = T + md.plan.num_tokens
-                output[T:n] = md.attn.run(query[T:n], key[T:n], value[T:n], kc, vc).to(output.dtype)
+            n = T + md.kernel.num_extra
         else:
             n = md.plan.num_tokens  # the backend reads the rows in the model's order (planned with the row map)
             output[:n] = md.attn.run(query[:n], key[:n], value[:n], kc, vc).to(output.dtype)

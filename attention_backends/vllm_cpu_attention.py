@@ -8,14 +8,16 @@ no gather, no padding and no mask tensor.
 
 That covers a request's *scheduled* rows (its first canvas, a prefill, a plain causal step) whenever the keys
 they see are exactly ``[0, seq_len)``: the cached prefix, the rows themselves (written before attending) and,
-under DualCache, the kept suffix when it starts right after the rows. It does not cover the extra rows (draft
-canvases, whose K/V is never written: they see the prefix and themselves only), SDAR's block-causal layers or
-PRESTO's tree masks; those go through :class:`~.torch_backend.TorchPrefixAttention`, which reads the same pages
-(:func:`~.torch_backend.slot_rows`). :func:`kernel_rows` decides per forward; :func:`extra_rows_plan` is the
-plan of the extra rows alone when the kernel takes the scheduled ones. The builder splits a step so only when
-its extra rows are no more than its scheduled ones (a batch where some requests draft): a step of draft
-canvases (three per request: three times the scheduled rows) costs PyTorch's fixed per-layer work either way,
-and there the split measured no faster (``benchmarks/cpu_attention.py``), so PyTorch takes all its rows.
+under DualCache, the kept suffix when it starts right after the rows (:func:`kernel_rows` decides per
+forward). A request's further canvases (drafts) stand on the same positions and see the same keys with their
+own K/V in the window: :func:`canvas_passes` makes each canvas index one more kernel call, with that canvas's
+K/V written at the scheduled rows' slots before it attends, and the scheduled rows' own K/V written last, so
+the cache keeps theirs. Per layer that measured 1.3-4.8x faster than PyTorch for every row where the step's
+attention work is large (16 requests, long prefixes, LLaDA-8B's heads) and slower for one request at the
+embedded shape (0.60-0.94x: several kernel calls against one), so :func:`passes_pay` keeps small steps with
+drafts on PyTorch (``benchmarks/cpu_attention.py``). SDAR's
+block-causal layers and PRESTO's tree masks go through :class:`~.torch_backend.TorchPrefixAttention`, which
+reads the same pages (:func:`~.torch_backend.slot_rows`).
 
 The kernel sums in another order than PyTorch's CPU flash attention (outputs agree to float32 rounding, about
 1e-7), so a vLLM engine on the CPU is token-equal to the reference engine wherever no decision sits within that
@@ -111,28 +113,57 @@ def kernel_rows(batch: StepBatch, pattern: str) -> KernelRows | None:
     return KernelRows(qsl, seq.to(torch.int32), kind == "causal")
 
 
-def extra_rows_plan(batch: StepBatch, block_table: torch.Tensor, page_size: int, kind: str
-                    ) -> tuple[AttentionPlan, torch.Tensor]:
-    """The attention plan of ``batch``'s extra rows alone (every canvas after a request's first: its prefix, its
-    kept suffix and itself, under ``kind``), over the requests that have any, and ``order``: the extra row (model
-    order, counted from ``T``) of each plan row."""
+@dataclass
+class CanvasPass:
+    """One further canvas of each request that has it, as one kernel call: ``rows`` are its model rows (plan
+    order within the pass: request by request), ``write`` the index of the scheduled row each one stands on (its
+    position's slot), ``reqs`` the requests in the pass."""
+
+    rows: torch.Tensor
+    write: torch.Tensor
+    reqs: torch.Tensor
+
+
+def canvas_passes(batch: StepBatch) -> list[CanvasPass] | None:
+    """The extra rows of ``batch`` as kernel passes, one per canvas index (the second canvas of every request
+    that has two or more, then the third, ...), or None when a request's canvases do not all stand on its
+    scheduled rows (a segment of another length: the kernel reads a canvas's own K/V from the pages, at the
+    scheduled rows' slots)."""
     qo, seg, n = batch.qo_indptr, batch.seg_indptr, batch.scheduled_lens
-    P = int(qo[-1])
-    req = torch.repeat_interleave(torch.arange(n.numel()), qo.diff(), output_size=P)  # plan row -> request
-    is_extra = torch.arange(P) - qo[:-1][req] >= n[req]
-    before = torch.cumsum(is_extra, 0) - is_extra.long()  # extra rows before each plan row
-    starts = seg[:-1][is_extra[seg[:-1]]]  # the extra canvases' first plan rows
-    E = int(is_extra.sum())
-    extra = qo.diff() - n
-    keep = (extra > 0).nonzero().flatten()
-    new_qo = torch.zeros(keep.numel() + 1, dtype=torch.long)
-    torch.cumsum(extra[keep], 0, out=new_qo[1:])
-    plan = AttentionPlan(new_qo, batch.prefix_lens[keep], block_table[keep], page_size, kind=kind,
-                         seg_indptr=torch.cat([before[starts], torch.tensor([E])]),
-                         suffix_starts=None if batch.suffix_starts is None else batch.suffix_starts[keep],
-                         suffix_lens=None if batch.suffix_lens is None else batch.suffix_lens[keep])
-    model_row = batch.order if batch.order is not None else torch.arange(P)
-    return plan, model_row[is_extra] - batch.num_scheduled
+    R = n.numel()
+    if not R or batch.num_extra == 0:
+        return []
+    canvases = qo.diff() // n.clamp(min=1)
+    if bool((canvases * n != qo.diff()).any()) or bool((seg.diff() != torch.repeat_interleave(n, canvases)).any()):
+        return None
+    model_row = batch.order if batch.order is not None else torch.arange(int(qo[-1]))
+    sched0 = torch.zeros(R, dtype=torch.long)
+    torch.cumsum(n[:-1], 0, out=sched0[1:])
+    passes = []
+    for k in range(1, int(canvases.max())):
+        reqs = (canvases > k).nonzero().flatten()
+        lens = n[reqs]
+        N = int(lens.sum())
+        req = torch.repeat_interleave(reqs, lens, output_size=N)
+        first = torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens, output_size=N)
+        i = torch.arange(N) - first  # row within its canvas
+        passes.append(CanvasPass(model_row[qo[req] + k * n[req] + i], sched0[req] + i, reqs))
+    return passes
+
+
+PASSES_MIN_WORK = 1 << 23  # query rows x keys x heads x head_dim (benchmarks/results/cpu_attention.md)
+
+
+def passes_pay(batch: StepBatch, num_heads: int, head_dim: int) -> bool:
+    """Whether a step with draft canvases goes through the kernel (a call per canvas index) rather than PyTorch
+    for every row: when its attention work (every row against its request's keys) is at least
+    ``PASSES_MIN_WORK``. Below that, on this project's 2-thread CPU, PyTorch's one call beat the kernel's
+    several (one request at the embedded shape, three drafts: 0.60-0.94x), above it the kernel won (1.3-4.8x).
+    Checked before anything else is planned: a step it declines costs the builder nothing more."""
+    keys = batch.prefix_lens + batch.scheduled_lens
+    if batch.suffix_lens is not None:
+        keys = keys + batch.suffix_lens
+    return int((batch.qo_indptr.diff() * keys).sum()) * num_heads * head_dim >= PASSES_MIN_WORK
 
 
 class CPUPagedKernel:
@@ -145,13 +176,32 @@ class CPUPagedKernel:
         self.page_size, self.dtype, self.scale = page_size, dtype, scale
         self.isa = kernel_isa(dtype, page_size, head_dim)
         self.rows: KernelRows | None = None
+        self.passes: list = []
+        self.num_extra = 0
 
-    def plan(self, rows: KernelRows, block_table: torch.Tensor) -> None:
+    def plan(self, rows: KernelRows, block_table: torch.Tensor, passes: list[CanvasPass] | None = None) -> None:
+        """Plan the scheduled rows and, with ``passes``, each further canvas as its own call (a pass over every
+        request shares the scheduled rows' plan: the same query and key counts)."""
+        self.rows, self.block_table = rows, block_table.to(torch.int32)
+        self.metadata = self._metadata(rows)
+        self.passes = []
+        self.num_extra = sum(p.rows.numel() for p in passes or ())
+        R = rows.seq_lens.numel()
+        for p in passes or ():
+            if p.reqs.numel() == R:
+                self.passes.append((p, rows, self.block_table, self.metadata))
+                continue
+            lens = rows.query_start_loc.diff()[p.reqs]
+            qsl = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+            torch.cumsum(lens, 0, out=qsl[1:])
+            sub = KernelRows(qsl, rows.seq_lens[p.reqs], rows.causal)
+            self.passes.append((p, sub, self.block_table[p.reqs], self._metadata(sub)))
+
+    def _metadata(self, rows: KernelRows):
         from vllm import _custom_ops as ops
 
         H, Hkv, D = self.geom
-        self.rows, self.block_table = rows, block_table.to(torch.int32)
-        self.metadata = ops.cpu_attn_get_scheduler_metadata(
+        return ops.cpu_attn_get_scheduler_metadata(
             num_reqs=rows.seq_lens.numel(), num_heads=H, num_kv_heads=Hkv, head_dim=D, seq_lens=rows.seq_lens,
             dtype=self.dtype, query_start_loc=rows.query_start_loc, causal=rows.causal, sliding_window_size=-1,
             isa=self.isa, enable_kv_split=False)
@@ -164,14 +214,28 @@ class CPUPagedKernel:
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor, out: torch.Tensor) -> None:
         """Attention of the scheduled rows ``query [T, H, D]`` over one layer's cache into ``out [T, H, D]``."""
+        self._attend(query, kv_cache, out, self.rows, self.block_table, self.metadata)
+
+    def run_passes(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                   slots: torch.Tensor, out: torch.Tensor) -> None:
+        """The further canvases (``query``/``key``/``value``/``out``: every row of the forward, model order), one
+        pass each: the canvas's K/V written at the slots of the scheduled rows it stands on (``slots``: theirs),
+        then its rows attend. The scheduled rows' own K/V must be written after this (``write`` then ``run``)."""
+        for p, rows, table, metadata in self.passes:
+            at = slots[p.write]
+            self.write(key[p.rows], value[p.rows], kv_cache, at)
+            res = torch.empty(p.rows.numel(), *out.shape[1:], dtype=out.dtype)
+            self._attend(query[p.rows], kv_cache, res, rows, table, metadata)
+            out[p.rows] = res
+
+    def _attend(self, query, kv_cache, out, rows: KernelRows, table, metadata) -> None:
         from vllm import _custom_ops as ops
 
-        r = self.rows
         k_pages, v_pages = kernel_views(kv_cache, self.geom[2])
         ops.cpu_attention_with_kv_cache(
-            query=query, key_cache=k_pages, value_cache=v_pages, output=out, query_start_loc=r.query_start_loc,
-            seq_lens=r.seq_lens, scale=self.scale, causal=r.causal, alibi_slopes=None, sliding_window=-1,
-            block_table=self.block_table, softcap=0.0, scheduler_metadata=self.metadata, s_aux=None)
+            query=query, key_cache=k_pages, value_cache=v_pages, output=out, query_start_loc=rows.query_start_loc,
+            seq_lens=rows.seq_lens, scale=self.scale, causal=rows.causal, alibi_slopes=None, sliding_window=-1,
+            block_table=table, softcap=0.0, scheduler_metadata=metadata, s_aux=None)
 
 
 def write_pages(key: torch.Tensor, value: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,

@@ -132,8 +132,8 @@ def main() -> None:
     (args.out / "cpu_attention.json").write_text(json.dumps(table, indent=1))
     lines = ["One attention layer on this CPU (float32, `OMP_NUM_THREADS=2`, median of "
              f"{args.reps}): the project's PyTorch path (`PSD_CPU_ATTENTION=torch`) against vLLM's paged CPU kernel "
-             "for the scheduled rows (the default; draft canvases stay on PyTorch). *layer*: the layer's forward "
-             "(K/V write and attention); *build*: the plan, once per forward for every layer.", "",
+             "(the default: the scheduled rows, and each draft canvas as one more kernel call). *layer*: the "
+             "layer's forward (K/V writes and attention); *build*: the plan, once per forward for every layer.", "",
              "| shape | step | requests | drafts | rows | layer µs, PyTorch | layer µs, vLLM kernel | speed-up | "
              "build µs, PyTorch | build µs, vLLM kernel |", "|---|---|---|---|---|---|---|---|---|---|"]
     for t, v in zip(table[::2], table[1::2]):

@@ -279,13 +279,15 @@ def test_the_builder_does_not_synchronise_on_cuda(case, dtype):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_head_major_pages_attend_as_the_oracle(monkeypatch, case, kernel, dtype, tol):
     """vLLM's CPU page layout (``LBHNC``, what the backend declares on the CPU): K/V written at vLLM's slots, then
-    vLLM's own paged kernel for the scheduled rows where it applies (``kernel_rows``: here the prompt prefill and
-    the first canvases of the DualCache step, whose kept suffix follows it, and of the prefix-cache step; not
-    SDAR's block-causal layers or PRESTO's trees) and PyTorch for the rest (the draft canvases);
-    ``PSD_CPU_ATTENTION=torch`` runs PyTorch for every row. Equal to the dense oracle."""
+    vLLM's own paged kernel for every row where it applies (``kernel_rows``: the prompt prefill, the DualCache
+    step with its kept suffix and the prefix-cache step, their draft canvases one kernel call per canvas index;
+    not SDAR's block-causal layers or PRESTO's trees, which PyTorch takes); ``PSD_CPU_ATTENTION=torch`` runs
+    PyTorch for every row. Equal to the dense oracle, and the cache keeps the scheduled rows' K/V."""
+    from attention_backends import vllm_cpu_attention
     from attention_backends.vllm_cpu_attention import kernel_rows, page_views
 
     monkeypatch.setenv("PSD_CPU_ATTENTION", kernel)
+    monkeypatch.setattr(vllm_cpu_attention, "PASSES_MIN_WORK", 0)  # this small step's drafts through the kernel
     Dk, page = 64, 32  # a head size and a page vLLM's CPU kernel runs
     batch, cam, host_table, pattern, block = _step(case, seed=1, page=page)
     cls = psd_attention_backend(pattern, block).get_builder_cls()
@@ -307,14 +309,57 @@ def test_head_major_pages_attend_as_the_oracle(monkeypatch, case, kernel, dtype,
     plan = batch.plan(host_table[: batch.num_requests], page, pattern, block)
     want = _oracle(plan, q[order], k[order], v[order], kp.transpose(1, 2), vp.transpose(1, 2), 0.3)
     assert torch.allclose(out[:N][order].double(), want, atol=tol), (out[:N][order].double() - want).abs().max()
+    # the cache keeps the scheduled rows' K/V, whatever the draft canvases wrote at the same slots on the way
+    slots = cam.slot_mapping.cpu().long()
+    T = batch.num_scheduled
+    assert torch.equal(kp[slots // page, :, slots % page], k[:T]) and torch.equal(vp[slots // page, :, slots % page],
+                                                                                  v[:T])
     set_step(None)
+
+
+def test_draft_canvases_are_kernel_passes_over_the_scheduled_rows_slots():
+    """``canvas_passes``: the second canvas of every request that has one, then the third, each row naming the
+    scheduled row whose slot it stands on; a batch whose further canvases are not its scheduled rows' length has
+    none."""
+    from attention_backends.vllm_cpu_attention import canvas_passes
+
+    g = torch.Generator().manual_seed(0)
+    prefill, dual, prefix = _dllm_entries(g)  # 12 rows; 3 canvases of 8; 2 canvases of 16
+    batch = build_step_batch([prefill, dual, prefix])
+    T = batch.num_scheduled
+    assert T == 36 and batch.num_extra == 32
+    first, second = canvas_passes(batch)
+    assert first.reqs.tolist() == [1, 2] and second.reqs.tolist() == [1]
+    # extra rows in model order: the dual step's canvases 2 and 3 (rows 36-51), then the prefix step's second
+    assert first.rows.tolist() == list(range(36, 44)) + list(range(52, 68))
+    assert first.write.tolist() == list(range(12, 20)) + list(range(20, 36))
+    assert second.rows.tolist() == list(range(44, 52)) and second.write.tolist() == list(range(12, 20))
+    assert canvas_passes(build_step_batch([prefill])) == []
+    assert canvas_passes(build_step_batch(_presto_entries(g))) == []
+
+
+def test_draft_canvases_go_through_the_kernel_where_the_step_is_large():
+    """``passes_pay``: a step with drafts whose attention work is small (one request, a short prefix, the embedded
+    heads) stays on PyTorch; 16 requests over long prefixes, or LLaDA-8B's heads, take the kernel."""
+    from attention_backends.vllm_cpu_attention import passes_pay
+
+    def step(requests, prefix):
+        g = torch.Generator().manual_seed(0)
+        batch = build_step_batch([DLLMStep(w0=prefix, w1=prefix + 9, b0=prefix + 1, b1=prefix + 9,
+                                           tokens=torch.randint(3, 90, (4, 9), generator=g), keep=prefix, shift=0,
+                                           suffix=(prefix + 9, prefix + 33)) for _ in range(requests)])
+        return batch
+
+    assert not passes_pay(step(1, 40), 4, 64)
+    assert passes_pay(step(16, 400), 4, 64)
+    assert passes_pay(step(1, 40), 32, 128)
 
 
 def test_the_kernel_takes_the_scheduled_rows_that_see_exactly_their_pages():
     """``kernel_rows``: a prefill and a DualCache first canvas (its kept suffix right after it) qualify, with
     their key counts; a prefix-cache step whose first canvas is not all its scheduled rows, a suffix elsewhere,
-    block-causal and custom masks do not. ``extra_rows_plan`` lays out the draft canvases alone."""
-    from attention_backends.vllm_cpu_attention import extra_rows_plan, kernel_rows
+    block-causal and custom masks do not."""
+    from attention_backends.vllm_cpu_attention import kernel_rows
 
     g = torch.Generator().manual_seed(0)
     prefill, dual, prefix = _dllm_entries(g)
@@ -326,11 +371,6 @@ def test_the_kernel_takes_the_scheduled_rows_that_see_exactly_their_pages():
                     suffix=(50, 56))
     assert kernel_rows(build_step_batch([away]), "bidirectional") is None
     assert kernel_rows(build_step_batch(_presto_entries(g)), "causal") is None  # custom tree masks
-    batch = build_step_batch([prefill, dual, prefix])
-    plan, order = extra_rows_plan(batch, torch.arange(3 * WIDTH).view(3, WIDTH), PAGE, "bidirectional")
-    assert plan.qo_indptr.tolist() == [0, 16, 32] and plan.seg_indptr.tolist() == [0, 8, 16, 32]
-    assert plan.prefix_lens.tolist() == [40, 17] and plan.suffix_lens.tolist() == [8, 0]
-    assert order.tolist() == list(range(32))  # the extra rows are in plan order already
 
 
 def test_the_cpu_kernel_switch_names_its_values(monkeypatch):

@@ -138,6 +138,24 @@ def test_embedded_dream_matches_reference(heldout_prompts, method, cache):
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("cache", ("prefix", "dual"))
+@pytest.mark.parametrize("method", ("lopa", "freedave", "spiffy", "psd"))
+def test_draft_canvases_through_vllms_cpu_kernel_match_reference(monkeypatch, heldout_prompts, method, cache):
+    """Every draft canvas as its own call of vLLM's CPU kernel (a step this small would stay on PyTorch: the
+    threshold is lowered to 0), the canvas's K/V at the scheduled rows' slots and theirs written last: tokens
+    and forwards still the reference engine's."""
+    from attention_backends import vllm_cpu_attention
+
+    monkeypatch.setattr(vllm_cpu_attention, "PASSES_MIN_WORK", 0)
+    calls = []
+    run_passes = vllm_cpu_attention.CPUPagedKernel.run_passes
+    monkeypatch.setattr(vllm_cpu_attention.CPUPagedKernel, "run_passes",
+                        lambda self, *a: (calls.append(len(self.passes)), run_passes(self, *a)))
+    _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache=cache)
+    assert calls and max(calls) >= 1  # draft steps went through the kernel
+
+
+@pytest.mark.engine
 def test_compiled_model_matches_reference(heldout_prompts):
     """vLLM's default on CPU compiles the model's decoder layers (one Dynamo trace, Inductor, guards dropped):
     PSD's extra draft rows and the dual cache's kept suffix go through that one traced graph, and the outputs
