@@ -180,7 +180,7 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
             passes = canvas_passes(batch) if rows is not None and bool((slots >= 0).all()) else None
         if passes is not None:
             kernel = self.kernel
-            kernel.plan(rows, table, passes)
+            kernel.plan(rows, table, passes, slots)
             plan = attn = None
         else:
             plan = batch.plan(table, self.page_size, self.pattern, self.block_size)
@@ -280,7 +280,7 @@ class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
             v_new = value[:T] if md.write_rows is None else value[md.write_rows]
         if md.kernel is not None and md.kernel.passes:  # each further canvas in turn at the scheduled rows' slots,
             # before those rows' own K/V, which the cache keeps
-            md.kernel.run_passes(query, key, value, kv_cache, md.write_slots, output)
+            md.kernel.run_passes(query, key, value, kv_cache, output)
         if md.head_major:  # vLLM's CPU pages: [blocks, kv_heads, page, D] K and V
             kp, vp = page_views(kv_cache, self.head_size)
             kc, vc = kp.transpose(1, 2), vp.transpose(1, 2)  # the [blocks, page, kv_heads, D] views PyTorch reads

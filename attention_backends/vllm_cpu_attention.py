@@ -179,23 +179,26 @@ class CPUPagedKernel:
         self.passes: list = []
         self.num_extra = 0
 
-    def plan(self, rows: KernelRows, block_table: torch.Tensor, passes: list[CanvasPass] | None = None) -> None:
+    def plan(self, rows: KernelRows, block_table: torch.Tensor, passes: list[CanvasPass] | None = None,
+             slots: torch.Tensor | None = None) -> None:
         """Plan the scheduled rows and, with ``passes``, each further canvas as its own call (a pass over every
-        request shares the scheduled rows' plan: the same query and key counts)."""
+        request shares the scheduled rows' plan: the same query and key counts) writing its K/V at the scheduled
+        rows' ``slots`` it stands on."""
         self.rows, self.block_table = rows, block_table.to(torch.int32)
         self.metadata = self._metadata(rows)
         self.passes = []
         self.num_extra = sum(p.rows.numel() for p in passes or ())
         R = rows.seq_lens.numel()
         for p in passes or ():
+            at = slots[p.write].to(torch.long)
             if p.reqs.numel() == R:
-                self.passes.append((p, rows, self.block_table, self.metadata))
+                self.passes.append((p, at, rows, self.block_table, self.metadata))
                 continue
             lens = rows.query_start_loc.diff()[p.reqs]
             qsl = torch.zeros(lens.numel() + 1, dtype=torch.int32)
             torch.cumsum(lens, 0, out=qsl[1:])
             sub = KernelRows(qsl, rows.seq_lens[p.reqs], rows.causal)
-            self.passes.append((p, sub, self.block_table[p.reqs], self._metadata(sub)))
+            self.passes.append((p, at, sub, self.block_table[p.reqs], self._metadata(sub)))
 
     def _metadata(self, rows: KernelRows):
         from vllm import _custom_ops as ops
@@ -217,12 +220,11 @@ class CPUPagedKernel:
         self._attend(query, kv_cache, out, self.rows, self.block_table, self.metadata)
 
     def run_passes(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
-                   slots: torch.Tensor, out: torch.Tensor) -> None:
+                   out: torch.Tensor) -> None:
         """The further canvases (``query``/``key``/``value``/``out``: every row of the forward, model order), one
-        pass each: the canvas's K/V written at the slots of the scheduled rows it stands on (``slots``: theirs),
-        then its rows attend. The scheduled rows' own K/V must be written after this (``write`` then ``run``)."""
-        for p, rows, table, metadata in self.passes:
-            at = slots[p.write]
+        pass each: the canvas's K/V written at the slots of the scheduled rows it stands on (planned), then its
+        rows attend. The scheduled rows' own K/V must be written after this (``write`` then ``run``)."""
+        for p, at, rows, table, metadata in self.passes:
             self.write(key[p.rows], value[p.rows], kv_cache, at)
             res = torch.empty(p.rows.numel(), *out.shape[1:], dtype=out.dtype)
             self._attend(query[p.rows], kv_cache, res, rows, table, metadata)
