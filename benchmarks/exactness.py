@@ -1,6 +1,7 @@
 """Token-for-token match of the lossless methods (FreeDave, Spiffy) with their base policy, float32 and float64.
 
     .venv/bin/python benchmarks/exactness.py [--limit N] [--dtypes float64,float32] [--caches prefix,dual]
+        [--tasks sort,...,count_lines]   # default: the short tasks; a long family decodes with its 256 budget
 
 float64 must match on every prompt (the tests check that too). In float32 a draft canvas is computed in a
 batch of a different shape than plain decoding's forward, so the last bits of a logit may differ; when
@@ -27,15 +28,25 @@ from model_executor.decoding.policies import make_policy  # noqa: E402
 from psd_plugin import DEFAULT_DLLM, default_graph  # noqa: E402
 from psd_plugin.calibrate import TrajectoryRecorder  # noqa: E402
 from psd_plugin.evaluate import encode, load  # noqa: E402
-from psd_plugin.train.tasks import TASKS, load_heldout  # noqa: E402
+from psd_plugin.train.tasks import ALL_TASKS, TASKS, answer_budget, load_heldout  # noqa: E402
 
 
-def min_margin(engine, prompt, policy: str, cache: str) -> dict:
+def generate(engine, prompts, budgets, **kw):
+    """``engine.generate`` with each prompt's own answer budget (one call per budget), results in prompt order."""
+    out = [None] * len(prompts)
+    for b in sorted(set(budgets)):
+        idx = [i for i, x in enumerate(budgets) if x == b]
+        for i, r in zip(idx, engine.generate([prompts[i] for i in idx], max_tokens=b, **kw)):
+            out[i] = r
+    return out
+
+
+def min_margin(engine, prompt, policy: str, cache: str, max_tokens: int) -> dict:
     """Smallest confidence / logit gap of any commit decision on ``policy``'s trajectory for ``prompt``."""
     blocks: list = []
     rule = make_policy(policy)
     mask = engine.spec.mask_token_id
-    engine.generate([prompt], method=policy, cache=cache, decoder_factory=lambda b: TrajectoryRecorder(b, mask, rule, blocks))
+    engine.generate([prompt], max_tokens=max_tokens, method=policy, cache=cache, decoder_factory=lambda b: TrajectoryRecorder(b, mask, rule, blocks))
     best = {"conf_gap": float("inf"), "logit_gap": float("inf")}
     for steps in blocks:
         for _, pred, _ in steps:
@@ -54,8 +65,13 @@ def main():
     ap.add_argument("--dtypes", default="float64,float32", help="comma-separated: float64, float32")
     ap.add_argument("--caches", default="prefix", help="comma-separated KV-cache modes: prefix, dual")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated held-out tasks (default: the short ones)")
     args = ap.parse_args()
-    rows = [r for t in TASKS for r in load_heldout(t)[: args.limit]]
+    tasks = tuple(t for t in args.tasks.split(",") if t)
+    if not tasks or any(t not in ALL_TASKS for t in tasks):
+        ap.error(f"--tasks {args.tasks!r}; allowed (comma-separated): {', '.join(ALL_TASKS)}")
+    rows = [r for t in tasks for r in load_heldout(t)[: args.limit]]
+    budgets = [answer_budget(r["task"]) for r in rows]
     report = {}
     dtypes = args.dtypes.split(",")
     if not dtypes or any(d not in ("float64", "float32") for d in dtypes):
@@ -73,15 +89,19 @@ def main():
         for cache in caches:
             base_cache = {}
             for name, (pol, kw) in runs.items():
-                base = base_cache.setdefault(pol, engine.generate(prompts, method=pol, cache=cache))
-                out = engine.generate(prompts, cache=cache, **kw)
+                if pol not in base_cache:
+                    base_cache[pol] = generate(engine, prompts, budgets, method=pol, cache=cache)
+                base = base_cache[pol]
+                out = generate(engine, prompts, budgets, cache=cache, **kw)
                 bad = [i for i, (a, b) in enumerate(zip(base, out)) if a.token_ids != b.token_ids]
                 entry = {"prompts": len(prompts), "identical": len(prompts) - len(bad),
                          "match_rate": round(1 - len(bad) / len(prompts), 4),
                          "nfe_ratio": round(sum(r.nfe for r in out) / sum(r.nfe for r in base), 4),
-                         "mismatches": [{"prompt": rows[i]["prompt"], **min_margin(engine, prompts[i], pol, cache)}
-                                        for i in bad]}
+                         "mismatches": [{"prompt": rows[i]["prompt"],
+                                         **min_margin(engine, prompts[i], pol, cache, budgets[i])} for i in bad]}
                 key = f"{name} ({dtype})" if cache == "prefix" else f"{name} ({dtype}, dual cache)"
+                if tasks != TASKS:
+                    key += f" [{','.join(tasks)}]"
                 report[key] = entry
                 print(f"{name:<26} {dtype} {cache}: {entry['identical']}/{len(prompts)} identical, NFE ratio "
                       f"{entry['nfe_ratio']:.3f}", flush=True)

@@ -1,5 +1,6 @@
-"""How far a checkpoint has learned a long family: on the held-out items of ``count`` (or ``sort_lines``), the
-share of answer words (numbers) right before the first wrong one, and exact answers.
+"""How far a checkpoint has learned a long family: on the held-out items of ``count`` (or another long family:
+``sort_lines``, ``count_lines``), the share of answer words (numbers, labels) right before the first wrong one, and
+exact answers.
 
     .venv/bin/python benchmarks/long_progress.py MODEL [--task count] [--limit 50] [--method confidence]
 

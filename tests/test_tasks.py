@@ -77,6 +77,31 @@ def test_the_long_family_has_several_block_answers_from_short_prompts():
     assert all(len(line.split()) == 10 for line in r["answer"].splitlines()[:-1])
 
 
+def test_count_lines_is_count_with_labelled_lines_and_a_visible_stop():
+    """The third long family: ``count`` written as 2-5 labelled lines of ten, the number of lines given in the prompt
+    (the stop a model can see); 64-256 answer tokens; a line missing, extra, merged or mislabelled fails."""
+    from transformers import AutoTokenizer
+
+    from psd_plugin import DEFAULT_AR
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))
+    rows = tasks.load_heldout("count_lines")
+    n = [len(tok(r["answer"], add_special_tokens=False).input_ids) for r in rows]
+    assert 64 <= min(n) and max(n) + 1 <= tasks.answer_budget("count_lines") == 256
+    assert {len(r["answer"].splitlines()) for r in rows} == {2, 3, 4, 5}
+    for r in rows[:50]:
+        a, step, n_lines = (int(x) for x in re.findall(r"\d+", r["prompt"]))
+        lines = r["answer"].splitlines()
+        assert [x.split()[0] for x in lines] == [f"{i + 1}:" for i in range(n_lines)]
+        assert [int(x) for line in lines for x in line.split()[1:]] == [a + step * i for i in range(10 * n_lines)]
+    r = rows[0]
+    assert tasks.grade(r, r["answer"] + "\n")
+    assert not tasks.grade(r, r["answer"] + "\n9: 1 2 3")  # counting on past the last line
+    assert not tasks.grade(r, "\n".join(r["answer"].splitlines()[:-1]))
+    assert not tasks.grade(r, r["answer"].replace("\n", " "))
+    assert not tasks.grade(r, r["answer"].replace("1:", "0:", 1))
+
+
 def test_sort_lines_answers_span_blocks_and_fit_the_context():
     """The second long family: 6-12 labelled lists sorted line by line, 64-180 answer tokens; prompt + the 256-token budget
     fit the embedded models' 512 positions; a line out of order or merged fails."""

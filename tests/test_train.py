@@ -72,3 +72,27 @@ def test_a_second_stage_continues_a_model_and_records_the_first(tmp_path):
     assert {"count", "sort_lines"} <= set(second["tasks"]) and "on sort, reverse" in second["stages"][0]
     with pytest.raises(SystemExit):
         main(["--kind", "ar", "--steps", "1", "--tasks", "sort,nope", *common, "--out", str(tmp_path / "c")])
+
+
+def test_the_model_card_evaluates_a_long_family_on_its_first_items(tmp_path):
+    """A card of a model trained on a long family: the short tasks on the whole split, the long one on its first
+    ``--long-limit`` items (said in the card), with its own TPF beside the overall one."""
+    import json
+
+    from psd_plugin import model_card
+    from psd_plugin.train.trainer import main
+
+    out = tmp_path / "ar"
+    main(["--kind", "ar", "--size", "tiny", "--steps", "1", "--batch", "4", "--tasks", "sort,count_lines",
+          "--tokenizer", str(DEFAULT_DLLM), "--out", str(out)])
+    model_card.main(["--model", str(out), "--long-limit", "3"])
+    card = json.loads((out / "card.json").read_text())["eval"]
+    greedy = card["results"]["greedy"]
+    assert card["long_items"] == 3 and greedy["samples"] == 300 + 3
+    assert set(greedy["tpf_by_task"]) == {"sort", "count_lines"} and greedy["tpf_by_task"]["count_lines"] == 1.0
+    readme = (out / "README.md").read_text()
+    assert "long tasks 256 on their first 3 items" in readme and "TPF per long family: `count_lines` 1.00 (greedy)" in readme
+    assert "uniformly mixed" in readme
+    assert model_card._mix(["sort", "count_lines", "count_lines"]) == "mixed by weight (count_lines 2 of 3 draws)"
+    with pytest.raises(SystemExit):
+        model_card.main(["--model", str(out), "--long-limit", "0"])

@@ -119,6 +119,7 @@ def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True, 
     for i, (t, n, r) in enumerate(zip(tokens, nfe, ref)):
         assert t == r.token_ids, f"{method} prompt {i}: vLLM {t} != reference {r.token_ids}"
         assert n == r.nfe, f"{method} prompt {i}: vLLM took {n} forwards, the reference {r.nfe}"
+    return tokens
 
 
 @pytest.mark.engine
@@ -135,6 +136,24 @@ def test_embedded_dream_matches_reference(heldout_prompts, method, cache):
     """dream-tiny, the demo's and the serving benchmark's dLLM (trained weights, shifted logits; the same
     tokenizer as llada-tiny): tokens and forwards equal the reference engine's."""
     _check_parity(DEMO_DLLM, heldout_prompts, method, cache=cache)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("method, cache", [("confidence", "prefix"), ("psd", "dual"), ("spiffy", "dual")])
+def test_long_answers_match_reference(method, cache):
+    """Answers of several blocks from a model that writes them (dream-tiny-v2 on ``count_lines``, 2-5 labelled
+    lines of ten numbers, 256-token budget): through vLLM, tokens and forwards equal the reference engine's, and
+    the answers are the task's (so the blocks, the cache refreshes and the drafts after the first block ran)."""
+    from psd_plugin import CHECKPOINTS
+    from psd_plugin.evaluate import decode_answer, encode, load
+    from psd_plugin.train.tasks import grade, load_heldout
+
+    path = CHECKPOINTS / "dream-tiny-v2"
+    _, tok = load(path)
+    rows = load_heldout("count_lines")[:4]
+    tokens = _check_parity(path, [encode(tok, r["prompt"]) for r in rows], method, max_tokens=256, cache=cache)
+    assert min(len(t) for t in tokens) > 64
+    assert sum(grade(r, decode_answer(tok, t)) for r, t in zip(rows, tokens)) >= 2
 
 
 @pytest.mark.engine

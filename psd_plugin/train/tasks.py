@@ -7,7 +7,8 @@ one forward can break them, which is what parallel decoders have to get right.
 
 Two families: the short tasks (answers of about 5-8 tokens, one block) and the long ones (``LONG_TASKS``:
 answers of 64-256 tokens, several blocks: ``count``, from a short prompt, where every number is computed from
-the one before; ``sort_lines``, the short ``sort`` skill applied to 6-12 labelled lines), so that block decoding, caches
+the one before; ``sort_lines``, the short ``sort`` skill applied to 6-12 labelled lines; ``count_lines``, ``count``
+with labelled lines and a stop given as a number of lines), so that block decoding, caches
 and drafts are measured where they matter. ``answer_budget(task)`` is the generation budget a task is evaluated and
 trained with.
 
@@ -154,6 +155,19 @@ def gen_sort_lines(rng: random.Random) -> Example:
     return Example("sort_lines", prompt, "\n".join(f"{labels[i]}: {_fmt(sorted(xs))}" for i, xs in enumerate(lines)))
 
 
+def gen_count_lines(rng: random.Random) -> Example:
+    """``count`` with a stop a small model can see: count from ``a`` in steps of ``s`` for ``L`` (2-5) lines of ten
+    numbers, each line labelled ``1:``, ``2:``, ...; 86-215 answer tokens. The stop is the label reaching the prompt's
+    one digit ``L``, not the current number reaching an end number of up to three digits (the compare-and-stop that
+    models trained on ``count`` learned last or not at: they count on past the end)."""
+    s = rng.choice([1, 2, 3, 5, 10])
+    a = rng.randint(10, 300)
+    n_lines = rng.randint(2, 5)
+    xs = [a + s * i for i in range(10 * n_lines)]
+    lines = [f"{i + 1}: {_fmt(xs[10 * i:10 * i + 10])}" for i in range(n_lines)]
+    return Example("count_lines", f"Count from {a} in steps of {s}: {n_lines} lines of ten.", "\n".join(lines))
+
+
 GENERATORS: dict[str, Callable[[random.Random], Example]] = {
     "sort": gen_sort,
     "reverse": gen_reverse,
@@ -164,8 +178,9 @@ GENERATORS: dict[str, Callable[[random.Random], Example]] = {
     "python": gen_python,
     "count": gen_count,  # the long families: new tasks go last, so the held-out items of earlier ones stay put
     "sort_lines": gen_sort_lines,
+    "count_lines": gen_count_lines,
 }
-LONG_TASKS = ("count", "sort_lines")
+LONG_TASKS = ("count", "sort_lines", "count_lines")
 TASKS = tuple(t for t in GENERATORS if t not in LONG_TASKS)  # the short tasks (32-token budget)
 ALL_TASKS = tuple(GENERATORS)
 SHORT_BUDGET, LONG_BUDGET = 32, 256
