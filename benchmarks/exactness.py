@@ -27,18 +27,8 @@ from model_executor.decoding import load_graph  # noqa: E402
 from model_executor.decoding.policies import make_policy  # noqa: E402
 from psd_plugin import DEFAULT_DLLM, default_graph  # noqa: E402
 from psd_plugin.calibrate import TrajectoryRecorder  # noqa: E402
-from psd_plugin.evaluate import encode, load  # noqa: E402
-from psd_plugin.train.tasks import ALL_TASKS, TASKS, answer_budget, load_heldout  # noqa: E402
-
-
-def generate(engine, prompts, budgets, **kw):
-    """``engine.generate`` with each prompt's own answer budget (one call per budget), results in prompt order."""
-    out = [None] * len(prompts)
-    for b in sorted(set(budgets)):
-        idx = [i for i, x in enumerate(budgets) if x == b]
-        for i, r in zip(idx, engine.generate([prompts[i] for i in idx], max_tokens=b, **kw)):
-            out[i] = r
-    return out
+from psd_plugin.evaluate import encode, generate_by_budget, load  # noqa: E402
+from psd_plugin.train.tasks import TASKS, answer_budget, load_heldout, parse_tasks  # noqa: E402
 
 
 def min_margin(engine, prompt, policy: str, cache: str, max_tokens: int) -> dict:
@@ -67,9 +57,10 @@ def main():
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated held-out tasks (default: the short ones)")
     args = ap.parse_args()
-    tasks = tuple(t for t in args.tasks.split(",") if t)
-    if not tasks or any(t not in ALL_TASKS for t in tasks):
-        ap.error(f"--tasks {args.tasks!r}; allowed (comma-separated): {', '.join(ALL_TASKS)}")
+    try:
+        tasks = parse_tasks(args.tasks)
+    except ValueError as e:
+        ap.error(f"--tasks: {e}")
     rows = [r for t in tasks for r in load_heldout(t)[: args.limit]]
     budgets = [answer_budget(r["task"]) for r in rows]
     report = {}
@@ -90,9 +81,9 @@ def main():
             base_cache = {}
             for name, (pol, kw) in runs.items():
                 if pol not in base_cache:
-                    base_cache[pol] = generate(engine, prompts, budgets, method=pol, cache=cache)
+                    base_cache[pol] = generate_by_budget(engine, prompts, budgets, method=pol, cache=cache)
                 base = base_cache[pol]
-                out = generate(engine, prompts, budgets, cache=cache, **kw)
+                out = generate_by_budget(engine, prompts, budgets, cache=cache, **kw)
                 bad = [i for i, (a, b) in enumerate(zip(base, out)) if a.token_ids != b.token_ids]
                 entry = {"prompts": len(prompts), "identical": len(prompts) - len(bad),
                          "match_rate": round(1 - len(bad) / len(prompts), 4),

@@ -32,7 +32,7 @@ from model_executor.decoding.freedave import topk_jump  # noqa: E402
 from psd_plugin import DEFAULT_DLLM  # noqa: E402
 from psd_plugin.calibrate import TrajectoryRecorder, calibrate_graph, default_calibration_prompts, model_name  # noqa: E402
 from psd_plugin.evaluate import encode, evaluate, load  # noqa: E402
-from psd_plugin.train.tasks import ALL_TASKS, TASKS, answer_budget, load_heldout  # noqa: E402
+from psd_plugin.train.tasks import TASKS, answer_budget, load_heldout, parse_tasks  # noqa: E402
 
 
 def grid(graphs):
@@ -84,9 +84,10 @@ def main():
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated held-out tasks (default: the short ones)")
     ap.add_argument("--name", default="pareto", help="output file stem")
     args = ap.parse_args()
-    tasks = tuple(t for t in args.tasks.split(",") if t)
-    if not tasks or any(t not in ALL_TASKS for t in tasks):
-        ap.error(f"--tasks {args.tasks!r}: allowed: {', '.join(ALL_TASKS)}")
+    try:
+        tasks = parse_tasks(args.tasks)
+    except ValueError as e:
+        ap.error(f"--tasks: {e}")
     args.out.mkdir(parents=True, exist_ok=True)
     engine, tok = load(args.model, args.dtype)
     rows = [r for t in tasks for r in load_heldout(t)[: args.limit]]

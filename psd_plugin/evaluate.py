@@ -62,20 +62,26 @@ def decode_answer(tok, token_ids: list[int]) -> str:
     return tok.decode(token_ids, skip_special_tokens=True)
 
 
+def generate_by_budget(engine, prompts: list[list[int]], budgets: list[int], **gen_kwargs) -> list:
+    """``engine.generate`` once per answer budget, results in prompt order: a prompt runs with its budget, or with
+    ``max_tokens`` from ``gen_kwargs`` where that is larger."""
+    results: list = [None] * len(prompts)
+    for budget in sorted(set(budgets)):
+        idx = [i for i, b in enumerate(budgets) if b == budget]
+        kw = {**gen_kwargs, "max_tokens": max(gen_kwargs.get("max_tokens", budget), budget)}
+        for i, res in zip(idx, engine.generate([prompts[i] for i in idx], **kw)):
+            results[i] = res
+    return results
+
+
 def evaluate(engine, tok, rows: list[dict], **gen_kwargs) -> dict:
     """Accuracy per task, mean TPF and NFE (PSD appendix B.1 counting) over ``rows`` of the held-out split.
 
     ``max_tokens`` in ``gen_kwargs`` is the short tasks' budget; a long task runs with at least its own
     (:func:`~psd_plugin.train.tasks.answer_budget`)."""
     prompts = [encode(tok, r["prompt"]) for r in rows]
-    budgets = [answer_budget(r["task"]) for r in rows]
-    results: list = [None] * len(rows)
     t0 = time.perf_counter()
-    for budget in sorted(set(budgets)):  # a long task gets its budget (at least), the short ones max_tokens
-        idx = [i for i, b in enumerate(budgets) if b == budget]
-        kw = {**gen_kwargs, "max_tokens": max(gen_kwargs.get("max_tokens", budget), budget)}
-        for i, res in zip(idx, engine.generate([prompts[i] for i in idx], **kw)):
-            results[i] = res
+    results = generate_by_budget(engine, prompts, [answer_budget(r["task"]) for r in rows], **gen_kwargs)
     seconds = time.perf_counter() - t0
     per_task: dict[str, list[bool]] = defaultdict(list)
     task_tokens: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # task: [tokens, nfe]

@@ -186,6 +186,15 @@ ALL_TASKS = tuple(GENERATORS)
 SHORT_BUDGET, LONG_BUDGET = 32, 256
 
 
+def parse_tasks(text: str) -> tuple[str, ...]:
+    """A comma-separated task list (a task may repeat: its weight in a training mix); names the unknown ones."""
+    tasks = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in tasks if t not in GENERATORS]
+    if bad or not tasks:
+        raise ValueError(f"unknown {bad or 'empty'}; allowed: {', '.join(ALL_TASKS)}")
+    return tasks
+
+
 def answer_budget(task: str) -> int:
     """Tokens a task's answer may take (answer + EOS fits): 32 for the short tasks, 256 for the long ones."""
     return LONG_BUDGET if task in LONG_TASKS else SHORT_BUDGET

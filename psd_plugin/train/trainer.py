@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .tasks import ALL_TASKS, answer_budget, load_heldout, training_stream
+from .tasks import ALL_TASKS, answer_budget, load_heldout, parse_tasks, training_stream
 from ..tokenizer import EOS, render_prompt, train_tokenizer
 
 SIZES = {  # name: (hidden, layers, heads, mlp)
@@ -197,10 +197,10 @@ def main(argv=None):
     ap.add_argument("--tasks", default=",".join(ALL_TASKS),
                     help=f"comma-separated tasks to train on (default: all, {','.join(ALL_TASKS)})")
     args = ap.parse_args(argv)
-    tasks = tuple(t.strip() for t in args.tasks.split(",") if t.strip())
-    bad = [t for t in tasks if t not in ALL_TASKS]
-    if bad or not tasks:
-        ap.error(f"--tasks: unknown {bad or 'empty'}; allowed: {', '.join(ALL_TASKS)}")
+    try:
+        tasks = parse_tasks(args.tasks)
+    except ValueError as e:
+        ap.error(f"--tasks: {e}")
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
