@@ -11,6 +11,9 @@ could take on the same outputs (FreeDave's optimal feasible path, Def. 2 / Eq. 7
 path over each block's recorded static trajectory). Writes ``pareto.csv``, ``pareto.png`` and
 ``pareto.md`` (the table in docs/benchmarks.md) into ``--out`` (``--name`` renames them). ``--tasks`` picks the
 held-out tasks (default: the seven short ones); a long family runs with its own budget (256 tokens).
+``--knobs`` adds knobs to every configuration (``'{"cache": "dual"}'``, ``'{"refresh": "last"}'``); the
+``seconds`` column is the reference engine's time for the configuration on this machine, a proxy for the rows
+it forwards.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def grid(graphs):
     for k in (1, 3, 5, 7):
         yield f"lopa k={k}", "lopa", {"branches": k, "policy": "confidence"}
     for d in (1, 3, 5, 7):
-        yield f"spiffy d={d}", "spiffy", {"policy": "static", "graph": graphs[d], "budget": 3}
+        yield f"spiffy d={d}", "spiffy", {"policy": "static", "graph": graphs.get(d), "budget": 3}
     for pol in ("confidence", "localleap"):
         for d in (1, 3, 5, 7):
             yield f"psd({pol}) d={d}", "psd", {"policy": pol, "depth": d}
@@ -50,13 +53,14 @@ def grid(graphs):
         yield f"freedave d={d}", "freedave", {"steps": d}
 
 
-def oracle_nfe(engine, prompts, block_size, max_tokens) -> int:
-    """Fewest forwards of any lossless draft-and-verify decoder on static decoding's own trajectories."""
+def oracle_nfe(engine, prompts, block_size, max_tokens, **knobs) -> int:
+    """Fewest forwards of any lossless draft-and-verify decoder on static decoding's own trajectories (``knobs``:
+    the cache schedule static ran with)."""
     mask = engine.spec.mask_token_id
     from model_executor.decoding.policies import static_policy
 
     blocks: list = []
-    engine.generate(prompts, max_tokens=max_tokens, block_size=block_size, method="static",
+    engine.generate(prompts, max_tokens=max_tokens, block_size=block_size, method="static", **knobs,
                     decoder_factory=lambda blk: TrajectoryRecorder(blk, mask, static_policy, blocks))
     total = 0
     for steps in blocks:
@@ -83,7 +87,14 @@ def main():
     ap.add_argument("--only", default=None, help="comma-separated labels to run (default: the whole grid)")
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated held-out tasks (default: the short ones)")
     ap.add_argument("--name", default="pareto", help="output file stem")
+    ap.add_argument("--knobs", default="{}", help='knobs added to every configuration, as JSON, e.g. '
+                    '\'{"cache": "dual"}\' or \'{"refresh": "last"}\' (model_executor.decode_config.DecodeKnobs)')
     args = ap.parse_args()
+    try:
+        extra = json.loads(args.knobs)
+        assert isinstance(extra, dict)
+    except (ValueError, AssertionError):
+        ap.error(f"--knobs {args.knobs!r}: a JSON object of DecodeKnobs fields")
     try:
         tasks = parse_tasks(args.tasks)
     except ValueError as e:
@@ -93,15 +104,18 @@ def main():
     rows = [r for t in tasks for r in load_heldout(t)[: args.limit]]
     common = dict(max_tokens=args.max_tokens, block_size=args.block_size)
 
-    calib = [encode(tok, p) for p in default_calibration_prompts(60)]
-    graphs = {d: calibrate_graph(engine, calib, model_name=model_name(args.model), policy="static", lookahead=d,
-                                 budget=min(10, 3 * d), progress=False, **common) for d in (1, 3, 5, 7)}
-    results = []
     only = set(args.only.split(",")) if args.only else None
+    graphs = {}
+    if only is None or any(label.startswith("spiffy") for label in only):  # Spiffy's graphs, calibrated here
+        calib = [encode(tok, p) for p in default_calibration_prompts(60)]
+        graphs = {d: calibrate_graph(engine, calib, model_name=model_name(args.model), policy="static", lookahead=d,
+                                     budget=min(10, 3 * d), progress=False, **common) for d in (1, 3, 5, 7)}
+    results = []
     for label, method, kw in grid(graphs):
         if only and label not in only:
             continue
         t0 = time.perf_counter()
+        kw = {**kw, **extra}
         per_task = {t: evaluate(engine, tok, [r for r in rows if r["task"] == t], method=method, **common, **kw)
                     for t in tasks}
         tokens = sum(r["tokens_per_sample"] * r["samples"] for r in per_task.values())
@@ -119,7 +133,7 @@ def main():
     static = next((r for r in results if r["label"] == "greedy"), None)
     if static is not None:
         onfe = sum(oracle_nfe(engine, [p for p, r in zip(prompts, rows) if r["task"] == t], args.block_size,
-                              max(args.max_tokens, answer_budget(t))) for t in tasks)
+                              max(args.max_tokens, answer_budget(t)), **extra) for t in tasks)
         # the oracle decodes whole blocks; its tokens are static's (up to EOS), its forwards the shortest path
         tokens = static["tpf"] * static["nfe_per_sample"] * len(rows)
         results.append({"label": "oracle (lossless bound)", "method": "oracle", "params": "{}",
@@ -136,10 +150,10 @@ def write(results, args, tasks=TASKS):
         w.writeheader()
         w.writerows(results)
     base = next((r for r in results if r["label"] == "greedy"), results[0])
-    lines = ["| method | accuracy % | TPF | NFE/sample | TPF vs greedy |", "|---|---|---|---|---|"]
+    lines = ["| method | accuracy % | TPF | NFE/sample | TPF vs greedy | seconds |", "|---|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['label']} | {100 * r['accuracy']:.1f} | {r['tpf']:.2f} | {r['nfe_per_sample']:.2f} | "
-                     f"{r['tpf'] / base['tpf']:.2f}× |")
+                     f"{r['tpf'] / base['tpf']:.2f}× | {r['seconds']:.1f} |")
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 

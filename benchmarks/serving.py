@@ -40,6 +40,15 @@ CONFIGS = [  # name, model ("dllm", "ar": the --dllm, --ar checkpoint), speculat
     ("dLLM confidence dual", "dllm", {"method": "psd", "decoding": "confidence", "cache": "dual"}),
     ("dLLM LoPA dual", "dllm", {"method": "psd", "decoding": "lopa", "cache": "dual"}),
     ("dLLM PSD dual", "dllm", {"method": "psd", "decoding": "psd", "cache": "dual"}),
+    # the narrower steps (an approximation: docs/methods.md): a block's first step keeps the K/V cached so far
+    ("dLLM confidence refresh-last", "dllm", {"method": "psd", "decoding": "confidence", "refresh": "last"}),
+    ("dLLM PSD refresh-last", "dllm", {"method": "psd", "decoding": "psd", "refresh": "last"}),
+    ("dLLM PSD dual refresh-last", "dllm", {"method": "psd", "decoding": "psd", "cache": "dual", "refresh": "last"}),
+    # and each step stops 32 positions after its block (for a model trained with --suffix-windows: dream-tiny-v3)
+    ("dLLM confidence suffix32-last", "dllm", {"method": "psd", "decoding": "confidence", "suffix": 32,
+                                               "refresh": "last"}),
+    ("dLLM PSD suffix32-last", "dllm", {"method": "psd", "decoding": "psd", "suffix": 32, "refresh": "last"}),
+    ("dLLM LoPA suffix32-last", "dllm", {"method": "psd", "decoding": "lopa", "suffix": 32, "refresh": "last"}),
 ]
 SETS = {"heldout": 32, "long": 256, "outside": 64}  # prompt set: max_tokens
 

@@ -22,7 +22,7 @@ from typing import Annotated, Callable, Literal
 import msgspec
 import torch
 
-from .block_schedule import CACHE_MODES
+from .block_schedule import CACHE_MODES, CacheSchedule
 from .decoding import GREEDY_ONLY, METHODS, BlockDecoder, make_decoder
 from .decoding.policies import SPATIAL_POLICIES
 
@@ -52,6 +52,13 @@ class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     - ``cache``: ``none`` | ``prefix`` (LLaDA, Dream; default) | ``dual`` (LLaDA, Dream: Fast-dLLM's DualCache,
       the block's later steps forward the block alone against the prefix and the masks after it as the block's
       first step left them) | ``block`` (block-causal SDAR and LLaDA2, exact; their default).
+    - ``suffix``: bidirectional models (LLaDA, Dream), an approximation: a step forwards at most this many
+      positions after the current block instead of every mask to the end of the answer region (fewer rows a
+      forward on long answers). None (default): all of them.
+    - ``refresh``: the prefix and dual caches, what a block's first step recomputes before the block: ``full``
+      (default, Fast-dLLM: everything), ``answer`` (keeps the prompt's K/V from the request's first forward; an
+      approximation), ``last`` (keeps every K/V cached so far, recomputes from the previous block on; an
+      approximation). :mod:`model_executor.block_schedule` gives the windows.
     """
 
     threshold: Threshold = 0.9
@@ -66,6 +73,8 @@ class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     edit_threshold: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.9
     max_post_edit_steps: Annotated[int, msgspec.Meta(ge=0, le=1024)] = 16
     cache: Literal["none", "prefix", "dual", "block"] | None = None
+    suffix: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] | None = None
+    refresh: Literal["full", "answer", "last"] = "full"
 
 
 @dataclass(frozen=True)
@@ -79,6 +88,14 @@ class DecodeConfig:
     aligned: bool  # blocks cut at multiples of the model's attention block (SDAR, LLaDA2)
     graph: object = None  # Spiffy's loaded and checked DraftGraph
     dag: object = None  # PSD: a draft DAG other than the nested one (tests, calibrated DAGs)
+    shift: int = 0  # 1 when position i is predicted by the output at i - 1 (Dream)
+    attention_block: int = 1  # the model's attention block (block-causal models)
+
+    @property
+    def schedule(self) -> CacheSchedule:
+        """The windows a request's steps forward (:class:`~.block_schedule.CacheSchedule`)."""
+        k = self.knobs
+        return CacheSchedule(self.cache, self.shift, self.attention_block, k.suffix, k.refresh)
 
     def describe(self) -> dict:
         """The config as plain values (method, block size, cache and the knobs), for reports."""
@@ -92,12 +109,20 @@ class DecodeConfig:
 
     def step_rows(self, prompt_len: int, max_tokens: int) -> int:
         """The most rows one step of a request forwards, over all its canvases (what it needs of a step's
-        token budget); the first step forwards the prompt too."""
-        P, M, B = prompt_len, max_tokens, self.block_size
-        window = {"none": P + M, "prefix": M + 1, "dual": min(M, B) + 1,
-                  "block": 2 * B + P % B}[self.cache]  # block: uncached finished tokens + the current block
-        first = 0 if self.cache == "block" else P + M
-        return max(first, self.max_canvases() * window)
+        token budget); the first step of a block forwards its state canvas alone, the request's first the prompt
+        too (``block``: vLLM may prefill the prompt apart; ``none``: every step is a full window)."""
+        P, M, B, s = prompt_len, max_tokens, self.block_size, self.knobs.suffix
+        W = M if s is None else min(M, B + s)  # a block and the masks forwarded after it
+        later = {"none": P + M, "prefix": W + 1, "dual": min(M, B) + 1,
+                 "block": 2 * B + P % B}[self.cache]  # block: uncached finished tokens + the current block
+        if self.cache == "block":
+            first = 0
+        elif self.cache == "none" or self.knobs.refresh == "full":
+            first = P + M  # the last block's first window runs from 0 to the end of the answer region
+        else:  # the request's first window; a later block's from the prompt's end, or from the previous block
+            first = max(P + W, (M if self.knobs.refresh == "answer" else min(M, 2 * B + (s if s is not None else M)))
+                        + 1)
+        return max(first, self.max_canvases() * later)
 
     def check_request(self, temperature: float = 0.0, penalized: bool = False) -> None:
         """Raise :class:`ConfigError` for request options this config cannot decode."""
@@ -151,9 +176,16 @@ def resolve(method: str, knobs: DecodeKnobs, spec, *, block_size: int | None = N
             raise ConfigError(f"{where}.cache 'block' is exact only for block-causal models (SDAR, LLaDA2); "
                               f"{spec.family} allows: none, prefix, dual")
         block_size, cache = block_size or 8, cache or "prefix"
+    if knobs.suffix is not None and spec.attention == "block_causal":
+        raise ConfigError(f"{where}.suffix {knobs.suffix}: a block-causal {spec.family} model forwards no masks after "
+                          "the block; suffix is for bidirectional models (LLaDA, Dream)")
+    if knobs.refresh != "full" and cache not in ("prefix", "dual"):
+        raise ConfigError(f"{where}.refresh {knobs.refresh!r} is for the prefix and dual caches (cache is {cache!r}); "
+                          f"allowed with cache {cache!r}: full")
     if method == "spiffy" and graph is None:
         raise ConfigError(f"{where}: method 'spiffy' needs a draft graph ('graph': a path from psd calibrate)")
     cfg = DecodeConfig(method, block_size, cache, msgspec.structs.replace(knobs, cache=cache),
-                       aligned=spec.attention == "block_causal", graph=graph if method == "spiffy" else None, dag=dag)
+                       aligned=spec.attention == "block_causal", graph=graph if method == "spiffy" else None, dag=dag,
+                       shift=int(spec.shift_logits), attention_block=spec.attention_block or 1)
     cfg.decoder_factory(spec.mask_token_id)(torch.zeros(1, dtype=torch.long))  # the knobs build a decoder
     return cfg

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from .block_schedule import cached_after_step, kept_suffix, plan_blocks, window
+from .block_schedule import CacheSchedule, plan_blocks
 from .decoding import BlockDecoder, Proposal, RowPredictions, apply_rules, logits_map, merge_stats, predict_rows
 from .grammar import GrammarFrontier, constrain_rows, mask_frontiers
 
@@ -100,13 +100,14 @@ class DLLMRequest:
     aligned: bool = False  # blocks cut at multiples of block_size (SDAR's attention blocks)
     ignore_eos: bool = False
     grammar: GrammarFrontier | None = None  # structured outputs: the frontier rule (model_executor.grammar)
+    schedule: CacheSchedule = field(default_factory=CacheSchedule)  # the windows its steps forward
     tokens: torch.Tensor = field(init=False)  # [prompt | answer region], mask id where undecoded (host, as all
     # of the request's decoding state: the engines copy a step's rows to their device once)
     blocks: list[tuple[int, int]] = field(init=False)
     blk: int = 0
     dec: BlockDecoder | None = None
     fresh: bool = True  # first step of the current block
-    cached: int = 0  # leading positions whose K/V in the cache is exact
+    cached: int = 0  # leading positions whose K/V the next step reads from the cache
     nfe: int = 0
     emitted: int = 0
     stats: dict = field(default_factory=dict)
@@ -164,23 +165,25 @@ class DLLMRequest:
         """Whether the decoder's next canvases are wanted (:func:`~model_executor.decoding.propose_all`)."""
         return not self.done and self.step is None and self.resume is None
 
-    def plan(self, proposal: Proposal, cache: str, shift: int, attention_block: int = 1) -> DLLMStep:
+    def plan(self, proposal: Proposal) -> DLLMStep:
         """Plan the next forward from the decoder's ``proposal`` (:meth:`next_step`); it is :attr:`step` until
         the engine reports it forwarded (:meth:`stepped`)."""
-        self.step = self.next_step(proposal, cache, shift, attention_block)
+        self.step = self.next_step(proposal)
         return self.step
 
-    def preempted(self, cache: str) -> None:
+    def preempted(self) -> None:
         """The engine dropped this request's K/V and re-prefilled its prompt and committed tokens (vLLM's
         recompute preemption). Under the prefix and dual caches a block's later steps read K/V its first step
-        wrote: the planned step waits in :attr:`resume` until :meth:`plan_rebuild`'s step has restored it."""
-        if cache in ("prefix", "dual") and not self.done and not self.fresh and self.resume is None \
+        wrote: the planned step waits in :attr:`resume` until :meth:`plan_rebuild`'s step has restored it.
+        (Under ``refresh`` ``answer`` or ``last`` the K/V kept from before the block is the re-prefill's, not the
+        K/V the block's first step read: the continuation is approximate as those modes are.)"""
+        if self.schedule.mode in ("prefix", "dual") and not self.done and not self.fresh and self.resume is None \
                 and self.step is not None and not self.step.rebuild:
             self.resume, self.step = self.step, None
 
-    def plan_rebuild(self, cache: str, shift: int, attention_block: int = 1) -> DLLMStep:
+    def plan_rebuild(self) -> DLLMStep:
         """Plan the rebuild step (:meth:`first_step`; its logits are not for the decoder, it counts in no NFE)."""
-        self.step = self.first_step(cache, shift, attention_block)
+        self.step = self.first_step()
         return self.step
 
     def rebuilt(self) -> None:
@@ -188,37 +191,35 @@ class DLLMRequest:
         self.cached = self.step.keep
         self.step, self.resume = self.resume, None
 
-    def next_step(self, proposal: Proposal, cache: str, shift: int, attention_block: int = 1) -> DLLMStep:
+    def next_step(self, proposal: Proposal) -> DLLMStep:
         """The rows of this request's next forward: the canvases of its decoder's ``proposal``
         (:func:`~model_executor.decoding.propose_all`) over the step's window (module docstring)."""
         b0, b1 = self.block
-        canvases = proposal.canvases
-        if self.fresh and cache in ("prefix", "dual") and len(canvases) != 1:
+        canvases, sch = proposal.canvases, self.schedule
+        if self.fresh and sch.mode in ("prefix", "dual") and len(canvases) != 1:
             raise RuntimeError("a decoder must forward only its state on the first step of a block")
-        w0, w1 = window(cache, (b0, b1), self.total, fresh=self.fresh, cached=self.cached, shift=shift)
+        w0, w1 = sch.window((b0, b1), self.total, fresh=self.fresh, cached=self.cached, prompt_len=self.prompt_len)
         if w0 > self.cached:
             raise RuntimeError(f"window starts at {w0} but only {self.cached} positions are cached")
-        keep = cached_after_step(cache, (b0, b1), w0, fresh=self.fresh, cached=self.cached, shift=shift,
-                                 attention_block=attention_block)
+        keep = sch.cached_after((b0, b1), w0, fresh=self.fresh, cached=self.cached)
         rows = self.tokens[w0:w1].repeat(len(canvases), 1)
         block = torch.stack(canvases)
         rows[:, b0 - w0: b1 - w0] = block
         # the rows a decoder reads: every row of a canvas it samples from (the draw covers the block, as the
         # authors' code draws it), else the positions each canvas leaves masked (no prediction is read elsewhere)
         kept = torch.ones_like(block, dtype=torch.bool) if self.dec.reads_all_rows else block == self.mask_id
-        return DLLMStep(w0, w1, b0, b1, rows, keep, shift, kept_suffix(cache, (b0, b1), self.total), proposal,
+        return DLLMStep(w0, w1, b0, b1, rows, keep, sch.shift, sch.kept_suffix((b0, b1), self.total), proposal,
                         kept.flatten())
 
-    def first_step(self, cache: str, shift: int, attention_block: int = 1) -> DLLMStep:
+    def first_step(self) -> DLLMStep:
         """The current block's first step again (the block all masks, as it was then). Forwarding it restores
         the K/V the block's later steps were computed against (after a preemption, under the prefix cache);
         its logits are not for the decoder. Under ``dual`` it restores the kept suffix too."""
-        b0, b1 = self.block
-        w0, w1 = window(cache, (b0, b1), self.total, fresh=True, cached=self.cached, shift=shift)
-        keep = cached_after_step(cache, (b0, b1), w0, fresh=True, cached=self.cached, shift=shift,
-                                 attention_block=attention_block)
-        return DLLMStep(w0, w1, b0, b1, self.tokens[w0:w1][None].clone(), keep, shift,
-                        kept_suffix(cache, (b0, b1), self.total), kept=torch.zeros(b1 - b0, dtype=torch.bool))
+        (b0, b1), sch = self.block, self.schedule
+        w0, w1 = sch.window((b0, b1), self.total, fresh=True, cached=self.cached, prompt_len=self.prompt_len)
+        keep = sch.cached_after((b0, b1), w0, fresh=True, cached=self.cached)
+        return DLLMStep(w0, w1, b0, b1, self.tokens[w0:w1][None].clone(), keep, sch.shift,
+                        sch.kept_suffix((b0, b1), self.total), kept=torch.zeros(b1 - b0, dtype=torch.bool))
 
     def stepped(self, step: DLLMStep) -> list[int]:
         """Bookkeeping after the decoder took ``step``'s predictions (the engine's batched

@@ -110,7 +110,6 @@ class ReferenceEngine:
         if rules is not None and rules.bans and any(g is not None for g in grammars):
             raise ValueError(f"{rules.bans} with a grammar: it can ban the only tokens the grammar allows; use one "
                              "or the other")
-        cache = config.cache
         results: list[GenerationResult | None] = [None] * len(prompts)
         for s in range(0, len(prompts), batch_size):
             idx = list(range(s, min(len(prompts), s + batch_size)))
@@ -124,7 +123,8 @@ class ReferenceEngine:
                 g = None if grammars[i] is None else GrammarFrontier(grammars[i], spec.vocab_size, spec.eos_token_id,
                                                                      spec.mask_token_id)
                 reqs.append(DLLMRequest(list(prompts[i]), max_tokens, config.block_size, make, spec.mask_token_id,
-                                        spec.eos_token_id, aligned=config.aligned, grammar=g))
+                                        spec.eos_token_id, aligned=config.aligned, grammar=g,
+                                        schedule=config.schedule))
             w = next(self.model.parameters())
             self.kv = PagedKVCache(spec.num_layers, spec.num_kv_heads, spec.head_dim, [r.total for r in reqs],
                                    self.page_size, w.dtype, w.device)
@@ -133,7 +133,7 @@ class ReferenceEngine:
                 live = [(j, r) for j, r in enumerate(reqs) if not r.done]
                 if not live:
                     break
-                self._step(live, cache, rules, logprobs)
+                self._step(live, rules, logprobs)
                 for j, r in live:
                     if r.done:
                         seconds[j] = time.perf_counter() - t0
@@ -146,12 +146,11 @@ class ReferenceEngine:
         return results  # type: ignore[return-value]
 
     # -------------------------------------------------------------------------------- internals
-    def _step(self, live: list[tuple[int, DLLMRequest]], cache: str, rules: LogitsRules | None = None,
+    def _step(self, live: list[tuple[int, DLLMRequest]], rules: LogitsRules | None = None,
               logprobs: int | None = None) -> None:
         """One forward for every live request (``(sequence in the batch's cache, request)``)."""
-        shift = int(self.spec.shift_logits)
         proposals = propose_all([r.dec for _, r in live])  # every decoder's canvases, a method at a time
-        steps = [r.plan(p, cache, shift, self.spec.attention_block or 1) for p, (_, r) in zip(proposals, live)]
+        steps = [r.plan(p) for p, (_, r) in zip(proposals, live)]
         batch = build_step_batch(steps)
         kept = torch.cat([st.kept for st in steps])  # logits only for the rows the decoders read
         t0 = time.perf_counter()

@@ -77,7 +77,10 @@ def render(name: str, dllm: bool, t: dict, ev: dict) -> str:
     obj = (f"LLaDA SFT objective: answer tokens (answer + EOS padding: {budgets}) masked with probability "
            "t ~ U(0,1], cross-entropy on masked positions weighted by 1/t"
            + ("; each position predicted from the output before it (Dream's shift)" if t.get("format") == "dream"
-              else "") if dllm else "next-token cross-entropy on answer + EOS")
+              else "")
+           + (f"; in {t['suffix_windows']:.0%} of the steps the answer regions cut to a random multiple of 8 tokens "
+              "(`--suffix-windows`: trained for decoding with the `suffix` knob)" if t.get("suffix_windows") else "")
+           if dllm else "next-token cross-entropy on answer + EOS")
     long = [x for x in tasks if x in LONG_TASKS]
     stages = t.get("stages", [])
     lines = [f"# {name}", "",

@@ -58,6 +58,37 @@ def test_a_batch_goes_through_the_model_by_answer_region():
     assert ids.shape[1] < 256
 
 
+def test_suffix_windows_cut_every_row_at_one_position_without_padding():
+    """``--suffix-windows``: a group's rows end at one position short of the answer region (or at their whole
+    region); no EOS padding follows a cut answer (it would teach the model that the canvas's end is the
+    answer's)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from psd_plugin.train.trainer import _batch, _dllm_tensors, by_region, cut_regions
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))
+    prompts, answers, row_tasks = _batch(3, 0, 32, tok, set())
+    region, rows = by_region(row_tasks, 32)[-1]
+    rng, ends, cut = random.Random(0), set(), 0
+    for _ in range(20):
+        lens = cut_regions([len(prompts[i]) for i in rows], region, rng)
+        ids, is_answer = _dllm_tensors([prompts[i] for i in rows], [answers[i] for i in rows], lens,
+                                       tok.eos_token_id, pad_to_multiple=1)
+        end = ids.shape[1]
+        assert min(lens) >= 8 and max(lens) <= region
+        assert (end - max(len(prompts[i]) for i in rows)) % 8 == 0
+        for j, i in enumerate(rows):  # its prompt, its answer as far as the cut; padding only after a whole region
+            want = (answers[i] + [tok.eos_token_id] * region)[: lens[j]]
+            n = len(prompts[i]) + lens[j]
+            assert ids[j, :n].tolist() == prompts[i] + want
+            assert n == end or (lens[j] == region and set(ids[j, n:].tolist()) == {tok.eos_token_id})
+        ends.add(end)
+        cut += any(n < region for n in lens)
+    assert len(ends) > 5 and cut > 5
+
+
 def test_a_second_stage_continues_a_model_and_records_the_first(tmp_path):
     import json
 

@@ -99,8 +99,8 @@ def _graph(path):
     return _GRAPHS[path]
 
 
-def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True, merged=True, llm_kw=None):
-    knobs = _knobs(path, method)
+def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True, merged=True, llm_kw=None, **more):
+    knobs = {**_knobs(path, method), **more}
     if cache is not None:
         knobs["cache"] = cache
     ref_engine = ReferenceEngine.from_pretrained(path)
@@ -139,8 +139,19 @@ def test_embedded_dream_matches_reference(heldout_prompts, method, cache):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("method, cache", [("confidence", "prefix"), ("psd", "dual"), ("spiffy", "dual")])
-def test_long_answers_match_reference(method, cache):
+@pytest.mark.parametrize("method, cache, narrow", [("lopa", "prefix", {"suffix": 4, "refresh": "last"}),
+                                                   ("spiffy", "dual", {"suffix": 0, "refresh": "answer"}),
+                                                   ("psd", "dual", {"suffix": 9})])
+def test_narrow_steps_match_reference(heldout_prompts, method, cache, narrow):
+    """The approximate schedules (``suffix``: masks forwarded after the block; ``refresh``: what a block's first
+    step recomputes) through vLLM: its windows, rewinds and kept suffixes are the reference engine's."""
+    _check_parity(DEMO_DLLM, heldout_prompts, method, cache=cache, **narrow)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("method, cache, narrow", [("confidence", "prefix", {}), ("psd", "dual", {}),
+                                                   ("spiffy", "dual", {}), ("confidence", "prefix", {"refresh": "last"})])
+def test_long_answers_match_reference(method, cache, narrow):
     """Answers of several blocks from a model that writes them (dream-tiny-v2 on ``count_lines``, 2-5 labelled
     lines of ten numbers, 256-token budget): through vLLM, tokens and forwards equal the reference engine's, and
     the answers are the task's (so the blocks, the cache refreshes and the drafts after the first block ran)."""
@@ -151,7 +162,8 @@ def test_long_answers_match_reference(method, cache):
     path = CHECKPOINTS / "dream-tiny-v2"
     _, tok = load(path)
     rows = load_heldout("count_lines")[:4]
-    tokens = _check_parity(path, [encode(tok, r["prompt"]) for r in rows], method, max_tokens=256, cache=cache)
+    tokens = _check_parity(path, [encode(tok, r["prompt"]) for r in rows], method, max_tokens=256, cache=cache,
+                           **narrow)
     assert min(len(t) for t in tokens) > 64
     assert sum(grade(r, decode_answer(tok, t)) for r, t in zip(rows, tokens)) >= 2
 

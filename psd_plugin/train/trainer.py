@@ -17,6 +17,10 @@ Objectives:
   own recipe trains against clean context only; drafting one block ahead needs the noisy case too).
   ``--init DIR`` starts from a dLLM checkpoint of the same shape (q/k norms start at one).
 - ``--init`` also continues a model of the same kind (a second stage on another task mix, ``--tasks``).
+- ``--suffix-windows F`` (dLLM): in a fraction F of the steps each group of rows sees its answer region cut to
+  a random multiple of 8 tokens (at least 8), as decoding with the ``suffix`` knob shows the model a canvas
+  that stops a few positions after the current block; so the visible end of the canvas stops meaning the end
+  of the answer.
 
 Rows of one batch with different answer regions (short and long tasks) go through the model as separate
 forwards, each padded to its own length: a short row never attends to a long row's padding, as at inference.
@@ -58,9 +62,19 @@ def by_region(row_tasks: list[str], gen_len: int) -> list[tuple[int, list[int]]]
     return [(r, [i for i, x in enumerate(regions) if x == r]) for r in sorted(set(regions))]
 
 
+def cut_regions(prompt_lens: list[int], region: int, rng: random.Random) -> list[int]:
+    """``--suffix-windows``: each row's answer region cut so that the rows end at one position, a random multiple of
+    8 tokens (at least 8) after the longest prompt, or at their whole ``region`` if that comes first: no EOS
+    padding follows a cut answer (the visible end of the canvas is not the answer's end)."""
+    end = max(prompt_lens) + 8 * rng.randint(1, max(1, region // 8))
+    return [min(region, end - n) for n in prompt_lens]
+
+
 def _dllm_tensors(prompts, answers, gen_len, eos, pad_to_multiple=8):
-    """[prompt | answer EOS...] right-padded with EOS; EOS padding counts as answer (LLaDA SFT)."""
-    rows = [p + (a + [eos] * gen_len)[:gen_len] for p, a in zip(prompts, answers)]
+    """[prompt | answer EOS...] right-padded with EOS; EOS padding counts as answer (LLaDA SFT). ``gen_len``: the
+    answer region, or one per row."""
+    lens = gen_len if isinstance(gen_len, list) else [gen_len] * len(prompts)
+    rows = [p + (a + [eos] * n)[:n] for p, a, n in zip(prompts, answers, lens)]
     L = max(len(r) for r in rows)
     L = -(-L // pad_to_multiple) * pad_to_multiple
     ids = torch.full((len(rows), L), eos, dtype=torch.long)
@@ -194,6 +208,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
     ap.add_argument("--save-every", type=int, default=250)
     ap.add_argument("--tokenizer", type=Path, default=None, help="reuse this tokenizer (default: train one)")
+    ap.add_argument("--suffix-windows", type=float, default=0.0,
+                    help="dllm: fraction of steps whose answer regions are cut to a random multiple of 8 tokens "
+                         "(trains for decoding with the suffix knob; default 0)")
     ap.add_argument("--tasks", default=",".join(ALL_TASKS),
                     help=f"comma-separated tasks to train on (default: all, {','.join(ALL_TASKS)})")
     args = ap.parse_args(argv)
@@ -276,9 +293,13 @@ def main(argv=None):
             g["lr"] = lr_at(step)
         if args.kind in ("dllm", "drafter"):
             loss = 0.0
+            cut = random.Random(args.seed * 104729 + step)  # the step's own draws: a resumed run sees the same
+            windows = args.kind == "dllm" and cut.random() < args.suffix_windows
             for region, rows in by_region(row_tasks, args.gen_len):  # one forward each (module docstring)
+                if windows:
+                    region = cut_regions([len(prompts[i]) for i in rows], region, cut)
                 ids, is_answer = _dllm_tensors([prompts[i] for i in rows], [answers[i] for i in rows], region,
-                                               tok.eos_token_id)
+                                               tok.eos_token_id, pad_to_multiple=1 if windows else 8)
                 ids, is_answer = ids.to(device), is_answer.to(device)
                 if args.kind == "dllm":
                     part = dllm_loss(model, ids, is_answer, tok.mask_token_id, gen)
@@ -313,6 +334,7 @@ def main(argv=None):
         stages = it.get("stages", []) + [
             f"earlier stage: {it['steps']} steps of `psd train --kind {it['kind']}`"
             + (f" --format {it['format']}" if it.get("format") else "")
+            + (f" --suffix-windows {it['suffix_windows']}" if it.get("suffix_windows") else "")
             + f" on {', '.join(it.get('tasks', []))} (batch {it['batch']}, lr {it['lr']}, "
             f"{it['wall_time_s'] / 60:.0f} min" + (f", from {it['init']}" if it.get("init") else "") + ")"]
     info = {"kind": args.kind, "size": args.size, "parameters": n_params, "steps": step, "batch": args.batch,
@@ -320,6 +342,7 @@ def main(argv=None):
             "init": str(args.init.name) if args.init else None, "stages": stages, "seed": args.seed, "device": device,
             "wall_time_s": round(time.time() - t0, 1), "tokens_seen": tokens,
             "final_loss": log[-1]["loss"] if log else None, "schedule_restarts": resumes, "tasks": list(tasks),
+            **({"suffix_windows": args.suffix_windows} if args.suffix_windows else {}),
             "loss_log": log}
     (args.out / "training.json").write_text(json.dumps(info, indent=1))
     print(json.dumps({k: v for k, v in info.items() if k != "loss_log"}))

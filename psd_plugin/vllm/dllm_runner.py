@@ -111,7 +111,6 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.cfg = decode_config(vllm_config)
         self.logits_budget = logits_budget(vllm_config)  # the scheduler keeps every step within it
         self.spec = ArchSpec.from_hf_config(vllm_config.model_config.hf_config)
-        self.shift = int(self.spec.shift_logits)
         self.served: dict[str, _Served] = {}
         self.batch: StepBatch | None = None  # the step in flight
         self._stepping: dict[int, _Served] = {}  # batch row -> request whose step runs in this forward
@@ -145,7 +144,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             eos = self.spec.eos_token_id
             ignore_eos = sp.ignore_eos or eos not in sp.all_stop_token_ids
             req = DLLMRequest(prompt, sp.max_tokens, self.cfg.block_size, make, mask, eos, aligned=self.cfg.aligned,
-                              ignore_eos=ignore_eos, grammar=self._grammar(sp))
+                              ignore_eos=ignore_eos, grammar=self._grammar(sp), schedule=self.cfg.schedule)
             s = self.served[req_id] = _Served(req, rules=request_rules(sp))
         return s
 
@@ -162,7 +161,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                                self.spec.eos_token_id, self.spec.mask_token_id)
 
     def _plan(self, s: _Served, proposal) -> None:
-        s.req.plan(proposal, self.cfg.cache, self.shift, self.spec.attention_block or 1)
+        s.req.plan(proposal)
 
     def _on_request_state_removed(self, req_id, req_state) -> None:
         s = self.served.pop(req_id, None)
@@ -199,7 +198,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         req_ids, qsl, computed = compat.batch_rows(self)
         for rid in compat.resumed_req_ids(scheduler_output):  # back from a preemption: vLLM re-prefilled it
             if (s := self.served.get(rid)) is not None:
-                s.req.preempted(self.cfg.cache)
+                s.req.preempted()
         entries, self._stepping = [], {}
         for i, rid in enumerate(req_ids):
             n, start = int(qsl[i + 1]) - int(qsl[i]), int(computed[i])
@@ -295,7 +294,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             s = self._served(rid)
             r = s.req
             if r.phase == "rebuild" and r.step is None:
-                r.plan_rebuild(self.cfg.cache, self.shift, self.spec.attention_block or 1)
+                r.plan_rebuild()
             elif id(s) in proposals:
                 self._plan(s, proposals[id(s)])
             st = None if r.done else r.step

@@ -17,7 +17,7 @@ everything from there is recomputed in the forward that reads it, so no stale dr
 - all or nothing: a running request whose canvases do not fit the step's budgets waits for the next step
   instead of being cut (a cut canvas would waste a forward);
 - a request's first canvas rides with its prompt: when vLLM admits a request and prefills its whole prompt
-  in this step, the masks of its first window (``[P, w1)``, :func:`~model_executor.block_schedule.first_window_end`)
+  in this step, the masks of its first window (``[P, w1)``, :meth:`~model_executor.block_schedule.CacheSchedule.first_window_end`)
   are appended to it as draft tokens, with KV slots, when the step's budget has room. The prompt prefill is
   then the request's first decoding forward (every first window starts at position 0, so a prompt-only
   prefill would be recomputed by it anyway). A request asking for prompt logprobs (of the prompt alone), one
@@ -34,7 +34,6 @@ from __future__ import annotations
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
-from model_executor.block_schedule import first_window_end
 from model_executor.models.configs import ArchSpec
 
 from . import compat
@@ -99,7 +98,7 @@ class DLLMScheduler(Scheduler):
                     or sp.prompt_logprobs is not None:
                 continue  # a prefix-cache hit, a chunked prompt, or prompt logprobs: vLLM's plain prefill
             P = r.num_tokens
-            n = first_window_end(cfg.cache, P, sp.max_tokens, cfg.block_size, cfg.aligned) - P
+            n = cfg.schedule.first_window_end(P, sp.max_tokens, cfg.block_size, cfg.aligned) - P
             if 0 < n <= room and cfg.block_size <= logits \
                     and compat.schedule_drafts_with_prefill(self, out, new, [self.mask_id] * n):
                 room -= n
