@@ -49,6 +49,10 @@ CONFIGS = [  # name, model ("dllm", "ar": the --dllm, --ar checkpoint), speculat
                                                "refresh": "last"}),
     ("dLLM PSD suffix32-last", "dllm", {"method": "psd", "decoding": "psd", "suffix": 32, "refresh": "last"}),
     ("dLLM LoPA suffix32-last", "dllm", {"method": "psd", "decoding": "lopa", "suffix": 32, "refresh": "last"}),
+    ("dLLM confidence suffix8-last", "dllm", {"method": "psd", "decoding": "confidence", "suffix": 8,
+                                              "refresh": "last"}),
+    ("dLLM LoPA dual suffix8-last", "dllm", {"method": "psd", "decoding": "lopa", "cache": "dual", "suffix": 8,
+                                             "refresh": "last"}),
 ]
 SETS = {"heldout": 32, "long": 256, "outside": 64}  # prompt set: max_tokens
 
