@@ -120,8 +120,8 @@ class DecodeConfig:
         elif self.cache == "none" or self.knobs.refresh == "full":
             first = P + M  # the last block's first window runs from 0 to the end of the answer region
         else:  # the request's first window; a later block's from the prompt's end, or from the previous block
-            first = max(P + W, (M if self.knobs.refresh == "answer" else min(M, 2 * B + (s if s is not None else M)))
-                        + 1)
+            later_first = M if self.knobs.refresh == "answer" or s is None else min(M, 2 * B + s)
+            first = max(P + W, later_first + 1)
         return max(first, self.max_canvases() * later)
 
     def check_request(self, temperature: float = 0.0, penalized: bool = False) -> None:
