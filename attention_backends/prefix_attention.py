@@ -257,18 +257,28 @@ def flashinfer_available() -> bool:
     return True
 
 
-def make_backend(name: str = "auto", device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> PrefixAttention:
-    """The backend for ``name``: ``flashinfer`` (CUDA, fp16/bf16, ``pip install 'psd-plugin[gpu]'``),
-    ``torch`` (anywhere, any dtype), or ``auto`` (FlashInfer where it applies, else torch)."""
+# Head sizes FlashInfer's FA2 prefill kernels are built for (on the H100, head size 16 stopped in its kernel
+# dispatch: "Invalid configuration"); 64 and 128 are the ones the GPU tests ran.
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def make_backend(name: str = "auto", device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 head_dim: int | None = None) -> PrefixAttention:
+    """The backend for ``name``: ``flashinfer`` (CUDA, fp16/bf16, head sizes :data:`FLASHINFER_HEAD_DIMS`,
+    ``pip install 'psd-plugin[gpu]'``), ``torch`` (anywhere, any dtype and head size), or ``auto`` (FlashInfer
+    where it applies, else torch). ``head_dim``: the model's head size, where the caller knows it."""
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r}; allowed: {', '.join(BACKENDS)}")
     device = torch.device(device)
     fits = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-    if name == "flashinfer" or (name == "auto" and fits and flashinfer_available()):
+    head_fits = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
+    if name == "flashinfer" or (name == "auto" and fits and head_fits and flashinfer_available()):
         if not fits:
             raise ValueError(f"attention backend 'flashinfer' needs a CUDA device and float16/bfloat16 "
                              f"(got {device}, {dtype}); allowed here: torch")
+        if not head_fits:
+            raise ValueError(f"attention backend 'flashinfer': head size {head_dim} is not one of its kernels' "
+                             f"({', '.join(map(str, FLASHINFER_HEAD_DIMS))}); allowed here: torch")
         if not flashinfer_available():
             raise ValueError("attention backend 'flashinfer': flashinfer is not installed "
                              "(pip install 'psd-plugin[gpu]'); allowed here: torch")

@@ -23,7 +23,8 @@
 #      behind), float32 on the PyTorch backend and bfloat16 on FlashInfer (causal prefix + token-tree masks)
 #   3g. the cost of step 3 timed as CUDA-graph replays (FlashInfer in CUDA-graph mode): the GPU's time without
 #      the reference model's host overhead (batch 1 eager is launch-bound)
-#   5. vLLM's Python sources on this torch (benchmarks/vllm_gpu_try.py), where its bundle was carried
+#   5. vLLM's Python sources on this torch (benchmarks/vllm_gpu_try.py), where its bundle was carried; then the
+#      vLLM attention builder's no-sync test on CUDA (tests/test_attention_sync.py, gpu-marked)
 # STEPS picks steps (default "2a 1 4 3 2b 5"), e.g. STEPS="3g 2c" for a second call; VLLM_BUDGET (default 180)
 # gives step 5 its seconds.
 set -uo pipefail
@@ -119,6 +120,8 @@ if want 5 && [ "$DEVICE" != cpu ] && [ -f benchmarks/vllm_gpu_try.py ] && ls whe
     step 5_vllm $((VB + 20)) bash -c "mkdir -p /tmp/vsite && for t in wheels/vllm/*.tar.xz; do tar -xJf \$t -C /tmp/vsite; done;
         $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite wheels/vllm/*.whl;
         PYTHONPATH=/tmp/vsite:\$PYTHONPATH $PY benchmarks/vllm_gpu_try.py $W/vllm $VB"
+    step 5_sync_tests 90 env PYTHONPATH=/tmp/vsite:$PYTHONPATH $PY -m pytest -m gpu tests/test_attention_sync.py -q \
+        -p no:cacheprovider -rfE  # the vLLM builder plans without a device sync (needs vLLM: not in step 1)
 fi
 log "done"
 pack

@@ -16,7 +16,8 @@ printing one line ``PASS|FAIL|SKIP stage: ...`` with the exception and the file:
   5 generate (greedy, held-out prompts) == the reference engine (tokens and NFE), float32 then bfloat16
   6 without enforce_eager: torch.compile + PIECEWISE CUDA graphs (the same comparison)
   7 every decoding method with the prefix cache and the dual cache (eager, float32; Spiffy with the shipped graph),
-    one LLM each in one process, each compared with the reference engine (tokens and NFE)
+    and two narrow-step runs (``suffix``, ``refresh``), one LLM each in one process, each compared with the
+    reference engine (tokens and NFE); runs after 6, and reports run by run if the budget cuts it
 Writes OUT/vllm_try.json (every stage's result) and OUT/vllm_try.log (every stage's full output).
 """
 
@@ -212,10 +213,13 @@ def stage_methods(device: str, res: dict) -> dict:
     eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=torch.float32, device=device)
     block = eng.spec.attention_block or 8
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
-    runs = [(m, c) for c in ("prefix", "dual") for m in METHODS if (m, c) != (SPEC["decoding"], SPEC["cache"])]
-    for method, cache in runs:
-        stage = f"7_{method}" + ("_dual" if cache == "dual" else "")
-        knobs = {"cache": cache}
+    runs = [(m, {"cache": c}, "_dual" if c == "dual" else "") for c in ("prefix", "dual") for m in METHODS
+            if (m, c) != (SPEC["decoding"], SPEC["cache"])]
+    runs += [("confidence", {"cache": "prefix", "suffix": 8, "refresh": "last"}, "_prefix_suffix8_last"),
+             ("psd", {"cache": "dual", "suffix": 4, "refresh": "answer"}, "_dual_suffix4_answer")]  # narrow steps
+    for method, knobs, name in runs:
+        stage = f"7_{method}{name}"
+        knobs = dict(knobs)
         if method == "spiffy":
             knobs.update(policy="static", graph=str(default_graph(DEFAULT_DLLM, "static")))
         try:
@@ -355,9 +359,9 @@ def main() -> None:
         generated = "tokens" in f32
         if built and args.device != "cpu":
             run("eager_bfloat16", 70)
-        if generated:
-            run("methods_float32", 300)
+        if generated:  # compiled first: methods_float32 reports run by run if the budget cuts it
             run("compiled_float32", 120)
+            run("methods_float32", 300)
         else:
             lines.append(line("SKIP", "6_compiled", "eager generate did not run"))
             lines.append(line("SKIP", "7_methods", "eager generate did not run"))

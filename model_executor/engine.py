@@ -58,7 +58,7 @@ class ReferenceEngine:
         self.spec = model.spec
         p = next(model.parameters())
         self.device = p.device
-        self.attn = make_backend(attention_backend, p.device, p.dtype)
+        self.attn = make_backend(attention_backend, p.device, p.dtype, model.spec.head_dim)
         self.page_size = page_size
         self.kv: PagedKVCache | None = None
         self.step_time = {"steps": 0, "forward_seconds": 0.0}  # steps taken, seconds in the model forward

@@ -50,7 +50,7 @@ class PrestoEngine:
         self.target, self.drafter, self.ngram = target, drafter, ngram
         p = next(target.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.attn = make_backend(attention_backend, p.device, p.dtype)
+        self.attn = make_backend(attention_backend, p.device, p.dtype, target.spec.head_dim)
         self.page_size = page_size
         self.timing = {"draft_forward_s": 0.0, "tree_s": 0.0, "verify_forward_s": 0.0}
         self.drafting = TreeDrafter(drafter, ngram, self.attn, page_size, self.timing) if drafter is not None else None

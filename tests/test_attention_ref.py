@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from attention_backends import prefix_attention
 from attention_backends.prefix_attention import AttentionPlan, make_backend, pack_mask, to_device, unpack_mask
 from attention_backends.torch_backend import KERNELS, TorchPrefixAttention
 
@@ -306,13 +307,18 @@ def test_to_device_is_one_copy_elsewhere_and_none_on_the_cpu():
     assert [moved[k].storage_offset() * moved[k].element_size() for k in ("a", "b", "d")] == [0, 48, 64]
 
 
-def test_backend_choice():
+def test_backend_choice(monkeypatch):
     assert make_backend("auto", "cpu").name == "torch"
     assert make_backend("torch").name == "torch"
     with pytest.raises(ValueError, match="attention backend 'triton'; allowed: auto, torch, flashinfer"):
         make_backend("triton")
     with pytest.raises(ValueError, match="needs a CUDA device and float16/bfloat16"):
         make_backend("flashinfer", "cpu", torch.float32)
+    with pytest.raises(ValueError, match="head size 16 is not one of its kernels' \\(64, 128, 256\\)"):
+        make_backend("flashinfer", "cuda", torch.bfloat16, head_dim=16)
+    monkeypatch.setattr(prefix_attention, "flashinfer_available", lambda: True)  # auto: FlashInfer only where it runs
+    assert make_backend("auto", "cuda", torch.bfloat16, head_dim=16).name == "torch"
+    assert make_backend("auto", "cuda", torch.float32, head_dim=64).name == "torch"
 
 
 def test_pack_mask_round_trip_and_bit_order():

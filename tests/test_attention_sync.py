@@ -20,6 +20,7 @@ from sync_audit import SyncAudit, on_device  # noqa: E402
 from test_attention_ref import _oracle  # noqa: E402
 from vllm.v1.attention.backend import CommonAttentionMetadata  # noqa: E402
 
+from attention_backends.prefix_attention import flashinfer_available  # noqa: E402
 from attention_backends.step_batch import HostPages, Rows, build_step_batch, current_step, set_step  # noqa: E402
 from attention_backends.vllm_backend import PSDAttentionImpl, kv_views, psd_attention_backend  # noqa: E402
 from model_executor.dllm_request import DLLMStep  # noqa: E402
@@ -83,9 +84,9 @@ def _step(case: str, seed: int = 0, page: int = PAGE):
     return batch, cam, host_table, pattern, block
 
 
-def _builder(pattern: str, block: int, device, dtype=torch.float64):
+def _builder(pattern: str, block: int, device, dtype=torch.float64, head_dim: int = D):
     cls = psd_attention_backend(pattern, block).get_builder_cls()
-    return cls.for_geometry(H, HKV, D, PAGE, dtype, device, scale=0.3, layer_names=(LAYER,))
+    return cls.for_geometry(H, HKV, head_dim, PAGE, dtype, device, scale=0.3, layer_names=(LAYER,))
 
 
 def _publish(batch, host_table, page: int = PAGE):
@@ -244,11 +245,13 @@ def test_publish_attaches_the_runners_host_block_tables():
 def test_the_builder_does_not_synchronise_on_cuda(case, dtype):
     """On CUDA (FlashInfer in bfloat16 where it is installed, else the PyTorch backend's SDPA kernel) no PyTorch op
     of ``build`` synchronises with the device (``torch.cuda.set_sync_debug_mode("error")``), and the layer's
-    output equals the oracle."""
+    output equals the oracle. Head size 64: FlashInfer has no kernel for this file's 16 (``auto`` then takes
+    PyTorch: ``test_attention_ref.py::test_backend_choice``)."""
+    d = 64
     batch, cam, host_table, pattern, block = _step(case, seed=1)
     for name in ("query_start_loc", "seq_lens", "block_table_tensor", "slot_mapping", "positions"):
         setattr(cam, name, getattr(cam, name).as_subclass(torch.Tensor).cuda())
-    builder = _builder(pattern, block, "cuda", dtype)
+    builder = _builder(pattern, block, "cuda", dtype, head_dim=d)
     _publish(batch, host_table)
     builder.build(0, cam)  # first plans may compile or load kernels
     torch.cuda.synchronize()
@@ -259,18 +262,19 @@ def test_the_builder_does_not_synchronise_on_cuda(case, dtype):
         torch.cuda.set_sync_debug_mode("default")
     N = batch.num_rows
     g = torch.Generator().manual_seed(2)
-    q, k, v = (torch.randn(N, h, D, generator=g) for h in (H, HKV, HKV))
+    q, k, v = (torch.randn(N, h, d, generator=g) for h in (H, HKV, HKV))
     pages = int(host_table.max()) + 1
-    phys = torch.randn(pages, PAGE, HKV, 2 * D, generator=g)
+    phys = torch.randn(pages, PAGE, HKV, 2 * d, generator=g)
     kv_cache = phys.to("cuda", dtype).transpose(1, 2)
-    impl = PSDAttentionImpl(H, D, 0.3, num_kv_heads=HKV)
+    impl = PSDAttentionImpl(H, d, 0.3, num_kv_heads=HKV)
     out = impl.forward(None, *(t.to("cuda", dtype) for t in (q, k, v)), kv_cache, md,
-                       torch.empty(N, H, D, device="cuda", dtype=dtype))
-    kc, vc = kv_views(kv_cache, D)
+                       torch.empty(N, H, d, device="cuda", dtype=dtype))
+    kc, vc = kv_views(kv_cache, d)
     order = batch.order if batch.order is not None else torch.arange(N)
     plan = batch.plan(host_table[: batch.num_requests], PAGE, pattern, block)
     want = _oracle(plan, q[order], k[order], v[order], kc, vc, 0.3)
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert builder.attn.name == ("flashinfer" if dtype == torch.bfloat16 and flashinfer_available() else "torch")
     assert torch.allclose(out[order.cuda()].double().cpu(), want, atol=tol, rtol=tol), case
 
 

@@ -51,9 +51,10 @@ WORKER_CLS = {
 # The CUDA-graph mode the plugin's engines get on GPUs when the user sets none (``compilation_config
 # .cudagraph_mode``). What PIECEWISE graphs need is built and checked on the CPU (every row of a step in vLLM's
 # persistent input buffers, the embedding inside the compiled module, graphs dispatched on all the step's rows,
-# padding rows inert: docs/vllm-adapter.md, "GPU"), but no GPU has run it: NONE until one has, then
-# "PIECEWISE". FULL graphs are refused until the attention backend reports CUDA-graph support.
-GPU_CUDAGRAPH_MODE = "NONE"
+# padding rows inert: docs/vllm-adapter.md, "GPU"), and on an H100 (2026-11-27, docs/gpu.md) PSD through
+# torch.compile + PIECEWISE graphs was token- and NFE-equal to the reference engine. FULL graphs are refused
+# until the attention backend reports CUDA-graph support.
+GPU_CUDAGRAPH_MODE = "PIECEWISE"
 GPU_CUDAGRAPH_MODES = ("NONE", "PIECEWISE")  # what a user may set on a GPU
 GPU_DTYPE = "bfloat16"  # for ``dtype="auto"`` on CUDA, where the GPU computes in it
 logger = logging.getLogger(__name__)
@@ -238,11 +239,12 @@ def platform_settings(engine_args, model_config, parallel_config, mode: str, moe
     gpu = _gpu_settings(engine_args, model_config)
     graphs = "off" if gpu["cudagraph_mode"] == "NONE" else gpu["cudagraph_mode"]
     logger.warning("psd-plugin on %s: the %s (vLLM's V1 GPUModelRunner, the plugin's GPU worker), %s weights, "
-                   "CUDA graphs (%s)%s. Run on a GPU so far (H100, docs/gpu.md): one GPU, eager, prefix cache, "
-                   "token- and NFE-equal to the reference engine for every dLLM method in float32 and for PSD in "
-                   "bfloat16 (FlashInfer). Not yet run on a GPU: CUDA graphs and torch.compile, the dual cache, "
-                   "PRESTO, tensor parallelism, serving; compare such outputs with the reference engine (`psd "
-                   "generate --engine reference`)", platform, path, gpu["dtype"], graphs,
+                   "CUDA graphs (%s)%s. Run on a GPU so far (H100, docs/gpu.md): one GPU, LLaDA; token- and "
+                   "NFE-equal to the reference engine for every dLLM method with the prefix and the dual cache "
+                   "(eager, float32), for PSD in bfloat16 (FlashInfer) and with torch.compile + PIECEWISE CUDA "
+                   "graphs (float32). Not yet run on a GPU: PRESTO, Dream, SDAR, LLaDA2, tensor "
+                   "parallelism, serving; compare such outputs with the reference engine (`psd generate --engine "
+                   "reference`)", platform, path, gpu["dtype"], graphs,
                    ", PRESTO's drafter" if mode == "presto" else "")
     return platform
 

@@ -61,7 +61,8 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         # cache from what is left of gpu_memory_utilization (docs/presto.md)
         drafter = ReferenceDLLM.from_pretrained(cfg.model, dtype=self.model_config.dtype, device=self.device)
         ngram = NGramModel.load(cfg.ngram) if cfg.ngram else None
-        self.drafting = TreeDrafter(drafter, ngram, make_backend("auto", self.device, self.model_config.dtype))
+        self.drafting = TreeDrafter(drafter, ngram, make_backend("auto", self.device, self.model_config.dtype,
+                                                                        drafter.spec.head_dim))
         self.opts = draft_options(drafter, search=cfg.search, tree_budget=cfg.tree_budget, width=cfg.width,
                                   top_b=cfg.top_b, lam=cfg.lam,
                                   adaptive=(cfg.adaptive_beta, cfg.adaptive_c) if cfg.adaptive_beta else None,
