@@ -18,6 +18,8 @@ printing one line ``PASS|FAIL|SKIP stage: ...`` with the exception and the file:
   7 every decoding method with the prefix cache and the dual cache (eager, float32; Spiffy with the shipped graph),
     and two narrow-step runs (``suffix``, ``refresh``), one LLM each in one process, each compared with the
     reference engine (tokens and NFE); runs after 6, and reports run by run if the budget cuts it
+  8 (``--presto`` alone, ar-tiny and drafter-tiny in the tree) PRESTO, beam B=32 and linear, eager float32,
+    against the reference PRESTO engine on the device (tokens)
 Writes OUT/vllm_try.json (every stage's result) and OUT/vllm_try.log (every stage's full output).
 """
 
@@ -252,6 +254,63 @@ def stage_methods(device: str, res: dict) -> dict:
     return res
 
 
+def stage_presto(device: str, res: dict) -> dict:
+    """Stage 8: PRESTO through ``LLM.generate`` (ar-tiny target, drafter-tiny, eager float32), beam and linear
+    trees, each against the reference PRESTO engine on the same device (tokens), with the tokens per target
+    forward. Needs ar-tiny and drafter-tiny in the tree (a call of its own: docs/gpu.md)."""
+    import gc
+
+    import torch
+
+    if device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    from transformers import AutoTokenizer
+
+    from model_executor.presto_engine import PrestoEngine
+    from psd_plugin import DEFAULT_AR, DEFAULT_DRAFTER, default_ngram
+    from psd_plugin.evaluate import encode
+    from psd_plugin.train.tasks import load_heldout
+    from vllm import LLM, SamplingParams
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))
+    prompts = [encode(tok, r["prompt"]) for r in load_heldout()[::151][:N_PROMPTS]]
+    eng = PrestoEngine.from_pretrained(DEFAULT_AR, DEFAULT_DRAFTER, default_ngram(DEFAULT_DRAFTER),
+                                       dtype=torch.float32, device=device)
+    res["reference_backend"] = eng.attn.name
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    for search, budget in (("beam", 32), ("linear", 16)):
+        stage = f"8_presto_{search}"
+        try:
+            ref = eng.generate(prompts, search=search, tree_budget=budget, max_tokens=MAX_TOKENS)
+            t0 = time.perf_counter()
+            llm = LLM(model=str(DEFAULT_AR), speculative_config={"method": "psd", "mode": "presto", "search": search,
+                                                                  "tree_budget": budget},
+                      enforce_eager=True, compilation_config={"custom_ops": ["none"]}, dtype="float32", seed=0,
+                      max_model_len=512, max_num_seqs=8, ir_op_priority=NATIVE_IR_OPS,
+                      **({"gpu_memory_utilization": 0.04} if device != "cpu" else {}))
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+            forwards = llm.collective_rpc("presto_stats")[0]["forwards"]
+            same = sum(a == r.token_ids for a, r in zip(tokens, ref))
+            tau = sum(map(len, tokens)) / max(1, forwards)
+            res[stage] = line("PASS" if same == len(prompts) else "FAIL", stage,
+                              f"B={budget}: {same}/{len(prompts)} prompts token-equal to the reference engine, "
+                              f"{tau:.2f} tokens per target forward (prefills included); "
+                              f"{time.perf_counter() - t0:.1f} s with the build")
+            res[stage[2:]] = {"tokens": tokens, "reference_tokens": [r.token_ids for r in ref],
+                              "forwards": forwards, "reference_nfe": [r.nfe for r in ref]}
+            llm.llm_engine.engine_core.shutdown()
+            del llm, outs
+        except BaseException as e:  # noqa: BLE001
+            res[stage] = line("FAIL", stage, f"{type(e).__name__}: {str(e)[:400]} at {where(e)}")
+            res.setdefault("tracebacks", {})[stage[2:]] = traceback.format_exc()[-3000:]
+        gc.collect()
+        if device != "cpu":
+            torch.cuda.empty_cache()
+    return res
+
+
 def child(args) -> None:
     out = Path(args.result)
     res = {}
@@ -265,6 +324,8 @@ def child(args) -> None:
             res.update(stage_import(args.device))
         elif args.stage == "methods_float32":
             stage_methods(args.device, res)
+        elif args.stage == "presto_float32":
+            stage_presto(args.device, res)
         else:
             dtype, eager = {"eager_float32": ("float32", True), "eager_bfloat16": ("bfloat16", True),
                             "compiled_float32": ("float32", False)}[args.stage]
@@ -283,6 +344,8 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("budget", type=float, nargs="?", default=150.0, help="seconds for the whole run")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--presto", action="store_true", help="only stages 1-3 and 8 (PRESTO: ar-tiny and drafter-tiny "
+                    "in the tree)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -352,7 +415,9 @@ def main() -> None:
 
     imp = run("import", 60)
     if not str(imp.get("1_import_vllm", "")).startswith("PASS"):
-        lines.append(line("SKIP", "4-6", "vllm does not import"))
+        lines.append(line("SKIP", "4-8", "vllm does not import"))
+    elif args.presto:
+        run("presto_float32", 300)
     else:
         f32 = run("eager_float32", 100)
         built = str(f32.get("4_llm_eager_float32", "")).startswith("PASS")
