@@ -53,6 +53,16 @@ CONFIGS = [  # name, model ("dllm", "ar": the --dllm, --ar checkpoint), speculat
                                               "refresh": "last"}),
     ("dLLM LoPA dual suffix8-last", "dllm", {"method": "psd", "decoding": "lopa", "cache": "dual", "suffix": 8,
                                              "refresh": "last"}),
+    # the confidence threshold moved (default 0.9): up to reach static's accuracy on long answers, down to take
+    # fewer forwards on short ones where accuracy holds
+    ("dLLM confidence suffix32-last t0.98", "dllm", {"method": "psd", "decoding": "confidence", "suffix": 32,
+                                                     "refresh": "last", "threshold": 0.98}),
+    ("dLLM PSD suffix32-last t0.98", "dllm", {"method": "psd", "decoding": "psd", "suffix": 32, "refresh": "last",
+                                              "threshold": 0.98}),
+    ("dLLM confidence suffix8-last t0.6", "dllm", {"method": "psd", "decoding": "confidence", "suffix": 8,
+                                                   "refresh": "last", "threshold": 0.6}),
+    ("dLLM PSD suffix8-last t0.6", "dllm", {"method": "psd", "decoding": "psd", "suffix": 8, "refresh": "last",
+                                            "threshold": 0.6}),
 ]
 SETS = {"heldout": 32, "long": 256, "outside": 64}  # prompt set: max_tokens
 
