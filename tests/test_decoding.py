@@ -47,6 +47,28 @@ def test_psd_drafts_save_forwards(engine64, mixed_prompts):
     assert len(st["node_tried"]) == 4 and all(a <= t for a, t in zip(st["node_accepted"], st["node_tried"]))
 
 
+def test_psd_takes_at_least_the_bound_pareto_reports(engine64, mixed_prompts):
+    """benchmarks/pareto.py's PSD bound: where PSD(confidence) decodes confidence's tokens, each block that
+    confidence does not finish in one forward takes PSD at least two (its first forward has no drafts)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("pareto", Path(__file__).parents[1] / "benchmarks" / "pareto.py")
+    pareto = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pareto)
+    conf = engine64.generate(mixed_prompts, method="confidence")
+    psd = engine64.generate(mixed_prompts, method="psd", policy="confidence", depth=7)
+    checked = 0
+    for p, c, d in zip(mixed_prompts, conf, psd):
+        steps, floor = pareto.draft_bound_steps(engine64, [p], 8, 32)
+        assert steps == c.nfe  # the recorder counts confidence's forwards
+        assert floor <= steps
+        if d.token_ids == c.token_ids:
+            assert d.nfe >= floor, (p, d.nfe, floor)
+            checked += 1
+    assert checked >= len(mixed_prompts) // 2
+
+
 def test_localleap_rule():
     inf = float("-inf")
     conf = torch.tensor([0.8, 0.95, 0.7, 0.8, inf, 0.5, 0.6, 0.8, 0.76], dtype=torch.float64)
