@@ -51,6 +51,8 @@ def grid(graphs):
     for pol in ("confidence", "localleap"):
         for d in (1, 3, 5, 7):
             yield f"psd({pol}) d={d}", "psd", {"policy": pol, "depth": d}
+    for d in (3, 5):  # the skip DAG: d(d+1)/2 drafts
+        yield f"psd(confidence) skip d={d}", "psd", {"policy": "confidence", "depth": d, "dag_shape": "skip"}
     for d in (2, 4, 8):
         yield f"freedave d={d}", "freedave", {"steps": d}
 

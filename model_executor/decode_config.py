@@ -23,10 +23,11 @@ import msgspec
 import torch
 
 from .block_schedule import CACHE_MODES, CacheSchedule
-from .decoding import GREEDY_ONLY, METHODS, BlockDecoder, make_decoder
+from .decoding import GREEDY_ONLY, METHODS, BlockDecoder, DraftDAG, make_decoder
 from .decoding.policies import SPATIAL_POLICIES
 
 Threshold = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+MAX_SKIP_DEPTH = 10  # dag_shape skip: 55 drafts a step
 
 
 class ConfigError(ValueError):
@@ -43,7 +44,10 @@ class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
       change, 1: never), for at most ``max_post_edit_steps`` forwards after the block's last mask is filled.
     - ``relaxed_threshold``, ``radius``: LocalLeap's neighbour threshold and window (block positions).
     - ``policy``: spatial backbone of ``psd``, ``lopa`` and Spiffy's base: static | confidence | localleap.
-    - ``depth``: PSD draft-DAG depth d (nested prefixes of σ); 0 = the spatial policy alone.
+    - ``depth``: PSD draft-DAG depth d; 0 = the spatial policy alone.
+    - ``dag_shape``: PSD's draft DAG: ``chain`` (default: nested prefixes of σ, d drafts) | ``skip`` (the chain
+      plus each prefix with one earlier rank left out: d(d+1)/2 drafts, depth at most 10; more drafts a step,
+      more tokens accepted a forward).
     - ``branches``: LoPA lookahead branches k; 0 = the spatial policy alone.
     - ``steps``: FreeDave draft steps d (1 = static decoding).
     - ``graph``: Spiffy draft-graph file (``psd calibrate``); default: the graph shipped for the embedded
@@ -66,6 +70,7 @@ class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     radius: Annotated[int, msgspec.Meta(ge=0, le=64)] = 4
     policy: Literal["static", "confidence", "localleap"] = "confidence"
     depth: Annotated[int, msgspec.Meta(ge=0, le=32)] = 3
+    dag_shape: Literal["chain", "skip"] = "chain"
     branches: Annotated[int, msgspec.Meta(ge=0, le=32)] = 3
     steps: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
     graph: str | None = None
@@ -104,7 +109,9 @@ class DecodeConfig:
     def max_canvases(self) -> int:
         """The most canvases one step of a request forwards (the state and its drafts)."""
         k = self.knobs
-        return {"psd": k.depth + 1, "lopa": k.branches + 1, "freedave": k.steps,
+        if self.method == "psd" and self.dag is not None:
+            return len(self.dag.sets)
+        return {"psd": DraftDAG.size(k.dag_shape, k.depth), "lopa": k.branches + 1, "freedave": k.steps,
                 "spiffy": k.budget + 1}.get(self.method, 1)
 
     def step_rows(self, prompt_len: int, max_tokens: int) -> int:
@@ -141,7 +148,8 @@ class DecodeConfig:
         """``make(block)``: the decoder of one block of a request sampled with these options."""
         k = self.knobs
         kw = dict(threshold=k.threshold, relaxed_threshold=k.relaxed_threshold, radius=k.radius, policy=k.policy,
-                  depth=k.depth, branches=k.branches, steps=k.steps, budget=k.budget, graph=self.graph, dag=self.dag,
+                  depth=k.depth, dag_shape=k.dag_shape, branches=k.branches, steps=k.steps, budget=k.budget,
+                  graph=self.graph, dag=self.dag,
                   temperature=temperature, top_k=max(top_k, 0), top_p=top_p, min_p=min_p,
                   edit_threshold=k.edit_threshold, max_post_edit_steps=k.max_post_edit_steps)
 
@@ -182,6 +190,10 @@ def resolve(method: str, knobs: DecodeKnobs, spec, *, block_size: int | None = N
     if knobs.refresh != "full" and cache not in ("prefix", "dual"):
         raise ConfigError(f"{where}.refresh {knobs.refresh!r} is for the prefix and dual caches (cache is {cache!r}); "
                           f"allowed with cache {cache!r}: full")
+    if knobs.dag_shape == "skip" and knobs.depth > MAX_SKIP_DEPTH:
+        raise ConfigError(f"{where}.depth {knobs.depth} with dag_shape 'skip' would draft "
+                          f"{DraftDAG.size('skip', knobs.depth) - 1} canvases a step; allowed: depth 0-{MAX_SKIP_DEPTH} "
+                          "(or dag_shape 'chain')")
     if method == "spiffy" and graph is None:
         raise ConfigError(f"{where}: method 'spiffy' needs a draft graph ('graph': a path from psd calibrate)")
     cfg = DecodeConfig(method, block_size, cache, msgspec.structs.replace(knobs, cache=cache),

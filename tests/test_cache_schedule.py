@@ -165,7 +165,7 @@ def test_narrow_steps_equal_a_dense_implementation(tiny_checkpoints, family, met
 
 @pytest.mark.parametrize("cache, suffix, refresh", [("none", None, "full"), ("none", 5, "full"),
                                                     ("prefix", None, "full"), *NARROW, ("dual", 0, "full")])
-@pytest.mark.parametrize("method", ["confidence", "psd", "lopa"])
+@pytest.mark.parametrize("method", ["confidence", "psd", "lopa", "psd-skip"])
 def test_every_step_fits_the_rows_reserved_for_it(monkeypatch, tiny_checkpoints, method, cache, suffix, refresh):
     """:meth:`DecodeConfig.step_rows` (what vLLM's front end checks against a step's token budget) bounds the rows
     of every step the request takes, over all its canvases."""
@@ -173,8 +173,9 @@ def test_every_step_fits_the_rows_reserved_for_it(monkeypatch, tiny_checkpoints,
     from model_executor.dllm_request import DLLMRequest
 
     eng = ReferenceEngine.from_pretrained(tiny_checkpoints["dream"])
-    knobs = DecodeKnobs(cache=cache, suffix=suffix, refresh=refresh, threshold=0.02, policy="static")
-    cfg = resolve(method, knobs, eng.spec, block_size=4)
+    shape = "skip" if method == "psd-skip" else "chain"  # skip: 6 drafts at depth 3, each a full window
+    knobs = DecodeKnobs(cache=cache, suffix=suffix, refresh=refresh, threshold=0.02, policy="static", dag_shape=shape)
+    cfg = resolve(method.removesuffix("-skip"), knobs, eng.spec, block_size=4)
     seen: dict = {}
     plan = DLLMRequest.plan
     monkeypatch.setattr(DLLMRequest, "plan", lambda self, p: seen.setdefault(id(self), [self]).append(

@@ -34,8 +34,10 @@ def test_zero_depth_psd_and_zero_branch_lopa_are_their_policy(engine64, mixed_pr
     base = engine64.generate(mixed_prompts, method=policy)
     psd = engine64.generate(mixed_prompts, method="psd", policy=policy, depth=0)
     lopa = engine64.generate(mixed_prompts, method="lopa", policy=policy, branches=0)
+    skip = engine64.generate(mixed_prompts, method="psd", policy=policy, depth=0, dag_shape="skip")
     want = [(r.token_ids, r.nfe) for r in base]
     assert [(r.token_ids, r.nfe) for r in psd] == want
+    assert [(r.token_ids, r.nfe) for r in skip] == want
     assert [(r.token_ids, r.nfe) for r in lopa] == want
 
 
@@ -123,6 +125,54 @@ def test_psd_hierarchical_acceptance_by_hand(impl):
           _logits_for([1, 2, 3, 4], [0.5, 0.99, 0.5, 0.99])])
     assert dec.state.tolist() == [1, 5, 3, M]  # node 1 + its own confident prediction at pos 1
     assert dec.stats()["node_accepted"] == [0, 1, 0]
+
+
+@pytest.mark.parametrize("impl", ["decoder", "oracle"])
+def test_psd_skip_dag_accepts_past_a_rejected_rank(impl):
+    """The skip DAG of depth 2 (root, {0}, {1}, {0, 1}): σ's first rank is rejected, its second accepted from the
+    root, so the decoder advances to {1} and commits from {1}'s output (the chain would stop at the root)."""
+    from model_executor.decoding import propose_all
+    from oracles.decoders import make_oracle
+
+    M = 7
+    if impl == "decoder":
+        dec = make_decoder("psd", torch.full((4,), M), M, policy="confidence", depth=2, dag_shape="skip")
+    else:
+        dec = make_oracle("psd", torch.full((4,), M), M, policy="confidence", dag=DraftDAG.skip(2))
+    canvases = dec.canvases if impl == "oracle" else lambda: propose_all([dec])[0].canvases
+    step = dec.update if impl == "oracle" else lambda logits: _step(dec, logits)
+    step([_logits_for([1, 2, 3, 4], [0.95, 0.5, 0.6, 0.4])])  # commits pos 0; σ = (2, 1, 3)
+    drafts = canvases()
+    assert [d.tolist() for d in drafts] == [[1, M, M, M], [1, M, 3, M], [1, 2, M, M], [1, 2, 3, M]]
+    step([_logits_for([1, 2, 0, 4], [0.5, 0.95, 0.6, 0.3]),  # root: rejects rank 0 (pos 2), accepts rank 1
+          _logits_for([1, 5, 3, 4], [0.5, 0.5, 0.5, 0.3]),
+          _logits_for([1, 2, 3, 4], [0.5, 0.5, 0.5, 0.99]),  # {1}: pos 2 unsure -> {0, 1} rejected; pos 3 sure
+          _logits_for([1, 2, 3, 4], [0.5, 0.5, 0.5, 0.5])])
+    assert dec.state.tolist() == [1, 2, M, 4]
+    assert dec.stats()["node_accepted"] == [0, 0, 1, 0]
+
+
+def test_skip_dag_shape():
+    for d in range(6):
+        dag = DraftDAG.skip(d)
+        assert len(dag.sets) == DraftDAG.size("skip", d) == 1 + d * (d + 1) // 2
+        assert len(set(dag.sets)) == len(dag.sets)
+        nested = DraftDAG.nested(d).sets
+        assert set(nested) <= set(dag.sets)  # the chain is in it
+        for k, (s, ps) in enumerate(zip(dag.sets, dag.parents)):  # parents: every node one rank smaller
+            assert {dag.sets[p] for p in ps} == {t for t in dag.sets[:k] if t < s and len(t) == len(s) - 1}
+    assert DraftDAG.skip(1) == DraftDAG.nested(1)
+
+
+def test_skip_dag_takes_fewer_forwards_than_the_chain(engine64, mixed_prompts):
+    chain = engine64.generate(mixed_prompts, method="psd", policy="confidence", depth=3, block_size=16)
+    skip = engine64.generate(mixed_prompts, method="psd", policy="confidence", depth=3, dag_shape="skip",
+                             block_size=16)
+    assert sum(r.nfe for r in skip) < sum(r.nfe for r in chain)
+    assert skip[0].stats["node_tried"].__len__() == 7
+    with pytest.raises(ValueError, match=r"generate.depth 11 with dag_shape 'skip' would draft 66 canvases a step; "
+                                         r"allowed: depth 0-10 \(or dag_shape 'chain'\)"):
+        engine64.generate(mixed_prompts[:1], method="psd", depth=11, dag_shape="skip")
 
 
 def test_draft_dag_validation():
@@ -380,6 +430,8 @@ _TOY_GRAPH_SMALL = _toy_graph([[(1, 1)], [(1, 1), (2, 1)], [(2, 1), (3, 2)]], [[
 
 @pytest.mark.parametrize("method,knobs", [
     ("psd", [dict(policy="confidence", depth=3), dict(policy="static", depth=2), dict(policy="localleap", depth=3)]),
+    ("psd", [dict(policy="confidence", depth=3, dag_shape="skip"), dict(policy="confidence", depth=3),
+             dict(policy="localleap", depth=4, dag_shape="skip")]),
     ("psd", [dict(policy="confidence", dag=DraftDAG((frozenset(), frozenset({0}), frozenset({1}), frozenset({0, 1}),
                                                     frozenset({0, 1, 2, 3, 4, 5, 6, 7, 8, 9})),
                                                    ((), (0,), (0,), (1, 2), (3,)))),

@@ -139,6 +139,13 @@ def test_embedded_dream_matches_reference(heldout_prompts, method, cache):
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("path, cache", [(DEFAULT_DLLM, "prefix"), (DEMO_DLLM, "dual")])
+def test_psd_skip_dag_matches_reference(heldout_prompts, path, cache):
+    """PSD with ``dag_shape: skip`` (multi-parent DAG, 6 drafts at depth 3) through vLLM."""
+    _check_parity(path, heldout_prompts, "psd", cache=cache, depth=3, dag_shape="skip")
+
+
+@pytest.mark.engine
 @pytest.mark.parametrize("method, cache, narrow", [("lopa", "prefix", {"suffix": 4, "refresh": "last"}),
                                                    ("spiffy", "dual", {"suffix": 0, "refresh": "answer"}),
                                                    ("psd", "dual", {"suffix": 9})])

@@ -23,8 +23,9 @@ Choices the paper leaves open (see docs/paper-notes-psd-lopa.md, O1-O6), made he
   Stage 1 of the next iteration on the same state, so the verification output of k* *is* the next L6
   forward (same canvas, same context): one model call per iteration, identical tokens to the literal
   two-call reading. With an empty DAG (depth 0) PSD is therefore its spatial policy, forward for forward.
-- Default DAG (O1): nested prefixes of σ, S_j = {σ_1..σ_j}, j = 1..depth (a chain). A calibrated
-  graph (multi-parent DAG, :class:`DraftDAG`) can be given instead. Nodes asking for more ranks than
+- Default DAG (O1): nested prefixes of σ, S_j = {σ_1..σ_j}, j = 1..depth (a chain); ``dag_shape: skip`` adds
+  each prefix with one earlier rank left out (:meth:`DraftDAG.skip`, multi-parent). A calibrated graph can be
+  given instead. Nodes asking for more ranks than
   there are masked positions are dropped; a draft that fills the whole block needs no forward.
 - Ties in σ follow ``torch.sort(stable=True)`` (lower position first); ties in L25 prefer the earlier node.
 
@@ -55,6 +56,25 @@ class DraftDAG:
     def nested(cls, depth: int) -> "DraftDAG":
         sets = tuple(frozenset(range(j)) for j in range(depth + 1))
         return cls(sets, ((),) + tuple((j - 1,) for j in range(1, depth + 1)))
+
+    @classmethod
+    def skip(cls, depth: int) -> "DraftDAG":
+        """The chain plus, at every depth j, the prefix {σ_1..σ_j} with one earlier rank left out: a rank that
+        fails acceptance no longer stops the ranks after it (the node without it can still be accepted).
+        ``depth * (depth + 1) / 2`` nodes besides the root; each node's parents are the nodes one rank smaller."""
+        sets, parents, index = [frozenset()], [()], {frozenset(): 0}
+        for j in range(1, depth + 1):
+            full = frozenset(range(j))
+            for s in [full - {r} for r in range(j - 1)] + [full]:  # the full prefix last: every node below is its parent
+                index[s] = len(sets)
+                sets.append(s)
+                parents.append(tuple(sorted(index[s - {x}] for x in s if s - {x} in index)))
+        return cls(tuple(sets), tuple(parents))
+
+    @staticmethod
+    def size(shape: str, depth: int) -> int:
+        """Nodes of the ``shape`` (``chain`` | ``skip``) DAG of ``depth``, the root included."""
+        return depth + 1 if shape == "chain" else 1 + depth * (depth + 1) // 2
 
     def __post_init__(self):
         if not self.sets or self.sets[0]:

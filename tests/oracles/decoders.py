@@ -363,10 +363,10 @@ class JointThresholdOracle(OracleDecoder):
 
 def make_oracle(method: str, block: torch.Tensor, mask_id: int, *, threshold: float = 0.9,
                 relaxed_threshold: float = 0.75, radius: int = 4, policy: str = "confidence", depth: int = 3,
-                branches: int = 3, steps: int = 4, dag: DraftDAG | None = None, graph: DraftGraph | None = None,
-                budget: int = 3, temperature: float = 0.0, generator: torch.Generator | None = None,
-                top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, edit_threshold: float = 0.9,
-                max_post_edit_steps: int = 16) -> OracleDecoder:
+                branches: int = 3, steps: int = 4, dag: DraftDAG | None = None, dag_shape: str = "chain",
+                graph: DraftGraph | None = None, budget: int = 3, temperature: float = 0.0,
+                generator: torch.Generator | None = None, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                edit_threshold: float = 0.9, max_post_edit_steps: int = 16) -> OracleDecoder:
     """The oracle of ``make_decoder(method, block, mask_id, **knobs)``, with the same knobs."""
     knobs = dict(threshold=threshold, relaxed_threshold=relaxed_threshold, radius=radius)
     flt = (top_k if top_k > 0 else 0, top_p, min_p)
@@ -383,5 +383,6 @@ def make_oracle(method: str, block: torch.Tensor, mask_id: int, *, threshold: fl
     if method == "joint_threshold":
         return JointThresholdOracle(block, mask_id, threshold, edit_threshold, max_post_edit_steps)
     if method == "psd":
-        return PSDOracle(block, mask_id, make_policy(policy, **knobs), dag or DraftDAG.nested(depth))
+        shaped = DraftDAG.skip(depth) if dag_shape == "skip" else DraftDAG.nested(depth)
+        return PSDOracle(block, mask_id, make_policy(policy, **knobs), dag or shaped)
     raise ValueError(f"method {method!r}")
