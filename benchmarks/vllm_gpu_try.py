@@ -192,12 +192,27 @@ def stage_llm(device: str, dtype: str, eager: bool, tag: str, res: dict) -> dict
     return res
 
 
+def one_llm(res: dict, stage: str, device: str, run) -> None:
+    """One ``LLM`` of stage 7 or 8: ``run()`` builds, generates, compares and shuts it down; an exception becomes
+    the stage's FAIL line and traceback. The device's memory is released after, for the next one."""
+    import gc
+
+    import torch
+
+    try:
+        run()
+    except BaseException as e:  # noqa: BLE001
+        res[stage] = line("FAIL", stage, f"{type(e).__name__}: {str(e)[:400]} at {where(e)}")
+        res.setdefault("tracebacks", {})[stage[2:]] = traceback.format_exc()[-3000:]
+    gc.collect()
+    if device != "cpu":
+        torch.cuda.empty_cache()
+
+
 def stage_methods(device: str, res: dict) -> dict:
     """Stage 7: every decoding method through ``LLM.generate`` with the prefix and the dual cache (but stage 5's
     PSD with the prefix cache), eager float32, one LLM after another in this process, each against the
     reference engine. ``res`` is filled per run."""
-    import gc
-
     import torch
 
     if device != "cpu":
@@ -224,7 +239,7 @@ def stage_methods(device: str, res: dict) -> dict:
         knobs = dict(knobs)
         if method == "spiffy":
             knobs.update(policy="static", graph=str(default_graph(DEFAULT_DLLM, "static")))
-        try:
+        def run(stage=stage, method=method, knobs=knobs):
             ref_knobs = dict(knobs, graph=load_graph(knobs["graph"])) if "graph" in knobs else knobs
             ref = eng.generate(prompts, max_tokens=MAX_TOKENS, block_size=block, method=method, **ref_knobs)
             t0 = time.perf_counter()
@@ -242,15 +257,10 @@ def stage_methods(device: str, res: dict) -> dict:
                               f"{same}/{len(prompts)} prompts token-equal, NFE vLLM {sum(nfe)} vs reference "
                               f"{sum(r.nfe for r in ref)}; {time.perf_counter() - t0:.1f} s with the build")
             res[stage[2:]] = {"tokens": tokens, "nfe": nfe, "reference_tokens": [r.token_ids for r in ref],
-                           "reference_nfe": [r.nfe for r in ref]}
+                              "reference_nfe": [r.nfe for r in ref]}
             llm.llm_engine.engine_core.shutdown()  # frees this LLM's KV cache before the next one is built
-            del llm, outs
-        except BaseException as e:  # noqa: BLE001
-            res[stage] = line("FAIL", stage, f"{type(e).__name__}: {str(e)[:400]} at {where(e)}")
-            res.setdefault("tracebacks", {})[stage[2:]] = traceback.format_exc()[-3000:]
-        gc.collect()
-        if device != "cpu":
-            torch.cuda.empty_cache()
+
+        one_llm(res, stage, device, run)
     return res
 
 
@@ -258,8 +268,6 @@ def stage_presto(device: str, res: dict) -> dict:
     """Stage 8: PRESTO through ``LLM.generate`` (ar-tiny target, drafter-tiny, eager float32), beam and linear
     trees, each against the reference PRESTO engine on the same device (tokens), with the tokens per target
     forward. Needs ar-tiny and drafter-tiny in the tree (a call of its own: docs/gpu.md)."""
-    import gc
-
     import torch
 
     if device != "cpu":
@@ -281,7 +289,7 @@ def stage_presto(device: str, res: dict) -> dict:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     for search, budget in (("beam", 32), ("linear", 16)):
         stage = f"8_presto_{search}"
-        try:
+        def run(stage=stage, search=search, budget=budget):
             ref = eng.generate(prompts, search=search, tree_budget=budget, max_tokens=MAX_TOKENS)
             t0 = time.perf_counter()
             llm = LLM(model=str(DEFAULT_AR), speculative_config={"method": "psd", "mode": "presto", "search": search,
@@ -301,13 +309,8 @@ def stage_presto(device: str, res: dict) -> dict:
             res[stage[2:]] = {"tokens": tokens, "reference_tokens": [r.token_ids for r in ref],
                               "forwards": forwards, "reference_nfe": [r.nfe for r in ref]}
             llm.llm_engine.engine_core.shutdown()
-            del llm, outs
-        except BaseException as e:  # noqa: BLE001
-            res[stage] = line("FAIL", stage, f"{type(e).__name__}: {str(e)[:400]} at {where(e)}")
-            res.setdefault("tracebacks", {})[stage[2:]] = traceback.format_exc()[-3000:]
-        gc.collect()
-        if device != "cpu":
-            torch.cuda.empty_cache()
+
+        one_llm(res, stage, device, run)
     return res
 
 
