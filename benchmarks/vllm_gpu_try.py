@@ -8,6 +8,7 @@ On the GPU machine, from the repo root, after unpacking the bundle of benchmarks
     PYTHONPATH=/tmp/vsite:/tmp/site:$PYTHONPATH python3 benchmarks/vllm_gpu_try.py OUT [BUDGET_S]
 
     .venv/bin/python benchmarks/vllm_gpu_try.py OUT 300 --device cpu   # dry run here (the venv's vLLM)
+    ... --model dream-tiny   # stages 4-7 on another dLLM (a Spiffy run without a shipped graph is skipped)
 
 Stages, each in its own process with a time limit (the whole run stays within BUDGET_S, default 150), each
 printing one line ``PASS|FAIL|SKIP stage: ...`` with the exception and the file:line where it stopped:
@@ -42,6 +43,17 @@ SPEC = {"method": "psd", "decoding": "psd", "cache": "prefix"}
 # vLLM 0.32 dispatches RMSNorm through its IR ops, whose CUDA default is the compiled `vllm_c` kernel (custom_ops
 # ["none"] does not reach them); the bundle has no compiled extension, so every IR op takes its PyTorch form.
 NATIVE_IR_OPS = {"rms_norm": ["native"], "fused_add_rms_norm": ["native"], "gelu_and_mul_sparse": ["native"]}
+
+
+MODEL: Path | None = None  # --model: the dLLM checkpoint of stages 4-7 (default: psd_plugin.DEFAULT_DLLM)
+
+
+def dllm() -> Path:
+    from psd_plugin import CHECKPOINTS, DEFAULT_DLLM
+
+    if MODEL is None:
+        return DEFAULT_DLLM
+    return MODEL if MODEL.exists() else CHECKPOINTS / str(MODEL)
 
 
 def where(exc: BaseException) -> str:
@@ -116,10 +128,10 @@ def stage_llm(device: str, dtype: str, eager: bool, tag: str, res: dict) -> dict
     if device != "cpu":
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    from psd_plugin import DEFAULT_DLLM
     from psd_plugin.evaluate import encode, load
     from psd_plugin.train.tasks import load_heldout
 
+    DEFAULT_DLLM = dllm()
     _, tok = load(DEFAULT_DLLM)
     prompts = [encode(tok, r["prompt"]) for r in load_heldout()[::151][:N_PROMPTS]]
     res["prompt_lengths"] = [len(p) for p in prompts]
@@ -220,11 +232,12 @@ def stage_methods(device: str, res: dict) -> dict:
         torch.backends.cudnn.allow_tf32 = False
     from model_executor.decoding import METHODS, load_graph
     from model_executor.engine import ReferenceEngine
-    from psd_plugin import DEFAULT_DLLM, default_graph
+    from psd_plugin import default_graph
     from psd_plugin.evaluate import encode, load
     from psd_plugin.train.tasks import load_heldout
     from vllm import LLM, SamplingParams
 
+    DEFAULT_DLLM = dllm()
     _, tok = load(DEFAULT_DLLM)
     prompts = [encode(tok, r["prompt"]) for r in load_heldout()[::151][:N_PROMPTS]]
     eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=torch.float32, device=device)
@@ -238,7 +251,11 @@ def stage_methods(device: str, res: dict) -> dict:
         stage = f"7_{method}{name}"
         knobs = dict(knobs)
         if method == "spiffy":
-            knobs.update(policy="static", graph=str(default_graph(DEFAULT_DLLM, "static")))
+            graph = default_graph(DEFAULT_DLLM, "static")
+            if not graph.exists():
+                res[stage] = line("SKIP", stage, f"no Spiffy graph shipped for {DEFAULT_DLLM.name} ({graph.name})")
+                continue
+            knobs.update(policy="static", graph=str(graph))
         def run(stage=stage, method=method, knobs=knobs):
             ref_knobs = dict(knobs, graph=load_graph(knobs["graph"])) if "graph" in knobs else knobs
             ref = eng.generate(prompts, max_tokens=MAX_TOKENS, block_size=block, method=method, **ref_knobs)
@@ -315,6 +332,8 @@ def stage_presto(device: str, res: dict) -> dict:
 
 
 def child(args) -> None:
+    global MODEL
+    MODEL = args.model
     out = Path(args.result)
     res = {}
 
@@ -349,6 +368,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--presto", action="store_true", help="only stages 1-3 and 8 (PRESTO: ar-tiny and drafter-tiny "
                     "in the tree)")
+    ap.add_argument("--model", type=Path, help="the dLLM of stages 4-7: a folder, or a checkpoint name under "
+                    "psd_plugin/checkpoints (default: llada-tiny)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -377,6 +398,7 @@ def main() -> None:
         result = args.out / f"stage_{stage}.json"
         result.unlink(missing_ok=True)
         cmd = [sys.executable, str(Path(__file__).resolve()), str(args.out), "--device", args.device, "--stage", stage,
+               *(["--model", str(args.model)] if args.model else []),
                "--result", str(result)]
         log.write(f"\n===== {stage} (limit {limit:.0f} s): {' '.join(cmd)}\n")
         log.flush()
