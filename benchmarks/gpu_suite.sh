@@ -26,7 +26,7 @@
 #   5. vLLM's Python sources on this torch (benchmarks/vllm_gpu_try.py), where its bundle was carried; then the
 #      vLLM attention builder's no-sync test on CUDA (tests/test_attention_sync.py, gpu-marked)
 # STEPS picks steps (default "2a 1 4 3 2b 5"), e.g. STEPS="3g 2c" for a second call; VLLM_BUDGET (default 180)
-# gives step 5 its seconds.
+# gives step 5 its seconds, VLLM_MODEL its dLLM (a checkpoint name; default llada-tiny).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-benchmarks/results/gpu}}
@@ -119,7 +119,7 @@ if want 5 && [ "$DEVICE" != cpu ] && [ -f benchmarks/vllm_gpu_try.py ] && ls whe
     VB=${VLLM_BUDGET:-180}  # seconds for vllm_gpu_try.py's stages (import, eager, bfloat16, methods, compiled)
     step 5_vllm $((VB + 20)) bash -c "mkdir -p /tmp/vsite && for t in wheels/vllm/*.tar.xz; do tar -xJf \$t -C /tmp/vsite; done;
         $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite wheels/vllm/*.whl;
-        PYTHONPATH=/tmp/vsite:\$PYTHONPATH $PY benchmarks/vllm_gpu_try.py $W/vllm $VB"
+        PYTHONPATH=/tmp/vsite:\$PYTHONPATH $PY benchmarks/vllm_gpu_try.py $W/vllm $VB ${VLLM_MODEL:+--model $VLLM_MODEL}"
     step 5_sync_tests 90 env PYTHONPATH=/tmp/vsite:$PYTHONPATH $PY -m pytest -m gpu tests/test_attention_sync.py -q \
         -p no:cacheprovider -rfE  # the vLLM builder plans without a device sync (needs vLLM: not in step 1)
 fi
