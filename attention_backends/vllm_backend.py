@@ -133,7 +133,8 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
     def _geometry(self, num_heads, num_kv_heads, head_dim, page_size, dtype, scale, head_major) -> None:
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.page_size, self.dtype, self.scale = page_size, dtype, scale
-        self.attn = make_backend("auto", self.device, self.dtype, head_dim)  # one per builder: planned anew every forward
+        # one per builder, planned anew every forward
+        self.attn = make_backend("auto", self.device, self.dtype, head_dim)
         self._group: int | None = None  # this builder's KV-cache group in the published pages
         # head-major pages (vLLM's CPU layout, ``supported_kv_cache_layouts``): vLLM's kernel reads them in place
         self.head_major = head_major

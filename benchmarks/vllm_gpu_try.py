@@ -131,8 +131,8 @@ def stage_llm(device: str, dtype: str, eager: bool, tag: str, res: dict) -> dict
     from psd_plugin.evaluate import encode, load
     from psd_plugin.train.tasks import load_heldout
 
-    DEFAULT_DLLM = dllm()
-    _, tok = load(DEFAULT_DLLM)
+    model_dir = dllm()
+    _, tok = load(model_dir)
     prompts = [encode(tok, r["prompt"]) for r in load_heldout()[::151][:N_PROMPTS]]
     res["prompt_lengths"] = [len(p) for p in prompts]
     ref = None
@@ -140,7 +140,7 @@ def stage_llm(device: str, dtype: str, eager: bool, tag: str, res: dict) -> dict
         from model_executor.engine import ReferenceEngine
 
         t0 = time.perf_counter()
-        eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=getattr(torch, dtype), device=device)
+        eng = ReferenceEngine.from_pretrained(model_dir, dtype=getattr(torch, dtype), device=device)
         block = eng.spec.attention_block or 8
         out = eng.generate(prompts, max_tokens=MAX_TOKENS, block_size=block, method="psd", cache=SPEC["cache"])
         ref = {"tokens": [r.token_ids for r in out], "nfe": [r.nfe for r in out]}
@@ -153,7 +153,7 @@ def stage_llm(device: str, dtype: str, eager: bool, tag: str, res: dict) -> dict
     comp = {"custom_ops": ["none"]}
     if not eager and device != "cpu":
         comp["cudagraph_mode"] = "PIECEWISE"
-    kw = dict(model=str(DEFAULT_DLLM), speculative_config=dict(SPEC), enforce_eager=eager, compilation_config=comp,
+    kw = dict(model=str(model_dir), speculative_config=dict(SPEC), enforce_eager=eager, compilation_config=comp,
               dtype=dtype, seed=0, max_model_len=512, ir_op_priority=NATIVE_IR_OPS)
     if device != "cpu":
         kw["gpu_memory_utilization"] = 0.3
@@ -237,10 +237,10 @@ def stage_methods(device: str, res: dict) -> dict:
     from psd_plugin.train.tasks import load_heldout
     from vllm import LLM, SamplingParams
 
-    DEFAULT_DLLM = dllm()
-    _, tok = load(DEFAULT_DLLM)
+    model_dir = dllm()
+    _, tok = load(model_dir)
     prompts = [encode(tok, r["prompt"]) for r in load_heldout()[::151][:N_PROMPTS]]
-    eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM, dtype=torch.float32, device=device)
+    eng = ReferenceEngine.from_pretrained(model_dir, dtype=torch.float32, device=device)
     block = eng.spec.attention_block or 8
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     runs = [(m, {"cache": c}, "_dual" if c == "dual" else "") for c in ("prefix", "dual") for m in METHODS
@@ -251,16 +251,16 @@ def stage_methods(device: str, res: dict) -> dict:
         stage = f"7_{method}{name}"
         knobs = dict(knobs)
         if method == "spiffy":
-            graph = default_graph(DEFAULT_DLLM, "static")
+            graph = default_graph(model_dir, "static")
             if not graph.exists():
-                res[stage] = line("SKIP", stage, f"no Spiffy graph shipped for {DEFAULT_DLLM.name} ({graph.name})")
+                res[stage] = line("SKIP", stage, f"no Spiffy graph shipped for {model_dir.name} ({graph.name})")
                 continue
             knobs.update(policy="static", graph=str(graph))
         def run(stage=stage, method=method, knobs=knobs):
             ref_knobs = dict(knobs, graph=load_graph(knobs["graph"])) if "graph" in knobs else knobs
             ref = eng.generate(prompts, max_tokens=MAX_TOKENS, block_size=block, method=method, **ref_knobs)
             t0 = time.perf_counter()
-            llm = LLM(model=str(DEFAULT_DLLM), speculative_config={"method": "psd", "decoding": method, **knobs},
+            llm = LLM(model=str(model_dir), speculative_config={"method": "psd", "decoding": method, **knobs},
                       enforce_eager=True, compilation_config={"custom_ops": ["none"]}, dtype="float32", seed=0,
                       max_model_len=512, ir_op_priority=NATIVE_IR_OPS,
                       **({"gpu_memory_utilization": 0.04} if device != "cpu" else {}))

@@ -191,9 +191,9 @@ def resolve(method: str, knobs: DecodeKnobs, spec, *, block_size: int | None = N
         raise ConfigError(f"{where}.refresh {knobs.refresh!r} is for the prefix and dual caches (cache is {cache!r}); "
                           f"allowed with cache {cache!r}: full")
     if knobs.dag_shape == "skip" and knobs.depth > MAX_SKIP_DEPTH:
-        raise ConfigError(f"{where}.depth {knobs.depth} with dag_shape 'skip' would draft "
-                          f"{DraftDAG.size('skip', knobs.depth) - 1} canvases a step; allowed: depth 0-{MAX_SKIP_DEPTH} "
-                          "(or dag_shape 'chain')")
+        drafts = knobs.depth * (knobs.depth + 1) // 2  # not built: DraftDAG.shaped keeps what it builds
+        raise ConfigError(f"{where}.depth {knobs.depth} with dag_shape 'skip' would draft {drafts} canvases a step; "
+                          f"allowed: depth 0-{MAX_SKIP_DEPTH} (or dag_shape 'chain')")
     if method == "spiffy" and graph is None:
         raise ConfigError(f"{where}: method 'spiffy' needs a draft graph ('graph': a path from psd calibrate)")
     cfg = DecodeConfig(method, block_size, cache, msgspec.structs.replace(knobs, cache=cache),

@@ -30,9 +30,6 @@ def base_step(policy: str, threshold: float = 0.9):
     return BaseStep(make_policy(policy, threshold=threshold))
 
 
-DAG_SHAPES = ("chain", "skip")  # PSD's built-in draft DAGs (DraftDAG.nested, DraftDAG.skip)
-
-
 def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: float = 0.9,
                  relaxed_threshold: float = 0.75, radius: int = 4, policy: str = "confidence", depth: int = 3,
                  branches: int = 3, steps: int = 4, dag: DraftDAG | None = None, dag_shape: str = "chain",
@@ -63,11 +60,7 @@ def make_decoder(method: str, block: torch.Tensor, mask_id: int, *, threshold: f
                              generator=generator, sample_filter=(top_k if top_k > 0 else 0, top_p, min_p))
     if method == "lopa":
         return LoPADecoder(block, mask_id, make_policy(policy, **knobs), branches=branches)
-    if dag is None:
-        if dag_shape not in DAG_SHAPES:
-            raise ValueError(f"PSD dag_shape {dag_shape!r}; allowed: {', '.join(DAG_SHAPES)}")
-        dag = DraftDAG.nested(depth) if dag_shape == "chain" else DraftDAG.skip(depth)
-    return PSDDecoder(block, mask_id, make_policy(policy, **knobs), dag)
+    return PSDDecoder(block, mask_id, make_policy(policy, **knobs), dag or DraftDAG.shaped(dag_shape, depth))
 
 
 __all__ = ["GRAPH_FORMAT_VERSION", "METHODS", "BlockDecoder", "DraftDAG", "DraftGraph", "GraphNode", "JointThresholdDecoder",

@@ -36,6 +36,7 @@ L20-22 node by node in topological order for all requests; a proposal's data are
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -65,16 +66,24 @@ class DraftDAG:
         sets, parents, index = [frozenset()], [()], {frozenset(): 0}
         for j in range(1, depth + 1):
             full = frozenset(range(j))
-            for s in [full - {r} for r in range(j - 1)] + [full]:  # the full prefix last: every node below is its parent
+            for s in [full - {r} for r in range(j - 1)] + [full]:  # the full prefix last: all below are parents
                 index[s] = len(sets)
                 sets.append(s)
                 parents.append(tuple(sorted(index[s - {x}] for x in s if s - {x} in index)))
         return cls(tuple(sets), tuple(parents))
 
     @staticmethod
+    def shaped(shape: str, depth: int) -> "DraftDAG":
+        """The built-in DAG ``shape`` (:data:`DAG_SHAPES`) of ``depth``, built once (the DAG is immutable and
+        every block of every request with these knobs shares it)."""
+        if shape not in DAG_SHAPES:
+            raise ValueError(f"PSD dag_shape {shape!r}; allowed: {', '.join(DAG_SHAPES)}")
+        return _shaped(shape, depth)
+
+    @staticmethod
     def size(shape: str, depth: int) -> int:
-        """Nodes of the ``shape`` (``chain`` | ``skip``) DAG of ``depth``, the root included."""
-        return depth + 1 if shape == "chain" else 1 + depth * (depth + 1) // 2
+        """Nodes of the ``shape`` DAG of ``depth``, the root included."""
+        return len(DraftDAG.shaped(shape, depth).sets)
 
     def __post_init__(self):
         if not self.sets or self.sets[0]:
@@ -85,6 +94,14 @@ class DraftDAG:
                     raise ValueError(f"draft DAG: edge {p}->{k} must go from an earlier node to a strict superset")
             if k > 0 and not ps:
                 raise ValueError(f"draft DAG: node {k} has no parent")
+
+
+DAG_SHAPES = ("chain", "skip")  # the built-in draft DAGs: DraftDAG.nested, DraftDAG.skip
+
+
+@functools.lru_cache(maxsize=None)
+def _shaped(shape: str, depth: int) -> DraftDAG:
+    return DraftDAG.nested(depth) if shape == "chain" else DraftDAG.skip(depth)
 
 
 class PSDDecoder(BlockDecoder):

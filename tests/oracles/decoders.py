@@ -383,6 +383,5 @@ def make_oracle(method: str, block: torch.Tensor, mask_id: int, *, threshold: fl
     if method == "joint_threshold":
         return JointThresholdOracle(block, mask_id, threshold, edit_threshold, max_post_edit_steps)
     if method == "psd":
-        shaped = DraftDAG.skip(depth) if dag_shape == "skip" else DraftDAG.nested(depth)
-        return PSDOracle(block, mask_id, make_policy(policy, **knobs), dag or shaped)
+        return PSDOracle(block, mask_id, make_policy(policy, **knobs), dag or DraftDAG.shaped(dag_shape, depth))
     raise ValueError(f"method {method!r}")
