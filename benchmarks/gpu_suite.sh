@@ -23,10 +23,13 @@
 #      behind), float32 on the PyTorch backend and bfloat16 on FlashInfer (causal prefix + token-tree masks)
 #   3g. the cost of step 3 timed as CUDA-graph replays (FlashInfer in CUDA-graph mode): the GPU's time without
 #      the reference model's host overhead (batch 1 eager is launch-bound)
-#   5. vLLM's Python sources on this torch (benchmarks/vllm_gpu_try.py), where its bundle was carried; then the
-#      vLLM attention builder's no-sync test on CUDA (tests/test_attention_sync.py, gpu-marked)
-# STEPS picks steps (default "2a 1 4 3 2b 5"), e.g. STEPS="3g 2c" for a second call; VLLM_BUDGET (default 180)
-# gives step 5 its seconds, VLLM_MODEL its dLLM (a checkpoint name; default llada-tiny).
+#   5. vLLM's Python sources on this torch (benchmarks/vllm_gpu_try.py), where its bundle was carried
+#   5s. the vLLM attention builder's no-sync test on CUDA (tests/test_attention_sync.py, gpu-marked; needs step 5's
+#      unpacked bundle)
+# STEPS picks steps (default "2a 1 4 3 2b 5 5s"), e.g. STEPS="3g 2c" for a second call; VLLM_BUDGET (default 180)
+# gives step 5 its seconds, VLLM_MODEL its dLLM (a checkpoint name; default llada-tiny), VLLM_TIMING=1 adds the
+# timings through vLLM (vllm_gpu_try.py --timing: stages 9-10), VLLM_STAGES its stages instead (--stages: e.g.
+# "compiled_float32,methods_float32" for a second call on a warm machine).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-benchmarks/results/gpu}}
@@ -36,7 +39,7 @@ mkdir -p "$W"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ "$DEVICE" = cpu ] && PY=.venv/bin/python
 START=$(date +%s)
-STEPS=" ${STEPS:-2a 1 4 3 2b 5} "
+STEPS=" ${STEPS:-2a 1 4 3 2b 5 5s} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 log() { echo "[$(( $(date +%s) - START ))s] $*" | tee -a "$OUT/suite.log"; }
 pack() { tar -C "$OUT" -czf "$OUT/results.tar.gz.tmp" work && mv "$OUT/results.tar.gz.tmp" "$OUT/results.tar.gz"; }
@@ -119,8 +122,9 @@ if want 5 && [ "$DEVICE" != cpu ] && [ -f benchmarks/vllm_gpu_try.py ] && ls whe
     VB=${VLLM_BUDGET:-180}  # seconds for vllm_gpu_try.py's stages (import, eager, bfloat16, methods, compiled)
     step 5_vllm $((VB + 20)) bash -c "mkdir -p /tmp/vsite && for t in wheels/vllm/*.tar.xz; do tar -xJf \$t -C /tmp/vsite; done;
         $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite wheels/vllm/*.whl;
-        PYTHONPATH=/tmp/vsite:\$PYTHONPATH $PY benchmarks/vllm_gpu_try.py $W/vllm $VB ${VLLM_MODEL:+--model $VLLM_MODEL}"
-    step 5_sync_tests 90 env PYTHONPATH=/tmp/vsite:$PYTHONPATH $PY -m pytest -m gpu tests/test_attention_sync.py -q \
+        PYTHONPATH=/tmp/vsite:\$PYTHONPATH $PY benchmarks/vllm_gpu_try.py $W/vllm $VB ${VLLM_MODEL:+--model $VLLM_MODEL} \
+        ${VLLM_TIMING:+--timing} ${VLLM_STAGES:+--stages $VLLM_STAGES}"
+    want 5s && step 5_sync_tests 90 env PYTHONPATH=/tmp/vsite:$PYTHONPATH $PY -m pytest -m gpu tests/test_attention_sync.py -q \
         -p no:cacheprovider -rfE  # the vLLM builder plans without a device sync (needs vLLM: not in step 1)
 fi
 log "done"

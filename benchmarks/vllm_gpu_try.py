@@ -21,6 +21,9 @@ printing one line ``PASS|FAIL|SKIP stage: ...`` with the exception and the file:
     reference engine (tokens and NFE); runs after 6, and reports run by run if the budget cuts it
   8 (``--presto`` alone, ar-tiny and drafter-tiny in the tree) PRESTO, beam B=32 and linear, eager float32,
     against the reference PRESTO engine on the device (tokens)
+  9, 10 (``--timing``, after stage 5's bfloat16 run) timings through vLLM: the dLLM's methods against AR of the
+    same shape, eager and PIECEWISE, 1 and 16 requests; then LLaDA-8B's and Llama-3-8B's shapes with dummy
+    weights (benchmarks/vllm_gpu_timing.py; OUT/vllm_timing_{tiny,8b}.md)
 Writes OUT/vllm_try.json (every stage's result) and OUT/vllm_try.log (every stage's full output).
 """
 
@@ -150,15 +153,8 @@ def stage_llm(device: str, dtype: str, eager: bool, tag: str, res: dict) -> dict
         res["reference_error"] = line("FAIL", f"{tag}_reference", f"{type(e).__name__}: {e} at {where(e)}")
     stage4 = f"4_llm_{tag}" if eager else f"6_llm_{tag}"
     stage5 = f"5_generate_{tag}" if eager else f"6_generate_{tag}"
-    comp = {"custom_ops": ["none"]}
-    if not eager and device != "cpu":
-        comp["cudagraph_mode"] = "PIECEWISE"
-    kw = dict(model=str(model_dir), speculative_config=dict(SPEC), enforce_eager=eager, compilation_config=comp,
-              dtype=dtype, seed=0, max_model_len=512, ir_op_priority=NATIVE_IR_OPS)
-    if device != "cpu":
-        kw["gpu_memory_utilization"] = 0.3
-    if not eager:  # vLLM's JIT kernel warmup (106 compile keys on the H100) outran the stage's time there
-        kw["kernel_config"] = {"enable_jit_warmup": False}
+    kw = dict(model=str(model_dir), speculative_config=dict(SPEC), dtype=dtype, max_model_len=512,
+              **llm_kwargs(device, eager))
     res["llm_kwargs"] = {k: v for k, v in kw.items() if k != "model"}
     try:
         from vllm import LLM, SamplingParams
@@ -331,6 +327,49 @@ def stage_presto(device: str, res: dict) -> dict:
     return res
 
 
+def llm_kwargs(device: str, eager: bool) -> dict:
+    """What every ``LLM`` of the try is built with on ``device``: custom ops off, IR ops native, eager or
+    torch.compile + PIECEWISE graphs (no JIT kernel warmup), a share of the GPU's memory."""
+    comp = {"custom_ops": ["none"]}
+    kw = dict(enforce_eager=eager, compilation_config=comp, seed=0, ir_op_priority=NATIVE_IR_OPS)
+    if device != "cpu":
+        kw["gpu_memory_utilization"] = 0.3
+        if not eager:
+            comp["cudagraph_mode"] = "PIECEWISE"
+    if not eager:  # vLLM's JIT kernel warmup (106 compile keys on the H100) outran a stage's time there
+        kw["kernel_config"] = {"enable_jit_warmup": False}
+    return kw
+
+
+def stage_timings(device: str, res: dict, scale: str, out: Path) -> dict:
+    """Stages 9 (``tiny``) and 10 (``8b``): benchmarks/vllm_gpu_timing.py."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from vllm_gpu_timing import stage_timing
+
+    from psd_plugin.evaluate import encode, load
+    from psd_plugin.train.tasks import LONG_TASKS, SHORT_BUDGET, load_heldout
+
+    def prompts(n: int) -> tuple[list[list[int]], int, str]:
+        """Held-out prompts of a long family the model was trained on (count_lines, sort_lines, count), else of
+        the short tasks; with the token budget of their set."""
+        _, tok = load(dllm())
+        trained = set(json.loads((dllm() / "training.json").read_text()).get("tasks", []))
+        long = [t for t in LONG_TASKS if t in trained]
+        rows = [r for t in long for r in load_heldout(t)[:n]][:n] if long else load_heldout()[::31][:n]
+        what = f"held-out {'/'.join(long)} prompts" if long else "held-out short-task prompts"
+        return [encode(tok, r["prompt"]) for r in rows], 128 if long else SHORT_BUDGET, what
+
+    stage = f"{9 if scale == 'tiny' else 10}_timing_{scale}"
+    try:
+        stage_timing(device, res, scale, dllm(), lambda eager: llm_kwargs(device, eager), prompts, out)
+    finally:  # a stage killed at its limit has no line: the orchestrator reports it
+        errors = res.get("errors", {})
+        res[stage] = line("FAIL" if errors or not res.get("rows") else "PASS", stage,
+                          f"{len(res.get('rows', []))} timed runs, {len(errors)} failed {list(errors)}; "
+                          f"{out / f'vllm_timing_{scale}.md'}")
+    return res
+
+
 def child(args) -> None:
     global MODEL
     MODEL = args.model
@@ -348,6 +387,8 @@ def child(args) -> None:
             stage_methods(args.device, res)
         elif args.stage == "presto_float32":
             stage_presto(args.device, res)
+        elif args.stage.startswith("timing_"):
+            stage_timings(args.device, res, args.stage.split("_", 1)[1], args.out)
         else:
             dtype, eager = {"eager_float32": ("float32", True), "eager_bfloat16": ("bfloat16", True),
                             "compiled_float32": ("float32", False)}[args.stage]
@@ -361,6 +402,10 @@ def child(args) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- orchestrator
+CAPS = {"eager_float32": 100, "eager_bfloat16": 70, "timing_tiny": 240, "timing_8b": 160, "compiled_float32": 120,
+        "methods_float32": 300, "presto_float32": 300}  # each stage's time limit (s), within the budget
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
@@ -368,6 +413,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--presto", action="store_true", help="only stages 1-3 and 8 (PRESTO: ar-tiny and drafter-tiny "
                     "in the tree)")
+    ap.add_argument("--timing", action="store_true", help="also stages 9-10: timings through vLLM "
+                    "(benchmarks/vllm_gpu_timing.py), after the bfloat16 stage")
+    ap.add_argument("--stages", help="after stage 1, only these, in this order (comma-separated: "
+                    f"{', '.join(CAPS)})")
     ap.add_argument("--model", type=Path, help="the dLLM of stages 4-7: a folder, or a checkpoint name under "
                     "psd_plugin/checkpoints (default: llada-tiny)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
@@ -375,6 +424,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.stage:
         return child(args)
+    unknown = set((args.stages or "").split(",")) - set(CAPS) - {""}
+    if unknown:
+        ap.error(f"--stages: {', '.join(sorted(unknown))}; allowed: {', '.join(CAPS)}")
     t_start = time.monotonic()
     args.out.mkdir(parents=True, exist_ok=True)
     log = open(args.out / "vllm_try.log", "w")
@@ -440,18 +492,24 @@ def main() -> None:
 
     imp = run("import", 60)
     if not str(imp.get("1_import_vllm", "")).startswith("PASS"):
-        lines.append(line("SKIP", "4-8", "vllm does not import"))
+        lines.append(line("SKIP", "4-10", "vllm does not import"))
+    elif args.stages:  # as asked, each whatever the others did (a second call on a warm machine)
+        for stage in args.stages.split(","):
+            run(stage, CAPS[stage])
     elif args.presto:
-        run("presto_float32", 300)
+        run("presto_float32", CAPS["presto_float32"])
     else:
-        f32 = run("eager_float32", 100)
+        f32 = run("eager_float32", CAPS["eager_float32"])
         built = str(f32.get("4_llm_eager_float32", "")).startswith("PASS")
         generated = "tokens" in f32
         if built and args.device != "cpu":
-            run("eager_bfloat16", 70)
+            run("eager_bfloat16", CAPS["eager_bfloat16"])
+        if built and args.timing:
+            run("timing_tiny", CAPS["timing_tiny"])
+            run("timing_8b", CAPS["timing_8b"])
         if generated:  # compiled first: methods_float32 reports run by run if the budget cuts it
-            run("compiled_float32", 120)
-            run("methods_float32", 300)
+            run("compiled_float32", CAPS["compiled_float32"])
+            run("methods_float32", CAPS["methods_float32"])
         else:
             lines.append(line("SKIP", "6_compiled", "eager generate did not run"))
             lines.append(line("SKIP", "7_methods", "eager generate did not run"))
