@@ -12,9 +12,14 @@ shape, eager and with torch.compile + PIECEWISE CUDA graphs, at 1 and 16 request
   confidence and PSD chain; compiled dLLM outputs are compared with eager's).
 - ``8b`` (stage 10): LLaDA-8B's shape (32 layers, hidden 4096, vocabulary 126464) and Llama-3-8B's, dummy weights,
   a 512-token random prompt, 64 tokens (``ignore_eos``), blocks of 32, dual cache (a step forwards the block
-  alone, 32 rows a canvas): static (one canvas), PSD chain and skip at depth 3 (4 and 7 canvases), AR; eager.
+  alone, 32 rows a canvas): static (one canvas), PSD chain and skip at depth 3 (4 and 7 canvases), AR;
+  torch.compile + PIECEWISE graphs (captured up to 512 rows: a step of 16 requests with canvases runs eagerly).
   With random weights a dLLM's tokens per forward mean nothing, so what counts there is the time of a forward
   with that many canvases against AR's per-token step (``ms/forward``).
+
+Both run vLLM's V1 model runner (the plugin's runners are V1 runners; the try sets ``VLLM_USE_V2_MODEL_RUNNER=0``
+for every LLM: on the GPU bundle Model Runner V2 stops at a compiled op it leaves out). ``PSD_TIMING_ONLY`` (name
+prefixes, comma-separated) times only those configurations (a rerun).
 
 Per configuration and request count: wall seconds of ``LLM.generate`` (median of ``REPS`` after a warm-up),
 output tokens, forwards per request (the plugin's NFE; AR: one per token), tokens per forward (TPF), output
@@ -24,6 +29,7 @@ tokens/s, and ms per forward (wall / the most forwards any request of the batch 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -31,6 +37,7 @@ from pathlib import Path
 REPS = 3
 COUNTS = (1, 16)
 BIG_PROMPT, BIG_TOKENS, BIG_BLOCK = 512, 64, 32
+BIG_GRAPH_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 224, 256, 512]
 # name, speculative config (None: plain AR of the same shape, dummy weights), compiled too
 TINY = [("AR (same shape)", None, True),
         ("static", {"decoding": "static"}, False),
@@ -130,18 +137,25 @@ def stage_timing(device: str, res: dict, scale: str, model_dir: Path, kwargs_fn,
                                                                      if k in LLADA_8B}})
         rng = random.Random(0)
         prompts = [[rng.randrange(3, 30000) for _ in range(BIG_PROMPT)] for _ in range(max(COUNTS))]
-        runs = [(name, cfg, True) for name, cfg in BIG]
+        # compiled + PIECEWISE graphs: eager with the bundle's PyTorch-form ops is launch-bound at 32 layers
+        # (about 2 ms a layer on the H200, 2026-11-27), which says nothing about the GPU's cost of canvases
+        runs = [(name, cfg, False) for name, cfg in BIG]
         max_tokens, block, cache = BIG_TOKENS, BIG_BLOCK, "dual"
         res["prompts"] = f"{BIG_PROMPT} random token ids"
     res.update(scale=scale, model=str(dllm_dir), max_tokens=max_tokens, counts=list(COUNTS), reps=REPS,
                dtype="bfloat16" if device != "cpu" else "float32")
     eager_tokens = {}
+    only = [x for x in os.environ.get("PSD_TIMING_ONLY", "").split(",") if x]  # name prefixes (a rerun)
+    runs = [r for r in runs if not only or any(r[0].startswith(o) for o in only)]
     for name, cfg, eager in runs:
         mode = "eager" if eager else "PIECEWISE" if device != "cpu" else "compiled"
         key = f"{name} [{mode}]"
         ar = cfg is None
         try:
             kw = kwargs_fn(eager)
+            if scale == "8b" and not eager and device != "cpu":  # the steps' row counts (AR 1-16; dLLM at one
+                # request 32 a canvas, 576 a block's first step), graphs beyond 512 rows are not captured
+                kw["compilation_config"] = {**kw["compilation_config"], "cudagraph_capture_sizes": BIG_GRAPH_SIZES}
             kw["dtype"] = "bfloat16" if device != "cpu" else "float32"
             kw["max_num_seqs"] = max(COUNTS)
             kw["max_model_len"] = 1024 if scale == "8b" else 512

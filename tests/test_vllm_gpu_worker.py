@@ -292,4 +292,4 @@ def test_gpu_start_up_line_says_what_has_not_run(registered, monkeypatch, caplog
     assert len(lines) == 1
     assert lines[0].startswith("psd-plugin on cuda: the dLLM decoding path (vLLM's V1 GPUModelRunner")
     assert "CUDA graphs (PIECEWISE)" in lines[0]
-    assert "Not yet run on a GPU: Dream, SDAR, LLaDA2, tensor parallelism" in lines[0]
+    assert "Not yet run on a GPU: SDAR, LLaDA2, tensor parallelism" in lines[0]

@@ -239,11 +239,12 @@ def platform_settings(engine_args, model_config, parallel_config, mode: str, moe
     gpu = _gpu_settings(engine_args, model_config)
     graphs = "off" if gpu["cudagraph_mode"] == "NONE" else gpu["cudagraph_mode"]
     logger.warning("psd-plugin on %s: the %s (vLLM's V1 GPUModelRunner, the plugin's GPU worker), %s weights, "
-                   "CUDA graphs (%s)%s. Run on a GPU so far (H100, docs/gpu.md): one GPU, LLaDA; token- and "
+                   "CUDA graphs (%s)%s. Run on a GPU so far (H100, H200; docs/gpu.md): one GPU; LLaDA token- and "
                    "NFE-equal to the reference engine for every dLLM method with the prefix and the dual cache "
                    "(eager, float32), for PSD in bfloat16 (FlashInfer) and with torch.compile + PIECEWISE CUDA "
-                   "graphs (float32); PRESTO (beam, linear; eager float32) equal to the reference PRESTO engine. "
-                   "Not yet run on a GPU: Dream, SDAR, LLaDA2, tensor parallelism, serving; compare such outputs with the reference engine (`psd generate --engine "
+                   "graphs (float32); Dream with PSD (eager, float32 and bfloat16); PRESTO (beam, linear; eager "
+                   "float32) equal to the reference PRESTO engine. Not yet run on a GPU: SDAR, LLaDA2, tensor "
+                   "parallelism, serving; compare such outputs with the reference engine (`psd generate --engine "
                    "reference`)", platform, path, gpu["dtype"], graphs,
                    ", PRESTO's drafter" if mode == "presto" else "")
     return platform
