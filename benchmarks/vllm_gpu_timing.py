@@ -47,6 +47,10 @@ TINY = [("AR (same shape)", None, True),
                                             "threshold": 0.98}, True),
         ("PSD chain d3", {"decoding": "psd"}, True),
         ("PSD skip d3", {"decoding": "psd", "dag_shape": "skip"}, False)]
+# vLLM captures graphs up to 512 rows by default (min(max_num_seqs x (1 + num_speculative_tokens) x 2, 512));
+# a dLLM step of one request with prefix cache and long answers has up to ~200 rows a canvas, so PSD's canvases
+# and most steps of 16 requests run eagerly there. These also run with graphs captured up to WIDE_GRAPH_ROWS.
+WIDE, WIDE_GRAPH_ROWS = ("confidence", "PSD chain d3"), 2048
 BIG = [("AR Llama-3-8B", None),
        ("static (1 canvas)", {"decoding": "static"}),
        ("PSD chain d3 (4 canvases)", {"decoding": "psd"}),
@@ -129,6 +133,7 @@ def stage_timing(device: str, res: dict, scale: str, model_dir: Path, kwargs_fn,
         dllm_dir = model_dir
         prompts, max_tokens, res["prompts"] = prompts_fn(max(COUNTS))
         runs = [(name, cfg, eager) for eager in (True, False) for name, cfg, compiled in TINY if eager or compiled]
+        runs += [(name, cfg, "wide") for name, cfg, compiled in TINY if cfg and compiled and name in WIDE]
         block, cache = None, "prefix"
     else:
         ar_dir = config_dir(tmp / "llama-8b-shape", {**LLAMA_8B, **{k: v for k, v in small.items()
@@ -147,8 +152,10 @@ def stage_timing(device: str, res: dict, scale: str, model_dir: Path, kwargs_fn,
     eager_tokens = {}
     only = [x for x in os.environ.get("PSD_TIMING_ONLY", "").split(",") if x]  # name prefixes (a rerun)
     runs = [r for r in runs if not only or any(r[0].startswith(o) for o in only)]
-    for name, cfg, eager in runs:
-        mode = "eager" if eager else "PIECEWISE" if device != "cpu" else "compiled"
+    for name, cfg, how in runs:
+        eager, wide = how is True, how == "wide"
+        mode = "eager" if eager else ("PIECEWISE" if device != "cpu" else "compiled") + \
+            (f" to {WIDE_GRAPH_ROWS} rows" if wide else "")
         key = f"{name} [{mode}]"
         ar = cfg is None
         try:
@@ -156,6 +163,9 @@ def stage_timing(device: str, res: dict, scale: str, model_dir: Path, kwargs_fn,
             if scale == "8b" and not eager and device != "cpu":  # the steps' row counts (AR 1-16; dLLM at one
                 # request 32 a canvas, 576 a block's first step), graphs beyond 512 rows are not captured
                 kw["compilation_config"] = {**kw["compilation_config"], "cudagraph_capture_sizes": BIG_GRAPH_SIZES}
+            if wide:
+                kw["compilation_config"] = {**kw["compilation_config"], "max_cudagraph_capture_size": WIDE_GRAPH_ROWS}
+                kw["max_num_batched_tokens"] = max(8192, WIDE_GRAPH_ROWS)
             kw["dtype"] = "bfloat16" if device != "cpu" else "float32"
             kw["max_num_seqs"] = max(COUNTS)
             kw["max_model_len"] = 1024 if scale == "8b" else 512
@@ -184,7 +194,7 @@ def stage_timing(device: str, res: dict, scale: str, model_dir: Path, kwargs_fn,
                 if not ar and scale == "tiny":
                     if eager:
                         eager_tokens[(name, n)] = toks
-                    elif (name, n) in eager_tokens:
+                    elif (name, n) in eager_tokens:  # compiled (graphs of either range)
                         row["same_as_eager"] = sum(a == b for a, b in zip(toks, eager_tokens[(name, n)]))
                 res["rows"].append(row)
                 print(f"TIME {scale} {key} n={n}: {row['tok_s']} tok/s, {row['ms_per_forward']} ms/forward, "
