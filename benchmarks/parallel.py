@@ -66,6 +66,8 @@ def _read(worker) -> dict:
 def run(tp: int, method: str, model: Path, prompts: list[list[int]]) -> dict:
     from vllm import LLM, SamplingParams
 
+    from psd_plugin.vllm import compat
+
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0|1" if tp == 2 else "0-1"
     llm = LLM(model=str(model), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
               tensor_parallel_size=tp, max_num_seqs=64, speculative_config={"method": "psd", "decoding": method})
@@ -83,7 +85,7 @@ def run(tp: int, method: str, model: Path, prompts: list[list[int]]) -> dict:
     finally:
         del llm
     ids = {o.request_id: o for o in outs}
-    nfe = sum(stats["requests"][k]["nfe"] for k in stats["requests"] if k.rsplit("-", 1)[0] in ids)
+    nfe = sum(stats["requests"][k]["nfe"] for k in stats["requests"] if compat.external_request_id(k) in ids)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     fwd = rank0["step_time"]["forward_seconds"]
     return {"tp": tp, "method": method, "tokens": tokens, "tpf": tokens / max(1, nfe), "nfe_per_sample": nfe / len(prompts),

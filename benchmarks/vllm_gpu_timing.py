@@ -91,6 +91,8 @@ def config_dir(path: Path, config: dict) -> Path:
 
 def measure(llm, prompts, params, dllm: bool) -> dict:
     """``LLM.generate`` of ``prompts``: a warm-up, then the median of ``REPS`` timed calls."""
+    from psd_plugin.vllm import compat
+
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     walls, outs = [], None
     for _ in range(REPS):
@@ -99,7 +101,7 @@ def measure(llm, prompts, params, dllm: bool) -> dict:
         walls.append(time.perf_counter() - t0)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     if dllm:
-        stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+        stats = compat.request_stats(llm)
         nfe = [stats[o.request_id]["nfe"] for o in outs]
     else:
         nfe = [len(t) for t in tokens]  # one forward a token (the prefill's included)
@@ -122,6 +124,7 @@ def stage_timing(device: str, res: dict, scale: str, model_dir: Path, kwargs_fn,
     from vllm import LLM, SamplingParams
 
     from model_executor.models.configs import ArchSpec, register_configs
+    from psd_plugin.vllm import compat
 
     register_configs()
     res["rows"], res["errors"] = [], {}
@@ -132,8 +135,9 @@ def stage_timing(device: str, res: dict, scale: str, model_dir: Path, kwargs_fn,
         ar_dir = config_dir(tmp / "ar-same-shape", same_shape_ar(spec))
         dllm_dir = model_dir
         prompts, max_tokens, res["prompts"] = prompts_fn(max(COUNTS))
-        runs = [(name, cfg, eager) for eager in (True, False) for name, cfg, compiled in TINY if eager or compiled]
-        runs += [(name, cfg, "wide") for name, cfg, compiled in TINY if cfg and compiled and name in WIDE]
+        runs = [(name, cfg, "eager") for name, cfg, _ in TINY] + \
+            [(name, cfg, "graphs") for name, cfg, compiled in TINY if compiled] + \
+            [(name, cfg, "wide") for name, cfg, compiled in TINY if compiled and name in WIDE]
         block, cache = None, "prefix"
     else:
         ar_dir = config_dir(tmp / "llama-8b-shape", {**LLAMA_8B, **{k: v for k, v in small.items()
@@ -144,7 +148,7 @@ def stage_timing(device: str, res: dict, scale: str, model_dir: Path, kwargs_fn,
         prompts = [[rng.randrange(3, 30000) for _ in range(BIG_PROMPT)] for _ in range(max(COUNTS))]
         # compiled + PIECEWISE graphs: eager with the bundle's PyTorch-form ops is launch-bound at 32 layers
         # (about 2 ms a layer on the H200, 2026-11-27), which says nothing about the GPU's cost of canvases
-        runs = [(name, cfg, False) for name, cfg in BIG]
+        runs = [(name, cfg, "graphs") for name, cfg in BIG]
         max_tokens, block, cache = BIG_TOKENS, BIG_BLOCK, "dual"
         res["prompts"] = f"{BIG_PROMPT} random token ids"
     res.update(scale=scale, model=str(dllm_dir), max_tokens=max_tokens, counts=list(COUNTS), reps=REPS,
@@ -152,8 +156,8 @@ def stage_timing(device: str, res: dict, scale: str, model_dir: Path, kwargs_fn,
     eager_tokens = {}
     only = [x for x in os.environ.get("PSD_TIMING_ONLY", "").split(",") if x]  # name prefixes (a rerun)
     runs = [r for r in runs if not only or any(r[0].startswith(o) for o in only)]
-    for name, cfg, how in runs:
-        eager, wide = how is True, how == "wide"
+    for name, cfg, how in runs:  # how: "eager", "graphs" (vLLM's capture range) or "wide" (to WIDE_GRAPH_ROWS)
+        eager, wide = how == "eager", how == "wide"
         mode = "eager" if eager else ("PIECEWISE" if device != "cpu" else "compiled") + \
             (f" to {WIDE_GRAPH_ROWS} rows" if wide else "")
         key = f"{name} [{mode}]"
@@ -199,7 +203,7 @@ def stage_timing(device: str, res: dict, scale: str, model_dir: Path, kwargs_fn,
                 res["rows"].append(row)
                 print(f"TIME {scale} {key} n={n}: {row['tok_s']} tok/s, {row['ms_per_forward']} ms/forward, "
                       f"TPF {row['tpf']}, NFE {row['nfe_mean']}", flush=True)
-            llm.llm_engine.engine_core.shutdown()
+            compat.shutdown(llm)
             del llm
         except BaseException as e:  # noqa: BLE001
             import traceback

@@ -159,6 +159,8 @@ def stage_llm(device: str, dtype: str, eager: bool, tag: str, res: dict) -> dict
     try:
         from vllm import LLM, SamplingParams
 
+        from psd_plugin.vllm import compat
+
         t0 = time.perf_counter()
         llm = LLM(**kw)
         res["build_seconds"] = round(time.perf_counter() - t0, 1)
@@ -176,7 +178,7 @@ def stage_llm(device: str, dtype: str, eager: bool, tag: str, res: dict) -> dict
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         res["tokens"] = tokens
         try:
-            stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+            stats = compat.request_stats(llm)
             res["nfe"] = [stats[o.request_id]["nfe"] for o in outs]
         except BaseException as e:  # noqa: BLE001
             res["nfe_error"] = f"{type(e).__name__}: {e} at {where(e)}"
@@ -233,6 +235,8 @@ def stage_methods(device: str, res: dict) -> dict:
     from psd_plugin.train.tasks import load_heldout
     from vllm import LLM, SamplingParams
 
+    from psd_plugin.vllm import compat
+
     model_dir = dllm()
     _, tok = load(model_dir)
     prompts = [encode(tok, r["prompt"]) for r in load_heldout()[::151][:N_PROMPTS]]
@@ -261,7 +265,7 @@ def stage_methods(device: str, res: dict) -> dict:
                       max_model_len=512, ir_op_priority=NATIVE_IR_OPS,
                       **({"gpu_memory_utilization": 0.04} if device != "cpu" else {}))
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+            stats = compat.request_stats(llm)
             tokens = [list(o.outputs[0].token_ids) for o in outs]
             nfe = [stats[o.request_id]["nfe"] for o in outs]
             same = sum(a == r.token_ids for a, r in zip(tokens, ref))
@@ -271,7 +275,7 @@ def stage_methods(device: str, res: dict) -> dict:
                               f"{sum(r.nfe for r in ref)}; {time.perf_counter() - t0:.1f} s with the build")
             res[stage[2:]] = {"tokens": tokens, "nfe": nfe, "reference_tokens": [r.token_ids for r in ref],
                               "reference_nfe": [r.nfe for r in ref]}
-            llm.llm_engine.engine_core.shutdown()  # frees this LLM's KV cache before the next one is built
+            compat.shutdown(llm)  # frees this LLM's KV cache before the next one is built
 
         one_llm(res, stage, device, run)
     return res
@@ -293,6 +297,8 @@ def stage_presto(device: str, res: dict) -> dict:
     from psd_plugin.evaluate import encode
     from psd_plugin.train.tasks import load_heldout
     from vllm import LLM, SamplingParams
+
+    from psd_plugin.vllm import compat
 
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_AR))
     prompts = [encode(tok, r["prompt"]) for r in load_heldout()[::151][:N_PROMPTS]]
@@ -321,7 +327,7 @@ def stage_presto(device: str, res: dict) -> dict:
                               f"{time.perf_counter() - t0:.1f} s with the build")
             res[stage[2:]] = {"tokens": tokens, "reference_tokens": [r.token_ids for r in ref],
                               "forwards": forwards, "reference_nfe": [r.nfe for r in ref]}
-            llm.llm_engine.engine_core.shutdown()
+            compat.shutdown(llm)
 
         one_llm(res, stage, device, run)
     return res

@@ -215,7 +215,7 @@ def test_vllm_equals_the_reference_engine_under_each_constraint(in_process_vllm,
         params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                  structured_outputs=None if k is None else SO(**{k: v})) for k, v in cons]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+        stats = compat.request_stats(llm)
     finally:
         compat.shutdown(llm)
     for i, (o, r, (k, v)) in enumerate(zip(outs, ref, cons)):

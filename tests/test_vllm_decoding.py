@@ -50,9 +50,10 @@ def _llm(path, eager=True, llm_kw=None, **spec):
 
 
 def _request_stats(llm) -> dict:
-    """The runner's figures per request, keyed by vLLM's request id (the runner sees vLLM's internal ids:
-    "<request_id>-<random suffix>")."""
-    return {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+    """The runner's figures per request, keyed by the request id."""
+    from psd_plugin.vllm import compat
+
+    return compat.request_stats(llm)
 
 
 def _generate(llm, prompts, max_tokens=32, merged=True, **kw):

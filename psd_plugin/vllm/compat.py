@@ -435,6 +435,18 @@ def set_cudagraph_mode(engine_args, name: str) -> None:
     setattr(cc, COMPILATION_CUDAGRAPH_FIELD, CUDAGraphMode[name])
 
 
+def external_request_id(internal: str) -> str:
+    """The caller's request id of vLLM's internal one: vLLM 0.32's front end appends ``-<random suffix>`` to each
+    request id, and the workers (the runners' counters) see only the internal id."""
+    return internal.rsplit("-", 1)[0]
+
+
+def request_stats(llm) -> dict:
+    """The dLLM runner's figures per request (the ``psd_stats`` worker RPC, rank 0), keyed by the caller's
+    request id (``RequestOutput.request_id``)."""
+    return {external_request_id(k): v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+
+
 def shutdown(llm) -> None:
     """Stop an offline ``vllm.LLM``'s engine core (its processes) now, not at garbage collection."""
     llm.llm_engine.engine_core.shutdown()

@@ -89,8 +89,7 @@ class VLLMEngine:
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        # the runner keys its figures by vLLM's internal request id: "<request_id>-<suffix>"
-        stats = {k.rsplit("-", 1)[0]: v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+        stats = compat.request_stats(llm)
         results = []
         for p, o in zip(prompts, outs):
             c = o.outputs[0]
