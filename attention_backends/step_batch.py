@@ -85,6 +85,7 @@ class StepBatch:
     custom_masks: list[torch.Tensor] | None
     logits_rows: torch.Tensor  # [N] model rows whose logits the decoders read: every canvas's block rows
     canvas_rows: list[list[int] | None]  # per entry: the first index into ``logits_rows`` of each canvas
+    rewrite_ids: torch.Tensor | None = None  # [T]: the id of each scheduled row whose id is not vLLM's, else -1
     pages: HostPages | None = field(default=None, repr=False)  # set by a runner that publishes the batch
 
     @property
@@ -102,10 +103,13 @@ class StepBatch:
     def host_inputs(self) -> torch.Tensor:
         """``[2, T + E]`` int64 on the host: row 0 the extra rows' token ids (from column ``T``; the scheduled
         rows' are vLLM's), row 1 every row's position: what the runner writes into vLLM's input buffers, in one
-        copy."""
-        out = torch.zeros(2, self.num_rows, dtype=torch.long)
+        copy. With :attr:`rewrite_ids`, ``[3, T + E]``: row 2 holds them (the scheduled rows' ids that differ from
+        vLLM's tokens, -1 elsewhere)."""
+        out = torch.zeros(2 if self.rewrite_ids is None else 3, self.num_rows, dtype=torch.long)
         if self.extra_ids is not None:
             out[0, self.num_scheduled:] = self.extra_ids
+        if self.rewrite_ids is not None:
+            out[2, : self.num_scheduled] = self.rewrite_ids
         out[1] = self.positions
         return out
 
@@ -140,13 +144,15 @@ class StepBatch:
 
 def build_step_batch(entries: list) -> StepBatch:
     """Lay out one forward from its entries, one per request, in the batch's request order: a dLLM step
-    (anything with ``w0, w1, tokens [K, S], first_row, block_len, suffix, reads_suffix``) or :class:`Rows`
-    (module docstring)."""
-    T = sum(e.n if isinstance(e, Rows) else e.seg_len for e in entries)
+    (anything with ``w0, w1, tokens [K, S], first_row, block_len, suffix, reads_suffix``, and ``tail``,
+    ``rewrites``: :class:`~model_executor.dllm_request.DLLMStep`) or :class:`Rows` (module docstring). A step's
+    tail is scheduled rows after its first canvas, a segment of their own."""
+    T = sum(e.n if isinstance(e, Rows) else e.num_scheduled for e in entries)
     sched_ids, sched_pos, extra_ids, extra_pos = [], [], [], []
     plan_rows, qo, seg, prefix, suf0, suf = [], [0], [0], [], [], []
     logits_rows, canvas_rows, masks = [], [], []
     t = e_next = n_logits = 0  # next scheduled row, next extra row (counted from T), logits rows so far
+    rewrite = []  # (first scheduled row, ids): rows whose ids are not vLLM's tokens
     have_ids, custom = True, False
     for e in entries:
         if isinstance(e, Rows):
@@ -164,41 +170,55 @@ def build_step_batch(entries: list) -> StepBatch:
             canvas_rows.append(None)
             t += e.n
             continue
-        S, K = e.seg_len, e.tokens.shape[0]
+        S, K, tail = e.seg_len, e.tokens.shape[0], e.tail_len
+        if tail and K > 1:
+            raise ValueError("a step with a tail has one canvas")
         pos = torch.arange(e.w0, e.w1)
         sched_ids.append(e.tokens[0])
         sched_pos.append(pos)
+        r0, r1 = e.rewrites
+        if r1 > r0:
+            rewrite.append((t + r0 - e.w0, e.tokens[0, r0 - e.w0: r1 - e.w0]))
         starts = [t]
         plan_rows.append(torch.arange(t, t + S))
+        if tail:
+            sched_ids.append(e.tail)
+            sched_pos.append(torch.arange(e.w1, e.w1 + tail))
+            plan_rows.append(torch.arange(t + S, t + S + tail))
         for k in range(1, K):
             starts.append(T + e_next)
             plan_rows.append(torch.arange(T + e_next, T + e_next + S))
             extra_ids.append(e.tokens[k])
             extra_pos.append(pos)
             e_next += S
-        seg.extend([seg[-1] + S * (k + 1) for k in range(K)])
-        qo.append(qo[-1] + K * S)
+        seg.extend([seg[-1] + S * (k + 1) for k in range(K)] + ([seg[-1] + S + tail] if tail else []))
+        qo.append(qo[-1] + K * S + tail)
         prefix.append(e.w0)
         suf0.append(e.suffix[0])
         suf.append(e.reads_suffix)
-        masks.extend([None] * K)
+        masks.extend([None] * (K + bool(tail)))
         canvas_rows.append([])
         for a in starts:
             canvas_rows[-1].append(n_logits)
             logits_rows.append(torch.arange(a + e.first_row, a + e.first_row + e.block_len))
             n_logits += e.block_len
-        t += S
+        t += S + tail
     E = e_next
     order = torch.cat(plan_rows) if plan_rows else torch.zeros(0, dtype=torch.long)
     if custom and any(m is None for m in masks):
         raise ValueError("a step batch with custom masks needs one for every segment")
-    ids = None
+    ids, rewrite_ids = None, None
+    if rewrite:
+        rewrite_ids = torch.full((T,), -1, dtype=torch.long)
+        for a, r in rewrite:
+            rewrite_ids[a: a + r.numel()] = r
     if have_ids:
         ids = torch.cat([i.long().cpu() for i in sched_ids + extra_ids]) if sched_ids else \
             torch.zeros(0, dtype=torch.long)
     return StepBatch(
         num_scheduled=T,
-        scheduled_lens=torch.tensor([e.n if isinstance(e, Rows) else e.seg_len for e in entries], dtype=torch.long),
+        scheduled_lens=torch.tensor([e.n if isinstance(e, Rows) else e.num_scheduled for e in entries],
+                                    dtype=torch.long),
         positions=torch.cat(sched_pos + extra_pos) if sched_pos else torch.zeros(0, dtype=torch.long),
         input_ids=ids,
         extra_ids=torch.cat([i.long().cpu() for i in extra_ids]) if E else None,
@@ -207,7 +227,7 @@ def build_step_batch(entries: list) -> StepBatch:
         suffix_starts=torch.tensor(suf0) if any(suf) else None, suffix_lens=torch.tensor(suf) if any(suf) else None,
         kind="custom" if custom else None, custom_masks=masks if custom else None,
         logits_rows=torch.cat(logits_rows) if logits_rows else torch.zeros(0, dtype=torch.long),
-        canvas_rows=canvas_rows)
+        canvas_rows=canvas_rows, rewrite_ids=rewrite_ids)
 
 
 _current: StepBatch | None = None

@@ -35,7 +35,14 @@ class DLLMStep:
 
     ``suffix = (s0, s1)``: DualCache's kept suffix (empty otherwise). A step whose window covers it (the block's
     first) stores its K/V; a later step, whose window ends at ``s0``, reads it from the cache: every row sees
-    the keys ``[0, w0)`` and ``[s0, s1)`` of the cache, and its canvas's rows."""
+    the keys ``[0, w0)`` and ``[s0, s1)`` of the cache, and its canvas's rows.
+
+    ``committed``: where the request's committed tokens end, when that is past the block: the step replays an
+    earlier block's first step (:meth:`DLLMRequest.preempted`). vLLM's tokens run to ``committed``, so the
+    step's drafts start there; its window holds masks at ``[b0, committed)``, where vLLM holds the committed
+    tokens (the runner writes those ids); and when the window ends before ``committed``, the positions
+    ``[w1, committed)`` (``tail``, their committed ids) are scheduled rows too, in a segment of their own that
+    no row of the window reads (their K/V is rewritten by a later step before anything reads it)."""
 
     w0: int
     w1: int
@@ -47,6 +54,8 @@ class DLLMStep:
     suffix: tuple[int, int] = (0, 0)
     proposal: Proposal | None = None  # the decoder's proposal these canvases are (None: a rebuild step)
     kept: torch.Tensor | None = None  # [K * block_len] bool: the prediction rows whose logits are computed
+    committed: int = 0  # a replay of an earlier block: the request's committed length (class docstring)
+    tail: torch.Tensor | None = None  # [committed - w1] ids of the rows after the window (None: none)
 
     @property
     def num_canvases(self) -> int:
@@ -59,12 +68,29 @@ class DLLMStep:
 
     @cached_property
     def drafts(self) -> list[int]:
-        """The first canvas from the block on: what vLLM schedules as the request's draft tokens."""
-        return self.tokens[0, self.b0 - self.w0:].tolist()
+        """The first canvas from the block on (from ``committed`` on, when that is later): what vLLM schedules
+        as the request's draft tokens."""
+        return self.tokens[0, max(self.b0, self.committed) - self.w0:].tolist()
 
     @property
     def seg_len(self) -> int:
         return self.w1 - self.w0
+
+    @property
+    def tail_len(self) -> int:
+        return 0 if self.tail is None else self.tail.numel()
+
+    @property
+    def num_scheduled(self) -> int:
+        """The rows vLLM schedules for this step: the first canvas and the tail."""
+        return self.seg_len + self.tail_len
+
+    @property
+    def rewrites(self) -> tuple[int, int]:
+        """``[r0, r1)``: the window's positions whose ids differ from vLLM's tokens (masks where the request has
+        committed tokens: a replay of an earlier block); empty otherwise."""
+        r0, r1 = self.b0, min(self.w1, self.committed)
+        return (r0, r1) if r1 > r0 else (r0, r0)
 
     @property
     def first_row(self) -> int:
@@ -115,7 +141,8 @@ class DLLMRequest:
     done: bool = False
     finish_reason: str = "length"
     step: DLLMStep | None = None  # planned (:meth:`plan`), not forwarded yet
-    resume: DLLMStep | None = None  # after a preemption: the step to forward once the rebuild step has run
+    resume: DLLMStep | None = None  # after a preemption: the step to forward once the rebuild steps have run
+    replays: list[int] = field(default_factory=list)  # after a preemption: blocks whose first step is replayed
 
     def __post_init__(self):
         if self.max_tokens <= 0:
@@ -152,18 +179,18 @@ class DLLMRequest:
 
     @property
     def phase(self) -> str:
-        """``done``; ``rebuild`` (preempted: the prefix K/V is restored before ``resume``); ``first`` (no
-        decoding forward yet); ``decode``."""
+        """``done``; ``rebuild`` (preempted: the K/V the next step reads is restored first, :meth:`preempted`);
+        ``first`` (no decoding forward yet); ``decode``."""
         if self.done:
             return "done"
-        if self.resume is not None:
+        if self.replays:
             return "rebuild"
         return "first" if self.nfe == 0 else "decode"
 
     @property
     def needs_proposal(self) -> bool:
         """Whether the decoder's next canvases are wanted (:func:`~model_executor.decoding.propose_all`)."""
-        return not self.done and self.step is None and self.resume is None
+        return not self.done and self.step is None and not self.replays
 
     def plan(self, proposal: Proposal) -> DLLMStep:
         """Plan the next forward from the decoder's ``proposal`` (:meth:`next_step`); it is :attr:`step` until
@@ -173,23 +200,38 @@ class DLLMRequest:
 
     def preempted(self) -> None:
         """The engine dropped this request's K/V and re-prefilled its prompt and committed tokens (vLLM's
-        recompute preemption). Under the prefix and dual caches a block's later steps read K/V its first step
-        wrote: the planned step waits in :attr:`resume` until :meth:`plan_rebuild`'s step has restored it.
-        (Under ``refresh`` ``answer`` or ``last`` the K/V kept from before the block is the re-prefill's, not the
-        K/V the block's first step read: the continuation is approximate as those modes are.)"""
-        if self.schedule.mode in ("prefix", "dual") and not self.done and not self.fresh and self.resume is None \
-                and self.step is not None and not self.step.rebuild:
-            self.resume, self.step = self.step, None
+        recompute preemption). Under the prefix and dual caches the next step reads K/V that earlier first steps
+        of blocks wrote, each over the tokens and masks of its time; the re-prefill's K/V is not theirs. So
+        those first steps are replayed in order (:meth:`plan_rebuild`; no NFE, no decoding) before the planned
+        step, which waits in :attr:`resume`: with ``refresh`` ``full`` the current block's; ``answer`` block 0's
+        (the prompt's K/V) and the current block's; ``last`` every block's so far. The current block's is left
+        out while its first step has not run (it is the next step). The outputs are then those of an
+        uninterrupted run."""
+        if self.schedule.mode not in ("prefix", "dual") or self.done:
+            return
+        k = self.blk
+        chain = {"full": {k}, "answer": {0, k}, "last": set(range(k + 1))}[self.schedule.refresh]
+        chain = sorted(chain - ({k} if self.fresh else set()))
+        if not chain:
+            return
+        if not self.replays:  # (preempted again during the replays: the planned step is already in resume)
+            self.resume = self.step
+        self.step, self.replays, self.cached = None, chain, 0
 
     def plan_rebuild(self) -> DLLMStep:
-        """Plan the rebuild step (:meth:`first_step`; its logits are not for the decoder, it counts in no NFE)."""
-        self.step = self.first_step()
+        """Plan the next replay (:meth:`first_step` of the next block in :attr:`replays`); its logits are not
+        for the decoder, it counts in no NFE."""
+        self.step = self.first_step(self.replays[0])
         return self.step
 
     def rebuilt(self) -> None:
-        """The rebuild step ran: the prefix K/V is as the block's first step left it; the preempted step is next."""
+        """A replay ran: the K/V before its ``keep`` is as that block's first step left it; after the last one
+        the preempted step is next."""
         self.cached = self.step.keep
-        self.step, self.resume = self.resume, None
+        self.replays.pop(0)
+        self.step = None
+        if not self.replays:
+            self.step, self.resume = self.resume, None
 
     def next_step(self, proposal: Proposal) -> DLLMStep:
         """The rows of this request's next forward: the canvases of its decoder's ``proposal``
@@ -211,15 +253,21 @@ class DLLMRequest:
         return DLLMStep(w0, w1, b0, b1, rows, keep, sch.shift, sch.kept_suffix((b0, b1), self.total), proposal,
                         kept.flatten())
 
-    def first_step(self) -> DLLMStep:
-        """The current block's first step again (the block all masks, as it was then). Forwarding it restores
-        the K/V the block's later steps were computed against (after a preemption, under the prefix cache);
-        its logits are not for the decoder. Under ``dual`` it restores the kept suffix too."""
-        (b0, b1), sch = self.block, self.schedule
+    def first_step(self, j: int | None = None) -> DLLMStep:
+        """Block ``j``'s first step again (default the current block), as it was then: the block and every
+        position after it masks, the window read from :attr:`cached`. Forwarding it restores the K/V that later
+        steps were computed against (after a preemption, :meth:`preempted`); its logits are not for the decoder.
+        Under ``dual`` it restores the block's kept suffix too. For an earlier block the step carries the
+        request's committed length (:class:`DLLMStep`)."""
+        j = self.blk if j is None else j
+        (b0, b1), sch, n = self.blocks[j], self.schedule, self.block[0]
         w0, w1 = sch.window((b0, b1), self.total, fresh=True, cached=self.cached, prompt_len=self.prompt_len)
         keep = sch.cached_after((b0, b1), w0, fresh=True, cached=self.cached)
-        return DLLMStep(w0, w1, b0, b1, self.tokens[w0:w1][None].clone(), keep, sch.shift,
-                        sch.kept_suffix((b0, b1), self.total), kept=torch.zeros(b1 - b0, dtype=torch.bool))
+        rows = self.tokens[w0:w1].clone()
+        rows[b0 - w0:] = self.mask_id
+        return DLLMStep(w0, w1, b0, b1, rows[None], keep, sch.shift, sch.kept_suffix((b0, b1), self.total),
+                        kept=torch.zeros(b1 - b0, dtype=torch.bool), committed=n if n > b0 else 0,
+                        tail=self.tokens[w1:n].clone() if n > w1 else None)
 
     def stepped(self, step: DLLMStep) -> list[int]:
         """Bookkeeping after the decoder took ``step``'s predictions (the engine's batched

@@ -464,28 +464,45 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("cache", ("prefix", "dual"))
-def test_preemption_in_a_blocks_later_steps_keeps_outputs(monkeypatch, tiny_checkpoints, cache):
+@pytest.mark.parametrize("family,cache,knobs,max_tokens,wait,budget", [
+    ("llada", "prefix", {}, 32, 3, None), ("llada", "dual", {}, 32, 3, None),
+    ("llada", "prefix", {"refresh": "last", "suffix": 8}, 64, 12, 128),
+    ("llada", "dual", {"refresh": "answer", "suffix": 8}, 64, 12, None), ("llada", "dual", {"refresh": "last"}, 48, 8, None),
+    ("dream", "prefix", {"refresh": "last", "suffix": 8}, 64, 12, None)])
+def test_preemption_in_a_blocks_later_steps_keeps_outputs(monkeypatch, tiny_checkpoints, family, cache, knobs,
+                                                          max_tokens, wait, budget):
     """Under the prefix and dual caches a request takes all its KV pages at its first block step, so FCFS
     preempts only requests at that step. With priority scheduling, requests that arrive later with a higher
-    priority preempt running ones in the middle of a block: those resume with the block's first forward run
-    once more (restoring the prefix K/V and the kept suffix), and every output stays the reference's."""
+    priority preempt running ones in the middle of a block: those resume after the first steps of blocks
+    are replayed (``refresh: full``: the current block's; ``answer``: block 0's and the current block's;
+    ``last``: every block's so far), each over the tokens of its time (masks where vLLM holds committed tokens,
+    a tail segment where a ``suffix`` window ends before them), restoring the prefix K/V and the kept suffix:
+    every output stays the reference's. No planned step is cut, a replay without drafts included, even with a
+    token budget of one context (``budget``)."""
     from vllm import LLM, SamplingParams
 
     from model_executor.dllm_request import DLLMRequest
 
-    rebuilt = []
-    rebuild = DLLMRequest.plan_rebuild
-    monkeypatch.setattr(DLLMRequest, "plan_rebuild", lambda self, *a: (rebuilt.append(1), rebuild(self, *a))[1])
-    path = tiny_checkpoints["llada"]  # a random model: its decisions follow small changes of the K/V it reads
+    replays = []  # (block replayed, current block, tail rows, rewritten rows) of every replay step
+    plan = DLLMRequest.plan_rebuild
+
+    def spy(self):
+        st = plan(self)
+        replays.append((self.blocks.index((st.b0, st.b1)), self.blk, st.tail_len, st.rewrites[1] - st.rewrites[0]))
+        return st
+
+    monkeypatch.setattr(DLLMRequest, "plan_rebuild", spy)
+    path = tiny_checkpoints[family]  # a random model: its decisions follow small changes of the K/V it reads
     g = torch.Generator().manual_seed(2)
     prompts = [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (20, 27, 9, 14, 31, 22, 17, 25)]
     low, high = prompts[:2], prompts[2:]
-    ref = ReferenceEngine.from_pretrained(path).generate(low + high, max_tokens=32, method="psd", cache=cache)
+    ref = ReferenceEngine.from_pretrained(path).generate(low + high, max_tokens=max_tokens, method="psd", cache=cache,
+                                                         **knobs)
+    tight = {"max_num_batched_tokens": budget, "max_num_seqs": 8} if budget else {}
     llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
-              num_gpu_blocks_override=11, scheduling_policy="priority",
-              speculative_config={"method": "psd", "decoding": "psd", "cache": cache})
-    engine, params, outs = llm.llm_engine, SamplingParams(max_tokens=32, temperature=0), {}
+              num_gpu_blocks_override=11 if max_tokens == 32 else 14, scheduling_policy="priority", **tight,
+              speculative_config={"method": "psd", "decoding": "psd", "cache": cache, **knobs})
+    engine, params, outs = llm.llm_engine, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), {}
 
     def step():
         for o in engine.step():
@@ -495,15 +512,23 @@ def test_preemption_in_a_blocks_later_steps_keeps_outputs(monkeypatch, tiny_chec
     try:
         for i, p in enumerate(low):
             engine.add_request(f"low{i}", {"prompt_token_ids": p}, params, priority=1)
-        for _ in range(3):  # prefill, the block's first step, a later step: in the middle of a block
+        for _ in range(wait):  # the prefill, then decoding steps: in the middle of a block
             step()
         for i, p in enumerate(high):
             engine.add_request(f"high{i}", {"prompt_token_ids": p}, params, priority=0)
         while engine.has_unfinished_requests():
             step()
+        cut = llm.collective_rpc("psd_stats")[0]["step_time"]["cut_steps"]
     finally:
-        del llm
-    assert rebuilt, "no request was preempted in the middle of a block"
+        del llm, engine
+    assert replays, "no request was preempted in the middle of a block"
+    assert cut == 0, f"{cut} planned steps were cut"
+    refresh = knobs.get("refresh", "full")
+    if refresh == "full":
+        assert all(j == k for j, k, _, _ in replays)
+    else:  # earlier blocks replayed over committed tokens; with a suffix window, some with a tail
+        assert any(j < k and rw > 0 for j, k, _, rw in replays)
+        assert ("suffix" in knobs) == any(tail > 0 for *_, tail, _ in replays)
     ids = [f"low{i}" for i in range(len(low))] + [f"high{i}" for i in range(len(high))]
     assert [outs[i] for i in ids] == [r.token_ids for r in ref]
 

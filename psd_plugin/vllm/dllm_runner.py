@@ -23,9 +23,10 @@ prompt prefill is its first decoding forward. Where the scheduler keeps vLLM's p
 a chunked prompt, no room in the step) that prefill has no canvas (counted in ``model_calls``, not in NFE, as
 the PSD paper counts decoding forwards); for block-causal models (SDAR) its K/V of the prompt's finished
 attention blocks is exact and reused. After a preemption vLLM re-prefills the prompt and
-committed tokens and the block's decoder continues where it was; with the prefix (or dual) cache the block's
-first forward is run once more first (:meth:`~model_executor.dllm_request.DLLMRequest.preempted`; it restores the kept suffix
-too), so the outputs stay those of an uninterrupted run.
+committed tokens and the block's decoder continues where it was; with the prefix (or dual) cache the first
+forwards of the blocks whose K/V the next step reads are replayed first, each over the tokens of its time
+(:meth:`~model_executor.dllm_request.DLLMRequest.preempted`; they restore the kept suffix too), so the outputs
+stay those of an uninterrupted run under every ``refresh`` and ``suffix``.
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         logits_indices, spec_meta, max_sampled = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         req_ids, qsl, computed = compat.batch_rows(self)
-        for rid in compat.resumed_req_ids(scheduler_output):  # back from a preemption: vLLM re-prefilled it
+        resumed = compat.resumed_req_ids(scheduler_output)
+        for rid in resumed:  # back from a preemption: vLLM re-prefills it in this forward
             if (s := self.served.get(rid)) is not None:
                 s.req.preempted()
         entries, self._stepping = [], {}
@@ -208,11 +210,11 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             if s.req.phase == "first" and s.req.step is None and drafts:
                 self._plan(s, propose_all([s.req.dec])[0])  # the first canvas, with the prompt (DLLMScheduler)
             st = s.req.step
-            if st is not None and start == st.w0 and n == st.seg_len and drafts == st.drafts:
+            if st is not None and start == st.w0 and n == st.num_scheduled and drafts == st.drafts:
                 entries.append(st)
                 self._stepping[i] = s
-            else:  # a prefill, or a step vLLM cut short: its rows decode nothing this forward
-                if st is not None:
+            else:  # a prefill (a re-prefill after a preemption too), or a step vLLM cut short: its rows decode nothing
+                if st is not None and rid not in resumed:
                     self.step_time["cut_steps"] += 1
                 entries.append(Rows(n, start))
         self.batch = build_step_batch(entries)
@@ -286,7 +288,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         """Each running request's next canvas (module docstring)."""
         req_ids, _, _ = compat.batch_rows(self)
-        drafts, rfs, extras, logits = [], [], [], []
+        drafts, rfs, extras, logits, planned = [], [], [], [], []
         ready = [s for rid in req_ids if (s := self._served(rid)).req.needs_proposal]
         # the canvases of every request about to step, a method at a time
         proposals = dict(zip(map(id, ready), propose_all([s.req.dec for s in ready])))
@@ -302,7 +304,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             rfs.append(st.w0 if st else NO_REWIND)
             extras.append((st.num_canvases - 1) * st.seg_len if st else 0)
             logits.append(st.num_logits_rows if st else 0)
-        self.set_next_drafts(req_ids, drafts, rfs, extras, logits)
+            planned.append(st is not None)  # a replay past a narrow window has rows but no drafts
+        self.set_next_drafts(req_ids, drafts, rfs, extras, logits, planned)
         return drafts
 
     def sample_tokens(self, grammar_output):

@@ -46,6 +46,7 @@ class PSDDraftTokenIds(DraftTokenIds):
     recompute_from: list[int] = field(default_factory=list)
     extra_rows: list[int] = field(default_factory=list)
     logits_rows: list[int] = field(default_factory=list)  # per request: logits rows its next step computes
+    planned: list[bool] = field(default_factory=list)  # per request: its next step is planned (never cut)
 
 
 class PSDRunnerMixin:
@@ -104,8 +105,9 @@ class PSDRunnerMixin:
     def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
         """vLLM's inputs for the forward are views of its persistent ``input_ids`` and ``positions`` buffers
         (the addresses a CUDA graph captured). The step's rows go there too: the extra rows' token ids after
-        the scheduled ones, and every row's position (a tree node's is its depth; an extra canvas repeats its
-        window's), so the model reads nothing but those buffers. Rows past them (padding) keep position 0 and
+        the scheduled ones (and a replayed step's masks where vLLM holds committed tokens,
+        :class:`~model_executor.dllm_request.DLLMStep`), and every row's position (a tree node's is its depth; an
+        extra canvas repeats its window's), so the model reads nothing but those buffers. Rows past them (padding) keep position 0 and
         are inert: no K/V write (no slot), no logits row, a zero attention output."""
         out = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
         batch = current_step()
@@ -117,6 +119,8 @@ class PSDRunnerMixin:
             rows = self._upload("inputs", batch.host_inputs(), pos.device)  # [2, T + E]: extra ids, positions
             if n > T:
                 ids[T:n].copy_(rows[0, T:n])
+            if batch.rewrite_ids is not None:  # a replay's masks over committed tokens (row 2)
+                ids[:T].copy_(torch.where(rows[2, :T] >= 0, rows[2, :T], ids[:T]))
             pos[:n].copy_(rows[1])
         return out
 
@@ -137,9 +141,11 @@ class PSDRunnerMixin:
         return True  # drafts are sized by the modes themselves, to the room each request has left
 
     def set_next_drafts(self, req_ids: list[str], drafts: list[list[int]], recompute_from: list[int],
-                        extra_rows: list[int] | None = None, logits_rows: list[int] | None = None) -> None:
-        self._next_drafts = PSDDraftTokenIds(list(req_ids), drafts, recompute_from,
-                                             extra_rows or [0] * len(req_ids), logits_rows or [0] * len(req_ids))
+                        extra_rows: list[int] | None = None, logits_rows: list[int] | None = None,
+                        planned: list[bool] | None = None) -> None:
+        n = len(req_ids)
+        self._next_drafts = PSDDraftTokenIds(list(req_ids), drafts, recompute_from, extra_rows or [0] * n,
+                                             logits_rows or [0] * n, planned or [bool(d) for d in drafts])
 
     def take_draft_token_ids(self):
         out, self._next_drafts = self._next_drafts, None

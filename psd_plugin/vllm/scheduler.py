@@ -15,7 +15,9 @@ everything from there is recomputed in the forward that reads it, so no stale dr
 - a step computes at most ``logits_budget`` rows of logits (``speculative_config.max_logits_rows``; default
   the token budget): each canvas's block rows count against it;
 - all or nothing: a running request whose canvases do not fit the step's budgets waits for the next step
-  instead of being cut (a cut canvas would waste a forward);
+  instead of being cut (a cut canvas would waste a forward); the runner marks every planned step, so a
+  preempted request's replay that has no drafts (:class:`~model_executor.dllm_request.DLLMStep`) is never cut
+  either;
 - a request's first canvas rides with its prompt: when vLLM admits a request and prefills its whole prompt
   in this step, the masks of its first window (``[P, w1)``, :meth:`~model_executor.block_schedule.CacheSchedule.first_window_end`)
   are appended to it as draft tokens, with KV slots, when the step's budget has room. The prompt prefill is
@@ -60,8 +62,9 @@ class DLLMScheduler(Scheduler):
         # the runner's spec-decode bookkeeping counts drafts + 1 rows per request; a dLLM step may schedule
         # drafts only (no recomputed token), so keep one row per request free in its buffers
         self.max_num_scheduled_tokens = max(1, self.max_num_scheduled_tokens - self.max_num_running_reqs)
-        # per request: (rows its next step adds beyond its scheduled tokens, logits rows that step computes)
-        self.next_rows: dict[str, tuple[int, int]] = {}
+        # per request: (rows its next step adds beyond its scheduled tokens, logits rows that step computes, whether
+        # a step is planned: drafts, or a replay with none, :class:`~model_executor.dllm_request.DLLMStep`)
+        self.next_rows: dict[str, tuple[int, int, bool]] = {}
         self.logits_budget = logits_budget(self.vllm_config)
         self.cfg = decode_config(self.vllm_config)
         self.mask_id = ArchSpec.from_hf_config(self.vllm_config.model_config.hf_config).mask_token_id
@@ -72,8 +75,8 @@ class DLLMScheduler(Scheduler):
         kept, extra = [], 0
         for r in self.running:
             need = r.num_tokens_with_spec - r.num_computed_tokens
-            more, rows = self.next_rows.get(r.request_id, (0, 0)) if r.spec_token_ids else (0, 0)
-            if r.spec_token_ids and (need + more > budget or rows > logits):
+            more, rows, planned = self.next_rows.get(r.request_id, (0, 0, False))
+            if planned and (need + more > budget or rows > logits):
                 continue  # waits for the next step, whole
             kept.append(r)
             budget -= max(0, need) + more
@@ -116,10 +119,14 @@ class DLLMScheduler(Scheduler):
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         apply_draft_updates(self, draft_token_ids)
-        for req_id, extra, rows in zip(draft_token_ids.req_ids, getattr(draft_token_ids, "extra_rows", None) or [],
-                                       getattr(draft_token_ids, "logits_rows", None) or []):
+        n = len(draft_token_ids.req_ids)
+        for req_id, extra, rows, planned in zip(draft_token_ids.req_ids,
+                                                getattr(draft_token_ids, "extra_rows", None) or [0] * n,
+                                                getattr(draft_token_ids, "logits_rows", None) or [0] * n,
+                                                getattr(draft_token_ids, "planned", None) or
+                                                [bool(d) for d in draft_token_ids.draft_token_ids]):
             if req_id in self.requests:
-                self.next_rows[req_id] = (extra, rows)
+                self.next_rows[req_id] = (extra, rows, planned)
 
 
 class PrestoScheduler(Scheduler):
