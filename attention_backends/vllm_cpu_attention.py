@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .prefix_attention import AttentionPlan
 from .step_batch import StepBatch
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

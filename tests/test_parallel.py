@@ -26,7 +26,7 @@ from psd_plugin import DEFAULT_AR, DEFAULT_DLLM
 
 vllm = pytest.importorskip("vllm")
 
-from test_vllm_decoding import METHODS, _check_parity, _generate, _llm  # noqa: E402
+from test_vllm_decoding import METHODS, _check_parity, _llm  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("in_process_vllm", "two_ranks")]
 
