@@ -122,8 +122,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._last_log, self._logged = time.monotonic(), dict(self.totals)
         # wall time from the end of input preparation to the logits reaching the decoders: the model forward
         # with its attention metadata (synchronous on CPU; on a GPU this would count launches only)
-        # cut_steps: a request's planned step that vLLM did not schedule as planned (its rows decoded nothing)
-        self.step_time = {"steps": 0, "forward_seconds": 0.0, "cut_steps": 0}
+        # cut_steps: a request's planned step that vLLM did not schedule as planned (its rows decoded nothing);
+        # resumed: requests back from a preemption; replays: the forwards that rebuilt their K/V (no NFE)
+        self.step_time = {"steps": 0, "forward_seconds": 0.0, "cut_steps": 0, "resumed": 0, "replays": 0}
         self._forward_t0: float | None = None
         self._grammar_info = None  # xgrammar's view of the tokenizer, made for the first structured request
 
@@ -201,6 +202,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         for rid in resumed:  # back from a preemption: vLLM re-prefills it in this forward
             if (s := self.served.get(rid)) is not None:
                 s.req.preempted()
+                self.step_time["resumed"] += 1
         entries, self._stepping = [], {}
         for i, rid in enumerate(req_ids):
             n, start = int(qsl[i + 1]) - int(qsl[i]), int(computed[i])
@@ -265,8 +267,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         for i, rid in enumerate(req_ids):
             s = self._served(rid)
             emit: list[int] = []
-            if i in self._stepping and steps[i].rebuild:  # the prefix K/V is as the block's first step left it
+            if i in self._stepping and steps[i].rebuild:  # the K/V is as that block's first step left it
                 s.req.rebuilt()
+                self.step_time["replays"] += 1
             elif i in self._stepping:
                 emit = s.req.stepped(steps[i])
                 if emit and i in want_lp:
