@@ -133,8 +133,9 @@ def canvas_passes(batch: StepBatch) -> list[CanvasPass] | None:
     if not R or batch.num_extra == 0:
         return []
     canvases = qo.diff() // n.clamp(min=1)
-    if bool((canvases * n != qo.diff()).any()) or bool((seg.diff() != torch.repeat_interleave(n, canvases)).any()):
-        return None
+    if bool((canvases * n != qo.diff()).any()) or seg.numel() - 1 != int(canvases.sum()) \
+            or bool((seg.diff() != torch.repeat_interleave(n, canvases)).any()):
+        return None  # (more segments than canvases: a replay's tail, DLLMStep)
     model_row = batch.order if batch.order is not None else torch.arange(int(qo[-1]))
     sched0 = torch.zeros(R, dtype=torch.long)
     torch.cumsum(n[:-1], 0, out=sched0[1:])

@@ -187,6 +187,25 @@ def test_every_step_fits_the_rows_reserved_for_it(monkeypatch, tiny_checkpoints,
         assert max(rows) <= cfg.step_rows(req.prompt_len, req.max_tokens), (rows, req.prompt_len)
 
 
+@pytest.mark.parametrize("family", ["dream", "sdar"])
+def test_a_preempted_request_fits_a_step_again(tiny_checkpoints, family):
+    """vLLM prefills a prompt, and re-prefills a preempted request's prompt and committed tokens, in one step
+    (chunked prefill is off for non-causal layers), and the request's replays run to the same point; a request
+    whose ``step_rows`` left that out would wait forever after a preemption, holding up the queue. Narrow
+    steps (and SDAR's block cache) forward far fewer rows than that."""
+    from model_executor.block_schedule import plan_blocks
+    from model_executor.decode_config import DecodeKnobs, resolve
+
+    spec = ReferenceEngine.from_pretrained(tiny_checkpoints[family]).spec
+    configs = [("block", None, "full")] if family == "sdar" else NARROW + [("dual", 0, "full")]
+    for cache, suffix, refresh in configs:
+        block = spec.attention_block or 32
+        cfg = resolve("confidence", DecodeKnobs(cache=cache, suffix=suffix, refresh=refresh), spec, block_size=block)
+        for P, M in ((200, 256), (7, 300), (45, 33)):
+            last = plan_blocks(P, M, block, cfg.aligned)[-1][0]
+            assert cfg.step_rows(P, M) >= last >= P, (cache, suffix, refresh, P, M)
+
+
 def test_narrow_steps_are_refused_where_they_do_not_apply(tiny_checkpoints):
     eng = ReferenceEngine.from_pretrained(tiny_checkpoints["sdar"])
     with pytest.raises(ValueError, match=r"generate.suffix 8: a block-causal sdar model forwards no masks after the "
