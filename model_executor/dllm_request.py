@@ -253,13 +253,12 @@ class DLLMRequest:
         return DLLMStep(w0, w1, b0, b1, rows, keep, sch.shift, sch.kept_suffix((b0, b1), self.total), proposal,
                         kept.flatten())
 
-    def first_step(self, j: int | None = None) -> DLLMStep:
-        """Block ``j``'s first step again (default the current block), as it was then: the block and every
-        position after it masks, the window read from :attr:`cached`. Forwarding it restores the K/V that later
+    def first_step(self, j: int) -> DLLMStep:
+        """Block ``j``'s first step again, as it was then: the block and every position after it masks, the
+        window read from :attr:`cached`. Forwarding it restores the K/V that later
         steps were computed against (after a preemption, :meth:`preempted`); its logits are not for the decoder.
         Under ``dual`` it restores the block's kept suffix too. For an earlier block the step carries the
         request's committed length (:class:`DLLMStep`)."""
-        j = self.blk if j is None else j
         (b0, b1), sch, n = self.blocks[j], self.schedule, self.block[0]
         w0, w1 = sch.window((b0, b1), self.total, fresh=True, cached=self.cached, prompt_len=self.prompt_len)
         keep = sch.cached_after((b0, b1), w0, fresh=True, cached=self.cached)

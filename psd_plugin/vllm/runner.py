@@ -106,9 +106,9 @@ class PSDRunnerMixin:
         """vLLM's inputs for the forward are views of its persistent ``input_ids`` and ``positions`` buffers
         (the addresses a CUDA graph captured). The step's rows go there too: the extra rows' token ids after
         the scheduled ones (and a replayed step's masks where vLLM holds committed tokens,
-        :class:`~model_executor.dllm_request.DLLMStep`), and every row's position (a tree node's is its depth; an
-        extra canvas repeats its window's), so the model reads nothing but those buffers. Rows past them (padding) keep position 0 and
-        are inert: no K/V write (no slot), no logits row, a zero attention output."""
+        :class:`~model_executor.dllm_request.DLLMStep`), and every row's position (a tree node's is its depth;
+        an extra canvas repeats its window's), so the model reads nothing but those buffers. Rows past them
+        (padding) keep position 0 and are inert: no K/V write (no slot), no logits row, a zero attention output."""
         out = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
         batch = current_step()
         if batch is not None:

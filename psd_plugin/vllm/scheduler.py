@@ -119,12 +119,10 @@ class DLLMScheduler(Scheduler):
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         apply_draft_updates(self, draft_token_ids)
-        n = len(draft_token_ids.req_ids)
         for req_id, extra, rows, planned in zip(draft_token_ids.req_ids,
-                                                getattr(draft_token_ids, "extra_rows", None) or [0] * n,
-                                                getattr(draft_token_ids, "logits_rows", None) or [0] * n,
-                                                getattr(draft_token_ids, "planned", None) or
-                                                [bool(d) for d in draft_token_ids.draft_token_ids]):
+                                                getattr(draft_token_ids, "extra_rows", None) or [],
+                                                getattr(draft_token_ids, "logits_rows", None) or [],
+                                                getattr(draft_token_ids, "planned", None) or []):
             if req_id in self.requests:
                 self.next_rows[req_id] = (extra, rows, planned)
 
