@@ -355,27 +355,60 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], pr
 
 
 def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests: list[DLLMRequest],
-                     steps: list[DLLMStep], firsts: list[list[int]], ruled: list | None = None) -> RowPredictions:
+                     steps: list[DLLMStep], firsts: list[list[int]], ruled: list | None = None,
+                     failed: dict[int, Exception] | None = None) -> RowPredictions:
     """What the decoders read of one forward's ``logits`` (the ``kept`` rows), both engines alike: the requests'
-    rules applied (``ruled``: :func:`~model_executor.decoding.apply_rules`'s jobs), structured outputs'
-    frontier rule (grammar masks before the top-1, the running-min constraint after), and the top-1 of every
-    kept row computed once (:func:`~model_executor.decoding.predict_rows`; the mask token is never a
-    prediction). ``requests``, ``steps``, ``firsts`` (each canvas's first prediction row): the step's requests."""
+    rules applied (``ruled``: :func:`~model_executor.decoding.apply_rules`'s jobs, one per request of ``requests``
+    or None), structured outputs' frontier rule (grammar masks before the top-1, the running-min constraint
+    after), and the top-1 of every kept row computed once (:func:`~model_executor.decoding.predict_rows`; the
+    mask token is never a prediction). ``requests``, ``steps``, ``firsts`` (each canvas's first prediction row):
+    the step's requests.
+
+    A request whose kept rows hold a non-finite logit (NaN, +inf, or every token -inf: its confidence is NaN)
+    has no prediction to decode. ``failed`` (the serving engine's): such a request, and one whose rules or
+    grammar raise, is recorded there under its index in ``requests`` and the others' predictions are unaffected
+    (every stage writes a request's own rows only); without it (the reference engine) they raise."""
     at = logits_map(kept)
     if ruled:
-        apply_rules(logits, ruled, at)
-    jobs = grammar_jobs(requests, steps, firsts)
+        rule_failed = None if failed is None else {}
+        apply_rules(logits, [job for job in ruled if job is not None], at, rule_failed)
+        if rule_failed:
+            owners = [i for i, job in enumerate(ruled) if job is not None]
+            failed.update({owners[n]: e for n, e in rule_failed.items()})
+    owners, jobs = grammar_jobs(requests, steps, firsts, skip=failed)
+    job_failed = None if failed is None else {}
     if jobs:
-        mask_frontiers(logits, jobs, at)
+        mask_frontiers(logits, jobs, at, job_failed)
     preds = predict_rows(logits, mask_id=mask_id, kept=kept)
+    bad = preds.conf.isnan()
+    if bool(bad.any()):  # host data; one reduction over the step's rows
+        for i, (st, f) in enumerate(zip(steps, firsts)):
+            L = st.block_len
+            rows = [r for a in f for r in range(a, a + L)]
+            if rows and bool(bad[rows].any()):
+                e = RuntimeError(f"non-finite logits at {int(bad[rows].sum())} of the request's prediction rows "
+                                 "(NaN or inf in the model's output for its canvases): nothing to decode")
+                if failed is None:
+                    raise e
+                failed.setdefault(i, e)
     if jobs:
-        constrain_rows(preds.tokens, preds.conf, jobs)
+        if failed:  # a request that failed above is not constrained (its grammar may be what failed)
+            job_failed.update({n: failed[i] for n, i in enumerate(owners) if i in failed})
+        constrain_rows(preds.tokens, preds.conf, jobs, job_failed)
+    if job_failed:
+        for n, e in job_failed.items():
+            failed.setdefault(owners[n], e)
     return preds
 
 
-def grammar_jobs(requests: list[DLLMRequest], steps: list[DLLMStep], firsts: list[list[int]]) -> list:
+def grammar_jobs(requests: list[DLLMRequest], steps: list[DLLMStep], firsts: list[list[int]],
+                 skip: dict | None = None) -> tuple[list[int], list]:
     """What :func:`~model_executor.grammar.mask_frontiers` and :func:`~model_executor.grammar.constrain_rows`
-    read of a step: per decoding step of a request with a grammar, ``(grammar, its canvases' block positions
-    [K, L], the first prediction row of each canvas)``."""
-    return [(r.grammar, st.tokens[:, st.b0 - st.w0: st.b1 - st.w0], f) for r, st, f in zip(requests, steps, firsts)
-            if r.grammar is not None and not st.rebuild]
+    read of a step: per decoding step of a request with a grammar (not in ``skip``), its index in ``requests``
+    and ``(grammar, its canvases' block positions [K, L], the first prediction row of each canvas)``."""
+    owners, jobs = [], []
+    for i, (r, st, f) in enumerate(zip(requests, steps, firsts)):
+        if r.grammar is not None and not st.rebuild and not (skip and i in skip):
+            owners.append(i)
+            jobs.append((r.grammar, st.tokens[:, st.b0 - st.w0: st.b1 - st.w0], f))
+    return owners, jobs

@@ -80,11 +80,14 @@ def build_grammar(kind: str, value, any_whitespace: bool = True):
 _COMPILERS: dict[int, tuple] = {}  # id(tokenizer info) -> (info, its compiler)
 
 
-def compiler_for(info):
-    """One ``xgrammar.GrammarCompiler`` per tokenizer info (compiled grammars are cached by the compiler)."""
+def compiler_for(info, cache_limit_bytes: int = -1, max_threads: int = 8):
+    """One ``xgrammar.GrammarCompiler`` per tokenizer info (compiled grammars are cached by the compiler, up to
+    ``cache_limit_bytes``: -1 unbounded), compiling one grammar on up to ``max_threads`` threads (the first call
+    for an info sets both). Thread-safe; a compile releases the GIL."""
     hit = _COMPILERS.get(id(info))
     if hit is None or hit[0] is not info:
-        hit = _COMPILERS[id(info)] = (info, _xgr().GrammarCompiler(info, cache_enabled=True))
+        hit = _COMPILERS[id(info)] = (info, _xgr().GrammarCompiler(info, cache_enabled=True, max_threads=max_threads,
+                                                                   cache_limit_bytes=cache_limit_bytes))
     return hit[1]
 
 
@@ -94,11 +97,15 @@ def tokenizer_info(tokenizer, vocab_size: int):
     return _xgr().TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
 
 
+def deserialize_grammar(text: str):
+    """A built grammar from its ``serialize_json`` text (what the vLLM front end ships to the workers)."""
+    return _xgr().Grammar.deserialize_json(text)
+
+
 def compile_grammar(grammar, info):
     """A built grammar (:func:`build_grammar`, or its ``serialize_json`` text) compiled for ``info``."""
-    xgr = _xgr()
     if isinstance(grammar, str):
-        grammar = xgr.Grammar.deserialize_json(grammar)
+        grammar = deserialize_grammar(grammar)
     return compiler_for(info).compile_grammar(grammar)
 
 
@@ -246,13 +253,26 @@ class GrammarFrontier:
         self.front = j
 
 
+def _contained(failed: dict[int, Exception] | None, n: int, fn, *args):
+    """``fn(*args)``; where it raises and ``failed`` is given, the exception is recorded as job ``n``'s (the
+    engines then fail that request alone) and None returned."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        if failed is None:
+            raise
+        failed[n] = e
+        return None
+
+
 def mask_frontiers(logits: torch.Tensor, jobs: list[tuple["GrammarFrontier", torch.Tensor, list[int]]],
-                   at: torch.Tensor | None) -> None:
+                   at: torch.Tensor | None, failed: dict[int, Exception] | None = None) -> None:
     """Mask, in place, the logits of every canvas's frontier row to the tokens its grammar allows (module
     docstring). ``jobs``: per request with a grammar, ``(grammar, canvases [K, L] (host), the first prediction
     row of each canvas)`` (canvas ``k``'s position ``l`` is prediction row ``firsts[k] + l``); ``at`` maps prediction rows to
     logits rows (:func:`~model_executor.decoding.logits_map`; None: the same row). The bitmasks are built on
-    the host and reach the logits' device in one copy."""
+    the host and reach the logits' device in one copy. ``failed``: a job whose grammar raises is recorded there
+    under its index (its rows are left unmasked) instead of raising."""
     if not jobs:
         return
     xgr = _xgr()
@@ -261,13 +281,12 @@ def mask_frontiers(logits: torch.Tensor, jobs: list[tuple["GrammarFrontier", tor
     bitmask = xgr.allocate_token_bitmask(n, jobs[0][0].vocab_size)
     rows, used = [], []
     r = 0
-    for g, canvases, firsts in jobs:
-        for k in range(canvases.shape[0]):
-            pos = g.fill_bitmask(canvases[k].tolist(), bitmask, r)
-            if pos >= 0:
-                rows.append(firsts[k] + pos)
-                used.append(r)
-            r += 1
+    for j, (g, canvases, firsts) in enumerate(jobs):
+        marks = _contained(failed, j, _job_bitmask, g, canvases, firsts, bitmask, r)
+        for row, pos in marks or ():
+            rows.append(pos)
+            used.append(row)
+        r += canvases.shape[0]
     if not rows:
         return
     pred_rows = torch.tensor(rows)
@@ -279,12 +298,31 @@ def mask_frontiers(logits: torch.Tensor, jobs: list[tuple["GrammarFrontier", tor
     logits[lr] = logits[lr].masked_fill(~allowed, float("-inf"))
 
 
+def _job_bitmask(g: "GrammarFrontier", canvases: torch.Tensor, firsts: list[int], bitmask: torch.Tensor,
+                 r: int) -> list[tuple[int, int]]:
+    """One job's bitmask rows from row ``r`` on: ``(bitmask row, prediction row)`` of each canvas that has a
+    frontier."""
+    out = []
+    for k in range(canvases.shape[0]):
+        pos = g.fill_bitmask(canvases[k].tolist(), bitmask, r + k)
+        if pos >= 0:
+            out.append((r + k, firsts[k] + pos))
+    return out
+
+
 def constrain_rows(tokens: torch.Tensor, conf: torch.Tensor,
-                   jobs: list[tuple["GrammarFrontier", torch.Tensor, list[int]]]) -> None:
+                   jobs: list[tuple["GrammarFrontier", torch.Tensor, list[int]]],
+                   failed: dict[int, Exception] | None = None) -> None:
     """Apply :meth:`GrammarFrontier.constrain` to every canvas of ``jobs`` (as :func:`mask_frontiers`) in the
     step's host predictions ``tokens``, ``conf [N]`` (in place; -inf confidence where no logits were
-    computed)."""
-    for g, canvases, firsts in jobs:
-        L = canvases.shape[1]
-        for k, a in enumerate(firsts):
-            tokens[a: a + L], conf[a: a + L] = g.constrain(canvases[k], tokens[a: a + L], conf[a: a + L])
+    computed). ``failed``: as :func:`mask_frontiers` (jobs recorded there already are skipped)."""
+    for j, (g, canvases, firsts) in enumerate(jobs):
+        if failed is None or j not in failed:
+            _contained(failed, j, _constrain_job, g, canvases, firsts, tokens, conf)
+
+
+def _constrain_job(g: "GrammarFrontier", canvases: torch.Tensor, firsts: list[int], tokens: torch.Tensor,
+                   conf: torch.Tensor) -> None:
+    L = canvases.shape[1]
+    for k, a in enumerate(firsts):
+        tokens[a: a + L], conf[a: a + L] = g.constrain(canvases[k], tokens[a: a + L], conf[a: a + L])

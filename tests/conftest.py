@@ -1,5 +1,6 @@
 import functools
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,44 @@ def pytest_runtest_setup(item):  # fixtures, module-scoped ones included
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     return (yield from _guarded(item))
+
+
+# ``pytest.importorskip``'s skip reasons: a module it could not import, or one older than asked for
+_MISSING = re.compile(r"(?:Skipped: )?(could not import '[^']+'|module '[^']+' has __version__ .*, required is)")
+
+
+def _missing_dependency(report) -> str | None:
+    """Under CI (``CI=true``), the reason of ``report``'s skip when ``pytest.importorskip`` raised it, else None."""
+    if os.environ.get("CI") != "true" or not report.skipped or not isinstance(report.longrepr, tuple):
+        return None
+    reason = str(report.longrepr[2])
+    return reason if _MISSING.match(reason) else None
+
+
+def _fail_missing(report) -> None:
+    """A test dependency CI lacks fails the run: on a developer's machine a module of tests that skips for an
+    absent package (vLLM, jsonschema, the OpenAI client ...) is a choice; in CI, which installs every test
+    dependency (``install.sh``), it is a broken install that would pass with the module's tests unrun."""
+    reason = _missing_dependency(report)
+    if reason is not None:
+        path, line, _ = report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (f"{path}:{line}: {reason.removeprefix('Skipped: ')}\nCI=true: a missing test dependency "
+                           "fails the run instead of skipping its tests (tests/conftest.py)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector):  # a module-level importorskip
+    report = yield
+    _fail_missing(report)
+    return report
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):  # one in a test or a fixture
+    report = yield
+    _fail_missing(report)
+    return report
 
 
 @pytest.fixture(scope="session")

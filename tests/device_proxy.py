@@ -60,8 +60,12 @@ def _site() -> str:
 class DeviceProxy(TorchFunctionMode):
     """The mode that gives :class:`OnDevice` tensors their device semantics (module docstring)."""
 
-    def __init__(self):
+    def __init__(self, device_generators: bool = False):
+        """``device_generators``: every ``torch.Generator`` is taken for the device's (as vLLM's runner makes its
+        requests' generators on its device, which is the host on this CPU); else a host generator drawing on
+        the device raises :class:`DeviceMixing`, as CUDA refuses it."""
         super().__init__()
+        self.device_generators = device_generators
         self.copies: list[str] = []  # device -> host copies, by call site
         self.reads: list[str] = []  # host reads of device values (item, tolist, bool ...)
 
@@ -96,7 +100,7 @@ class DeviceProxy(TorchFunctionMode):
         if to_device:  # made on, or moved to, the device: computed here, marked
             args = tuple(torch.device("cpu") if _is_device(a) else a for a in args)
             kwargs = {k: (torch.device("cpu") if _is_device(v) else v) for k, v in kwargs.items()}
-            if "generator" in kwargs and kwargs["generator"] is not None and \
+            if not self.device_generators and kwargs.get("generator") is not None and \
                     getattr(kwargs["generator"], "device", torch.device("cpu")).type != "cuda" and \
                     not getattr(kwargs["generator"], "_on_device", False):
                 raise DeviceMixing(f"{name}: a host generator draws on the device ({_site()})")

@@ -7,18 +7,29 @@
     audit.sites   # {"attention_backends/vllm_backend.py:build cpu", ...}: "path:function op"
 
 A ``torch.overrides.TorchFunctionMode`` records every call of a host-reading op (:data:`OPS`: ``item``,
-``tolist``, ``__bool__``, ``__int__``, ``__index__``, ``__float__``, ``nonzero``, ``cpu``, ``to`` with a
-device, ``numpy``, and the data-dependent ``equal``, ``masked_select``, ``unique``, boolean-mask indexing and
+``tolist``, ``__bool__``, ``__int__``, ``__index__``, ``__float__``, ``nonzero``, one-argument ``torch.where``
+(``nonzero``'s twin), ``cpu``, ``to`` with a device, ``copy_``, ``numpy``, and the data-dependent ``equal``,
+``masked_select``, ``unique``, ``bincount`` (its output size is the data's maximum), boolean-mask indexing and
 ``repeat_interleave`` without ``output_size``) at the innermost stack frame inside the project's packages
 (``psd_plugin/``, ``model_executor/``, ``attention_backends/``; ``packages=`` names others), as
 ``"path:function op"``; calls from elsewhere (vLLM, PyTorch) are not recorded. ``audit.report()`` lists them
 with line numbers and counts.
 
-On a CPU every tensor is a host tensor, so by default a ``.cpu()`` of a host tensor is recorded too.
-``SyncAudit(device_only=True)`` records only what would stall a device: ops on *stand-ins for device tensors*
-(:func:`on_device` marks a CPU tensor as one; whatever is computed from it is one too, until an op brings it to
-the host), and blocking copies to a non-CPU device (``.to(device)`` without ``non_blocking=True``,
+On a CPU every tensor is a host tensor, so by default a ``.cpu()`` or a ``copy_`` of host tensors is recorded
+too. ``SyncAudit(device_only=True)`` records only what would stall a device: ops on *stand-ins for device
+tensors* (:func:`on_device` marks a CPU tensor as one; whatever is computed from it is one too, until an op
+brings it to the host; a ``copy_`` from one into a host tensor is a read), and blocking copies to a non-CPU
+device (``.to(device)`` or ``copy_`` into a device tensor without ``non_blocking=True``,
 ``torch.tensor(..., device=...)``).
+
+Where the device *is* the host (vLLM's CPU runner, the reference engine on a CPU) the code under audit names the
+CPU as its device and skips its uploads, so no blocking copy to a device can show. Inside a
+:class:`device_proxy.DeviceProxy` it can: the proxy's tensors (``device_proxy.mark``) report ``cuda:0`` and are
+stand-ins for this audit too, so an upload to their device is a copy to a non-CPU device. Enter the audit inside
+the proxy (it must see each call before the proxy hands it on as plain tensors)::
+
+    with DeviceProxy(), SyncAudit(device_only=True) as audit:
+        step_predictions(mark(logits), ...)
 """
 
 from __future__ import annotations
@@ -30,6 +41,8 @@ import sys
 import torch
 from torch.overrides import TorchFunctionMode
 
+from device_proxy import OnDevice
+
 _T = torch.Tensor
 # op name of each recorded function (Tensor methods and their torch.* twins)
 OPS = {
@@ -37,7 +50,7 @@ OPS = {
     _T.__index__: "__index__", _T.__float__: "__float__", _T.nonzero: "nonzero", torch.nonzero: "nonzero",
     _T.argwhere: "nonzero", torch.argwhere: "nonzero", _T.cpu: "cpu", _T.numpy: "numpy", torch.equal: "equal",
     _T.equal: "equal", torch.masked_select: "masked_select", _T.masked_select: "masked_select",
-    torch.unique: "unique", _T.unique: "unique",
+    torch.unique: "unique", _T.unique: "unique", torch.bincount: "bincount", _T.bincount: "bincount",
 }
 _TO_HOST = {"cpu", "numpy", "tolist", "item"}  # their result is on the host: no longer a device stand-in
 PACKAGES = ("psd_plugin", "model_executor", "attention_backends")
@@ -101,6 +114,19 @@ class SyncAudit(TorchFunctionMode):
             if isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None:
                 name = "repeat_interleave"
                 this = repeats
+        elif func is torch.where and len(args) + len(kwargs) == 1:  # torch.where(cond): nonzero(as_tuple=True)
+            name = "where"
+            this = args[0] if args else kwargs.get("condition")
+        elif func is _T.copy_:
+            src = args[1] if len(args) > 1 else kwargs.get("src")
+            if not self.device_only:
+                return "copy_"
+            if self._device(src) and not self._device(this):
+                return "copy_"  # device -> host: the host waits for the data
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            if self._device(this) and not self._device(src) and this.device.type != "cpu" and blocking:
+                return "copy_(device) blocking"  # host -> a device that is not the host (under a DeviceProxy)
+            return None
         elif func in (_T.to, _T.cuda):
             target = _target_device(args, kwargs) if func is _T.to else torch.device("cuda")
             if target is None:
@@ -108,6 +134,8 @@ class SyncAudit(TorchFunctionMode):
             if self.device_only:
                 if target.type == "cpu":
                     return "to(cpu)" if self._device(this) else None
+                if self._device(this):  # already there: no host copy
+                    return None
                 return None if kwargs.get("non_blocking") else "to(device) blocking"
             return f"to({target.type})"
         elif func is torch.tensor:
@@ -123,7 +151,7 @@ class SyncAudit(TorchFunctionMode):
 
     @staticmethod
     def _device(t) -> bool:
-        return isinstance(t, DeviceStandIn)
+        return isinstance(t, (DeviceStandIn, OnDevice))
 
     def _record(self, op: str) -> None:
         frame = sys._getframe(2)

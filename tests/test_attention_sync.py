@@ -107,22 +107,51 @@ def test_the_audit_sees_every_op():
     with SyncAudit(packages=("tests",)) as audit:
         s.item(), t.tolist(), bool(s), int(s), [0, 1, 2][s], float(s), t.nonzero(), torch.nonzero(t), t.cpu()
         t.to("cpu"), t.numpy(), torch.equal(t, t), t[t > 0], torch.repeat_interleave(t, t), t.masked_select(t > 0)
-        torch.unique(t), t.to(torch.float32)  # the last is a dtype conversion: not recorded
+        torch.unique(t), torch.where(t > 0), torch.bincount(t), t.clone().copy_(t)
+        t.to(torch.float32), torch.where(t > 0, t, 0)  # a dtype conversion, a three-argument where: not recorded
     where = "tests/test_attention_sync.py:test_the_audit_sees_every_op"
     assert audit.sites == {f"{where} {op}" for op in (
         "item", "tolist", "__bool__", "__int__", "__index__", "__float__", "nonzero", "cpu", "to(cpu)", "numpy",
-        "equal", "mask indexing", "repeat_interleave", "masked_select", "unique")}
+        "equal", "mask indexing", "repeat_interleave", "masked_select", "unique", "where", "bincount", "copy_")}
     d = on_device(t)
     with SyncAudit(device_only=True, packages=("tests",)) as audit:
         s.item(), t.cpu(), t.nonzero(), t.to("meta", non_blocking=True)  # host reads and an async copy: nothing
+        torch.where(t > 0), torch.bincount(t), t.clone().copy_(t)  # of host tensors: nothing
         e = (d + 1)[1:]  # a device tensor's results are device tensors
         e.sum().item()
         h = e.cpu()
         h.tolist()  # on the host now
         t[d > 1], torch.repeat_interleave(t, d), t.to("meta")  # a device mask and repeats; a blocking copy
+        torch.where(d > 1), torch.bincount(d), t.clone().copy_(d), d.clone().copy_(d)  # the last: on the device
     assert audit.sites == {f"{where} {op}" for op in ("item", "cpu", "mask indexing", "repeat_interleave",
-                                                      "to(device) blocking")}
+                                                      "to(device) blocking", "where", "bincount", "copy_")}
     assert "test_attention_sync.py" in audit.report()
+
+
+def test_the_audit_sees_uploads_under_the_device_proxy():
+    """Where the device is the host (an ``on_device`` stand-in reports the CPU), an upload to a stand-in's device
+    is no copy at all, so the audit cannot tell it from host work; under a ``DeviceProxy`` the device is
+    ``cuda:0``, and every blocking upload to it is recorded (``non_blocking`` ones, and copies within the
+    device, are not)."""
+    from device_proxy import DeviceProxy, mark
+
+    t = torch.tensor([1, 0, 3])
+    site = "tests/test_attention_sync.py:uploads"
+
+    def uploads(x):
+        t.to(x.device), torch.tensor([1, 2], device=x.device), x.copy_(t)  # blocking uploads
+        t.to(x.device, non_blocking=True), x.copy_(t, non_blocking=True)  # asynchronous ones
+        x.to(x.device), x.copy_(x + 1)  # within the device
+        t.clone().copy_(x), torch.bincount(torch.tensor([1, 1]).to(x.device, non_blocking=True))  # two reads
+
+    with SyncAudit(device_only=True, packages=("tests",)) as audit:
+        uploads(on_device(t.clone()))
+    # the uploads stayed on the host, unseen; and the stand-in's own device is the host: .to it reads as a move there
+    assert audit.sites == {f"{site} copy_", f"{site} to(cpu)"}, audit.report()
+    with DeviceProxy(), SyncAudit(device_only=True, packages=("tests",)) as audit:
+        uploads(mark(t.clone()))
+    assert audit.sites == {f"{site} {op}" for op in ("to(device) blocking", "tensor(device=...)",
+                                                    "copy_(device) blocking", "copy_", "bincount")}, audit.report()
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -293,6 +322,11 @@ def test_head_major_pages_attend_as_the_oracle(monkeypatch, case, kernel, dtype,
     monkeypatch.setenv("PSD_CPU_ATTENTION", kernel)
     monkeypatch.setattr(vllm_cpu_attention, "PASSES_MIN_WORK", 0)  # this small step's drafts through the kernel
     Dk, page = 64, 32  # a head size and a page vLLM's CPU kernel runs
+    from attention_backends.vllm_cpu_attention import kernel_isa, kernel_supports
+
+    if kernel == "vllm" and not kernel_supports(Dk, page, dtype):  # e.g. AMX for bfloat16: PyTorch attends instead
+        pytest.skip(f"vLLM's CPU kernel for {dtype} here is {kernel_isa(dtype, page, Dk)!r}, whose page interior "
+                    "the backend does not read")
     batch, cam, host_table, pattern, block = _step(case, seed=1, page=page)
     cls = psd_attention_backend(pattern, block).get_builder_cls()
     builder = cls.for_geometry(H, HKV, Dk, page, dtype, "cpu", scale=0.3, layer_names=(LAYER,), head_major=True)

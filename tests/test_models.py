@@ -1,6 +1,7 @@
 """Reference models in the three real formats: loading, strict checks, attention patterns, shifts."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -400,3 +401,66 @@ def test_read_config_ignores_a_stale_name_or_path(tiny_checkpoints, tmp_path):
     (dst / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "/mnt/train/run-7/checkpoint-900"}))
     assert read_config(dst)["_name_or_path"] == str(dst)
     assert ReferenceDLLM.from_pretrained(dst).spec.mask_token_id == 2
+
+
+def _shard(src, dst, names):
+    """``src``'s checkpoint split in two shards under ``dst``, with a ``model.safetensors.index.json`` naming the
+    shards ``names`` (relative to ``dst``); the second shard is written where its name points."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    (dst / "model.safetensors").unlink()
+    keys = sorted(sd)
+    halves = (keys[: len(keys) // 2], keys[len(keys) // 2:])
+    for name, part in zip(names, halves):
+        save_file({k: sd[k] for k in part}, str(dst / name), metadata={"format": "pt"})
+    weight_map = {k: name for name, part in zip(names, halves) for k in part}
+    (dst / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return dst
+
+
+def test_a_sharded_index_loads_and_names_only_files_inside_its_directory(tiny_checkpoints, tmp_path):
+    """A sharded checkpoint loads; an index naming a file outside its directory (``..``, an absolute path, a
+    symlink out) is refused, naming the file and the index, though the file outside is a valid shard."""
+    src = tiny_checkpoints["llada"]
+    spec = ArchSpec.from_hf_config(read_config(src))
+    want = load_checkpoint(spec, src)
+    ok = _shard(src, tmp_path / "ok", ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
+    got = load_checkpoint(spec, ok)
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+    (tmp_path / "up").mkdir()
+    up = _shard(src, tmp_path / "up" / "ckpt", ["model-00001-of-00002.safetensors", "../x.safetensors"])
+    index = up / "model.safetensors.index.json"
+    with pytest.raises(ValueError, match=re.escape(f"{index}: weight file '../x.safetensors' is not a plain name")):
+        load_checkpoint(spec, up)
+
+    ckpt = _shard(src, tmp_path / "abs", ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"])
+    index = ckpt / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    outside = tmp_path / "outside.safetensors"
+    (ckpt / "model-00002-of-00002.safetensors").rename(outside)
+
+    def second_shard(name):
+        """The index with the second shard's tensors in ``name``."""
+        index.write_text(json.dumps({"weight_map": {k: name if v.startswith("model-00002") else v
+                                                    for k, v in weight_map.items()}}))
+
+    for name in ("/etc/passwd", str(outside)):
+        second_shard(name)
+        with pytest.raises(ValueError, match=re.escape(f"{index}: weight file '{name}' is not a plain name")):
+            load_checkpoint(spec, ckpt)
+    (ckpt / "link.safetensors").symlink_to(outside)
+    second_shard("link.safetensors")
+    with pytest.raises(ValueError, match=re.escape(f"{index}: weight file 'link.safetensors' resolves to {outside}")):
+        load_checkpoint(spec, ckpt)
+
+    # the Hugging Face cache: a snapshot's files link to the repository's blobs, outside the snapshot directory
+    blobs, snapshot = tmp_path / "models--x" / "blobs", tmp_path / "models--x" / "snapshots" / "abc"
+    blobs.mkdir(parents=True), snapshot.mkdir(parents=True)
+    for f in ok.iterdir():
+        (blobs / f.name).write_bytes(f.read_bytes())
+        (snapshot / f.name).symlink_to(f"../../blobs/{f.name}")
+    got = load_checkpoint(spec, snapshot)
+    assert all(torch.equal(got[k], want[k]) for k in want)

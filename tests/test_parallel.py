@@ -117,14 +117,16 @@ def test_presto_on_two_ranks_is_the_targets_greedy_decoding(heldout_prompts):
 
 
 def _sampled(llm_kw, prompts):
+    """Seeded samples of every prompt, then unseeded samples and the greedy answers of the first four."""
     from vllm import SamplingParams
 
     llm = _llm(DEFAULT_DLLM, llm_kw=llm_kw, decoding="confidence")
     try:
         seeded = [SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=7 + i) for i in range(len(prompts))]
         unseeded = SamplingParams(max_tokens=24, temperature=0.9)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts + prompts[:4]], seeded + [unseeded] * 4,
-                            use_tqdm=False)
+        greedy = SamplingParams(max_tokens=24, temperature=0)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts + prompts[:4] + prompts[:4]],
+                            seeded + [unseeded] * 4 + [greedy] * 4, use_tqdm=False)
     finally:
         del llm
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -133,8 +135,13 @@ def _sampled(llm_kw, prompts):
 def test_sampling_is_the_same_on_one_and_two_ranks(heldout_prompts):
     one, two = _sampled(None, heldout_prompts), _sampled(TP, heldout_prompts)
     n = len(heldout_prompts)
-    assert two[:n] == one[:n]  # seeded: the same tokens
-    assert all(two[n:])  # unseeded: decoded (the ranks' draws agreed, or the layout check fails the step)
+    seeded, unseeded, greedy = two[:n], two[n: n + 4], two[n + 4:]
+    assert seeded == one[:n]  # seeded: the same tokens
+    assert greedy == one[n + 4:]
+    assert all(unseeded)  # unseeded: decoded (the ranks' draws agreed, or the layout check fails the step)
+    # sampled, not greedy: an engine that decoded greedily on both rank counts would pass the checks above (the
+    # seeded samples of the first four prompts are their greedy answers: this model is that confident)
+    assert unseeded != greedy, "unseeded samples on two ranks are the greedy answers"
 
 
 # ----------------------------------------------------------------------------------------------- served

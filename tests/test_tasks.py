@@ -122,3 +122,63 @@ def test_sort_lines_answers_span_blocks_and_fit_the_context():
     assert tasks.grade(r, r["answer"] + "\n")
     assert not tasks.grade(r, r["answer"].replace("\n", " "))
     assert not tasks.grade(r, "\n".join(reversed(r["answer"].splitlines())))
+
+
+# Model-written code that would pass its asserts unconfined, but breaks one of the grader's limits first. The
+# file names are relative (they would land in the grader's working directory); MARK is an absolute path that a
+# started process would create.
+_BREAKS_A_LIMIT = {
+    "a huge allocation": "b = bytes(1 << 30)",  # 1 GiB past RLIMIT_AS (calloc: cheap even where unconfined)
+    "a fork": "import os\npid = os.fork()\nif pid == 0:\n    open(MARK, 'w').close()\n    os._exit(0)\n"
+              "os.waitpid(pid, 0)",
+    "a subprocess": "import subprocess, sys\nsubprocess.run([sys.executable, '-c', f'open({MARK!r}, \"w\")'])",
+    "a program": "import os\nos.execv('/bin/sh', ['sh', '-c', 'touch ' + MARK])",
+    "a large file": "open('big.bin', 'wb').write(bytes(8 << 20))",
+}
+
+
+def _confined_dirs(tmp_path, monkeypatch):
+    """The test's working directory and the grader's temporary directory, both empty."""
+    import tempfile
+
+    cwd, tmp = tmp_path / "cwd", tmp_path / "tmp"
+    cwd.mkdir(), tmp.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    return cwd, tmp
+
+
+@pytest.mark.parametrize("what", list(_BREAKS_A_LIMIT))
+def test_python_grader_fails_code_that_breaks_a_limit_quickly_and_leaves_nothing(what, tmp_path, monkeypatch):
+    import time
+
+    cwd, tmp = _confined_dirs(tmp_path, monkeypatch)
+    mark = tmp_path / "mark"
+    code = f"MARK = {str(mark)!r}\n" + _BREAKS_A_LIMIT[what] + "\ndef f(x):\n    return x + 3"
+    t0 = time.monotonic()
+    assert not tasks.run_python_tests(code, ["assert f(2) == 5"], timeout=30.0), what
+    assert time.monotonic() - t0 < 10  # refused at once, not killed at the timeout
+    assert not mark.exists() and list(cwd.iterdir()) == [] and list(tmp.iterdir()) == []
+
+
+def test_python_grader_stops_a_busy_loop_at_its_cpu_limit():
+    import time
+
+    t0 = time.monotonic()
+    assert not tasks.run_python_tests("while True: pass", ["assert True"], timeout=60.0)
+    assert time.monotonic() - t0 < 30  # RLIMIT_CPU (2 s of CPU), long before the wall-clock timeout
+
+
+def test_python_grader_runs_in_a_removed_scratch_directory_with_no_environment(tmp_path, monkeypatch):
+    """Ordinary code (threads, a small file, ``__main__``) still passes; it sees neither this process's
+    environment nor its working directory, and its scratch directory is gone afterwards."""
+    cwd, tmp = _confined_dirs(tmp_path, monkeypatch)
+    monkeypatch.setenv("PSD_GRADER_SECRET", "x")
+    code = ("import os, threading\n"
+            "assert 'PSD_GRADER_SECRET' not in os.environ and __name__ == '__main__'\n"
+            f"assert os.getcwd() != {str(cwd)!r}\n"
+            "open('note.txt', 'w').write('x')\n"
+            "t = threading.Thread(target=print)\nt.start(), t.join()\n"
+            "def f(x):\n    return x + 3")
+    assert tasks.run_python_tests(code, ["assert f(2) == 5"])
+    assert list(cwd.iterdir()) == [] and list(tmp.iterdir()) == []

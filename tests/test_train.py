@@ -1,6 +1,8 @@
 """``psd train``: the Dream-format dLLM (shifted logits, Qwen2 names) started from the AR model, as Dream was made
 from Qwen2.5; the training loop writes a checkpoint in the real format that the engines load."""
 
+import re
+
 import pytest
 import torch
 
@@ -127,3 +129,32 @@ def test_the_model_card_evaluates_a_long_family_on_its_first_items(tmp_path):
     assert model_card._mix(["sort", "count_lines", "count_lines"]) == "mixed by weight (count_lines 2 of 3 draws)"
     with pytest.raises(SystemExit):
         model_card.main(["--model", str(out), "--long-limit", "0"])
+
+
+def test_a_run_resumes_from_its_state_and_refuses_a_state_that_is_not_data(tmp_path, capsys):
+    """The resume state is read with the safe unpickler: a run continues from its own, and a file holding a
+    pickled object (here one that would make a directory as it loads) is refused, naming the file, before it
+    runs anything."""
+    import json
+    import os
+
+    from psd_plugin.train.trainer import main
+
+    common = ["--kind", "ar", "--size", "tiny", "--batch", "4", "--save-every", "1", "--tokenizer", str(DEFAULT_DLLM)]
+    main([*common, "--steps", "1", "--out", str(tmp_path / "a")])
+    capsys.readouterr()
+    main([*common, "--steps", "2", "--out", str(tmp_path / "a")])
+    assert "resumed at step 1" in capsys.readouterr().out
+    info = json.loads((tmp_path / "a" / "training.json").read_text())
+    assert info["steps"] == 2 and info["schedule_restarts"] == [{"at_step": 1, "steps": 2}]
+
+    class Payload:
+        def __reduce__(self):
+            return os.mkdir, (str(tmp_path / "ran"),)
+
+    state = tmp_path / "b" / "train_state.pt"
+    state.parent.mkdir()
+    torch.save({"model": {}, "opt": {}, "step": 0, "log": [], "wall": 0.0, "extra": Payload()}, state)
+    with pytest.raises(SystemExit, match=f"{re.escape(str(state))}: refused by the safe loader .*posix.mkdir"):
+        main([*common, "--steps", "1", "--out", str(tmp_path / "b")])
+    assert not (tmp_path / "ran").exists()

@@ -153,6 +153,13 @@ def test_functions_exist(module, name):
     assert callable(getattr(importlib.import_module(module), name))
 
 
+@pytest.mark.parametrize("name", compat.ENVS)
+def test_envs_exist(name):
+    import vllm.envs as envs
+
+    assert name in envs.environment_variables and isinstance(getattr(envs, name), int)
+
+
 @pytest.mark.parametrize("name", sorted(compat.SCHEDULER_HOOKS))
 def test_scheduler_hook_signatures(name):
     from vllm.v1.core.sched.scheduler import Scheduler

@@ -308,10 +308,23 @@ def test_requests_waiting_for_room_keep_their_drafts(heldout_prompts, method):
                   llm_kw=dict(max_num_batched_tokens=200, max_num_seqs=len(heldout_prompts)))
 
 
+def _ignoring_eos(monkeypatch) -> None:
+    """The reference engine's requests decode past EOS, as vLLM's do under ``ignore_eos`` (the runner's
+    ``DLLMRequest(..., ignore_eos=True)``): the answer runs to ``max_tokens``, block after block."""
+    import functools
+    import sys
+
+    from model_executor.dllm_request import DLLMRequest
+
+    monkeypatch.setattr(sys.modules[ReferenceEngine.__module__], "DLLMRequest",
+                        functools.partial(DLLMRequest, ignore_eos=True))
+
+
 @pytest.mark.engine
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
-def test_continuous_batching_and_per_request_max_tokens(heldout_prompts, max_num_seqs):
-    """max_num_seqs 1 (batch size 1) and 3 (requests join and leave between steps); per-request max_tokens."""
+def test_continuous_batching_and_per_request_max_tokens(monkeypatch, heldout_prompts, max_num_seqs):
+    """max_num_seqs 1 (batch size 1) and 3 (requests join and leave between steps); per-request max_tokens,
+    across EOS (``ignore_eos``): the reference engine's tokens and forwards, decoding past EOS too."""
     from vllm import LLM, SamplingParams
 
     ref_engine = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
@@ -322,14 +335,20 @@ def test_continuous_batching_and_per_request_max_tokens(heldout_prompts, max_num
         outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts],
                             [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in lengths],
                             use_tqdm=False)
+        stats = _request_stats(llm)
     finally:
         del llm
-    for p, m, o in zip(heldout_prompts, lengths, outs):
+    _ignoring_eos(monkeypatch)
+    assert len(outs) == len(heldout_prompts)
+    for i, (p, m, o) in enumerate(zip(heldout_prompts, lengths, outs)):
         ref = ref_engine.generate([p], max_tokens=m, method="psd", depth=3)[0]
         got = list(o.outputs[0].token_ids)
         assert len(got) == m  # ignore_eos: the full length, across EOS
-        stop = ref.token_ids
-        assert got[: len(stop)] == stop
+        assert got == ref.token_ids, f"prompt {i}: vLLM {got} != reference {ref.token_ids}"
+        assert stats[o.request_id]["nfe"] == ref.nfe, f"prompt {i}: vLLM took {stats[o.request_id]['nfe']} " \
+                                                      f"forwards, the reference {ref.nfe}"
+    eos = ref_engine.spec.eos_token_id
+    assert any(eos in list(o.outputs[0].token_ids)[:-1] for o in outs)  # some decoded across an EOS
 
 
 @pytest.mark.engine
@@ -647,8 +666,11 @@ def test_logprobs_equal_the_reference_engine(heldout_prompts, method):
                             SamplingParams(max_tokens=24, temperature=0, logprobs=2), use_tqdm=False)
     finally:
         del llm
+    assert len(outs) == len(want) == len(prompts)
     for o, r in zip(outs, want):
         c = o.outputs[0]
+        # the reference's logprobs are there, one per token: a zip over an empty list would compare nothing
+        assert r.token_ids and r.logprobs and len(r.logprobs) == len(r.token_ids), r.logprobs
         assert list(c.token_ids) == r.token_ids and len(c.logprobs) == len(r.token_ids)
         for tok, got, ref in zip(c.token_ids, c.logprobs, r.logprobs):
             assert tok in got and set(got) == set(ref)

@@ -85,24 +85,35 @@ class LogitsRules:
                 logits[early, torch.tensor(self.stop_token_ids, device=logits.device)] = float("-inf")
 
 
-def apply_rules(logits: torch.Tensor, items: list[tuple], at: torch.Tensor | None = None) -> None:
+def apply_rules(logits: torch.Tensor, items: list[tuple], at: torch.Tensor | None = None,
+                failed: dict[int, Exception] | None = None) -> None:
     """Apply each request's rules to its rows of a step's ``logits``, in place. ``items``: per request
     ``(rules, first prediction row, canvases K, block length L, answer offset of the block's first position,
     history)`` (``history``: see :meth:`LogitsRules.apply`; a callable, called only when the rules need it); the
     request's prediction rows are ``[first, first + K * L)``, canvas after canvas. ``at [N]`` (host): the logits
     row of each prediction row, -1 where none was computed (:class:`~.base.RowPredictions`); None: the same
-    row."""
-    for rules, first, K, L, offset, history in items:
+    row. ``failed``: where an item's rules raise, the exception is recorded under the item's index instead of
+    raised (each item writes its own rows only, so the others' are unaffected)."""
+    for n, (rules, first, K, L, offset, history) in enumerate(items):
         if rules is None or not rules.active:
             continue
-        offsets = offset + torch.arange(K * L) % L
-        rows = torch.arange(first, first + K * L) if at is None else at[first: first + K * L]
-        kept = rows >= 0
-        if not bool(kept.any()):  # host data
-            continue
-        rows, offsets = rows[kept], offsets[kept]
-        a = int(rows[0])  # a request's kept rows are contiguous, in order
-        rules.apply(logits[a: a + rows.numel()], offsets, history() if rules.penalized else None)
+        try:
+            _apply_one(logits, rules, first, K, L, offset, history, at)
+        except Exception as e:
+            if failed is None:
+                raise
+            failed[n] = e
+
+
+def _apply_one(logits, rules, first, K, L, offset, history, at) -> None:
+    offsets = offset + torch.arange(K * L) % L
+    rows = torch.arange(first, first + K * L) if at is None else at[first: first + K * L]
+    kept = rows >= 0
+    if not bool(kept.any()):  # host data
+        return
+    rows, offsets = rows[kept], offsets[kept]
+    a = int(rows[0])  # a request's kept rows are contiguous, in order
+    rules.apply(logits[a: a + rows.numel()], offsets, history() if rules.penalized else None)
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:

@@ -123,12 +123,33 @@ def check_tensors(spec: ArchSpec, shapes: dict[str, tuple[int, ...]], where: str
             raise CheckpointError(f"{where}: tensor {name!r} has shape {list(shape)}, expected {list(expected[name])}")
 
 
+def _weight_file(path: Path, index: Path, name) -> Path:
+    """``path / name`` for a file name of ``index``'s ``weight_map``, refused (naming the file and the index) when
+    it could reach outside the checkpoint directory: an absolute name, a ``..`` part, or a name that resolves
+    elsewhere (symlinks followed), so a crafted index cannot make the loader open any file on the machine.
+    One symlink layout is allowed: the Hugging Face cache's, a ``snapshots/<revision>`` directory whose files
+    link to the same repository's ``blobs``."""
+    where = f"{index}: weight file {name!r}"
+    if not isinstance(name, str) or not name:
+        raise CheckpointError(f"{where} is not a file name")
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(f"{where} is not a plain name inside the checkpoint directory {path}")
+    root = path.resolve()
+    allowed = [root] + ([root.parent.parent / "blobs"] if root.parent.name == "snapshots" else [])
+    target = (path / name).resolve()
+    if not any(target.is_relative_to(a) for a in allowed):
+        raise CheckpointError(f"{where} resolves to {target}, outside the checkpoint directory {root}")
+    return path / name
+
+
 def safetensors_files(path: str | os.PathLike) -> list[Path]:
+    """The weight files of a checkpoint directory: those its ``model.safetensors.index.json`` names (each one
+    checked to lie inside the directory, ``_weight_file``), else every ``*.safetensors`` in it."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if index.exists():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / f for f in files]
+        names = json.loads(index.read_text())["weight_map"].values()
+        return [_weight_file(path, index, n) for n in sorted(set(names), key=str)]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weights found")

@@ -19,13 +19,18 @@ shipped as ``psd_plugin/data/heldout.jsonl``; the training stream skips every he
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from importlib import resources
 from typing import Callable
+
+from . import confined
 
 HELDOUT_SEED = 20261122
 HELDOUT_SIZE = 300
@@ -227,13 +232,29 @@ def extract_number(text: str) -> str | None:
 
 
 def run_python_tests(code: str, tests: tuple[str, ...] | list[str], timeout: float = 5.0) -> bool:
-    """MBPP-style check: run the candidate code and its asserts in a fresh interpreter."""
+    """MBPP-style check: run the candidate code and its asserts in a fresh interpreter; True when it exits 0.
+
+    The code is the model's, so the interpreter (:mod:`.confined` run as a script) confines itself before it
+    runs it: its CPU, memory and file-size limits, no new processes,
+    an empty environment, a scratch directory as its working directory (removed afterwards), its output
+    discarded (a flood of prints cannot fill this process's memory). Past ``timeout`` its process group is
+    killed. These are limits against accidents; it still reads and writes what the user running the grader can.
+    """
     src = code + "\n\n" + "\n".join(tests) + "\n"
-    try:
-        r = subprocess.run([sys.executable, "-I", "-c", src], capture_output=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return False
-    return r.returncode == 0
+    with tempfile.TemporaryDirectory(prefix="psd-grade-", ignore_cleanup_errors=True) as scratch:
+        proc = subprocess.Popen([sys.executable, "-I", os.path.abspath(confined.__file__)], cwd=scratch,
+                                env={}, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            proc.communicate(src.encode("utf-8", "surrogateescape"), timeout=timeout)
+        except subprocess.TimeoutExpired:
+            try:  # the group: whatever it may have started dies with it
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.communicate()  # reaps it and closes its stdin
+            return False
+    return proc.returncode == 0
 
 
 def grade(example: dict | Example, output: str) -> bool:

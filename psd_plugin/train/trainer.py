@@ -2,8 +2,9 @@
 SDAR-format block-diffusion drafter (PRESTO's drafter for the AR model).
 
 ``python -m psd_plugin.train --kind dllm --out DIR`` (or ``psd train``). CPU by default, CUDA when present;
-seeds fixed; a tqdm progress bar; resumable (``DIR/train_state.pt`` every ``--save-every`` steps; the
-batch of step ``s`` is generated from ``seed + s``, so a resumed run sees exactly the same data).
+seeds fixed; a tqdm progress bar; resumable (``DIR/train_state.pt`` every ``--save-every`` steps, read back with
+torch's safe unpickler; the batch of step ``s`` is generated from ``seed + s``, so a resumed run sees exactly
+the same data).
 
 Objectives:
 - dLLM (LLaDA SFT, Nie et al. 2025 Eq. 5): the prompt stays clean; each answer token (answer plus EOS
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pickle
 import random
 import time
 from pathlib import Path
@@ -188,6 +190,22 @@ def save_model(kind, model, cfg, tok, out: Path):
     tok.save_pretrained(str(out))
 
 
+def load_train_state(path: Path, device) -> dict:
+    """The resume state ``main`` saves (the model's and optimizer's state dicts, the step, the loss log, the wall
+    time, the schedule restarts: tensors, dicts, lists, tuples, numbers and strings), read with torch's safe
+    unpickler (``weights_only=True``). A full unpickler would run whatever a pickled object asks for as the
+    file loads, so a state file from elsewhere could run code; a file holding anything else is refused, naming
+    the file, before any of it is used."""
+    try:
+        return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:  # torch's refusal; its own text says to load unsafely: keep only why
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        why = next((x for x in lines if not x.startswith(("Weights only load failed", "Check the documentation"))),
+                   lines[0] if lines else type(e).__name__)
+        raise SystemExit(f"{path}: refused by the safe loader ({why}); a training state holds only tensors, dicts, "
+                         "lists and numbers. Move the file away to train from the start.") from None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="psd train", description=__doc__.splitlines()[0])
     ap.add_argument("--kind", choices=["dllm", "ar", "drafter"], required=True)
@@ -268,7 +286,7 @@ def main(argv=None):
     state_file = args.out / "train_state.pt"
     step, log, wall, resumes = 0, [], 0.0, []
     if state_file.exists():
-        st = torch.load(state_file, map_location=device, weights_only=False)
+        st = load_train_state(state_file, device)
         model.load_state_dict(st["model"])
         opt.load_state_dict(st["opt"])
         step, log, wall, resumes = st["step"], st["log"], st["wall"], st.get("resumes", [])

@@ -50,6 +50,8 @@ RUNNER_HOOKS = {
 # Methods of vLLM's V1 ``Scheduler`` that psd-plugin's schedulers override.
 SCHEDULER_HOOKS = {
     "schedule": ("self", "throttle_prefills"),
+    "add_request": ("self", "request"),
+    "shutdown": ("self",),
     "update_draft_token_ids": ("self", "draft_token_ids"),
     "make_spec_decoding_stats": ("self", "spec_decoding_stats", "num_draft_tokens", "num_accepted_tokens",
                                  "num_invalid_spec_tokens", "request_id"),
@@ -63,7 +65,7 @@ INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_s
 WORKER_ATTRIBUTES = ("model_runner",)
 SCHEDULER_ATTRIBUTES = ("running", "requests", "max_num_scheduled_tokens", "max_num_running_reqs", "max_num_active_reqs",
                         "num_sampled_tokens_per_step", "num_spec_tokens", "log_stats", "kv_cache_manager",
-                        "vllm_config")
+                        "vllm_config", "grammar_compile_error_reqs")
 
 # Methods of vLLM's ``Attention`` layer the project's layer overrides (``attention_backends.vllm_backend``).
 LAYER_HOOKS = {
@@ -126,7 +128,10 @@ DATA_FIELDS = {
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("num_draft_tokens",),
     "vllm.v1.spec_decode.metrics:SpecDecodingStats": ("new", "observe_draft"),
     "vllm.v1.request:Request": ("request_id", "spec_token_ids", "num_computed_tokens", "num_tokens_with_spec",
-                                "is_finished", "num_tokens", "num_in_flight_tokens", "sampling_params"),
+                                "is_finished", "num_tokens", "num_in_flight_tokens", "sampling_params", "status",
+                                "structured_output_request"),
+    # a request held while its grammar compiles (hold_for_grammar): vLLM's scheduler skips it in this status
+    "vllm.v1.request:RequestStatus": ("WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "WAITING"),
     "vllm.v1.core.sched.output:SchedulerOutput": ("scheduled_spec_decode_tokens", "scheduled_cached_reqs",
                                                   "scheduled_new_reqs", "num_scheduled_tokens",
                                                   "total_num_scheduled_tokens"),
@@ -142,7 +147,7 @@ DATA_FIELDS = {
     "vllm.v1.worker.block_table:BlockTable": ("block_table", "block_size"),
     "vllm.v1.kv_cache_interface:KVCacheConfig": ("kv_cache_groups",),
     "vllm.v1.kv_cache_interface:KVCacheGroupSpec": ("layer_names",),
-    "vllm.v1.engine:EngineCoreRequest": ("sampling_params", "prompt_token_ids"),
+    "vllm.v1.engine:EngineCoreRequest": ("sampling_params", "prompt_token_ids", "prompt_embeds"),
     "vllm.v1.engine.input_processor:InputProcessor": ("vllm_config",),
     "vllm.v1.outputs:LogprobsTensors": ("logprob_token_ids", "logprobs", "selected_token_ranks"),
     "vllm.sampling_params:SamplingParams": ("all_stop_token_ids", "bad_words_token_ids", "logit_bias", "min_p",
@@ -155,7 +160,7 @@ DATA_FIELDS = {
     "vllm.v1.kv_cache_interface:FullAttentionSpec": ("non_causal", "num_kv_heads", "head_size", "block_size"),
     "vllm.model_executor.layers.attention:Attention": ("impl", "layer_name"),
     "vllm.config:ModelConfig": ("get_num_attention_heads", "get_vocab_size", "hf_config", "dtype", "model",
-                                "max_model_len"),
+                                "max_model_len", "enable_prompt_embeds"),
     "vllm.config:VllmConfig": ("structured_outputs_config",),
     "vllm.config:CacheConfig": ("kv_cache_layout",),  # the page layout vLLM resolved (the attention builder)  # the front end's whitespace rule for grammars
     # the attention backend's declared layout and layer type
@@ -178,6 +183,9 @@ DATA_FIELDS = {
                                                      "structural_tag", "all_constraints_none", "_backend"),
     "vllm.config:StructuredOutputsConfig": ("disable_any_whitespace",),
 }
+
+# vLLM environment settings the plugin reads as vLLM does (``vllm.envs``): the compiled-grammar cache's bound.
+ENVS = ("VLLM_XGRAMMAR_CACHE_MB",)
 
 # Module-level functions the plugin calls that vLLM does not document as plugin API.
 FUNCTIONS = (
@@ -326,6 +334,43 @@ def scheduling_only(scheduler, running: list, token_budget: int):
     finally:
         scheduler.max_num_scheduled_tokens, scheduler.max_num_active_reqs = saved
         scheduler.running = held + scheduler.running
+
+
+def finish_with_error(scheduler, req_id: str) -> None:
+    """Have vLLM's scheduler finish ``req_id`` with ``FINISHED_ERROR`` when it next turns a step's output into
+    engine outputs (``update_from_output``): the set vLLM fills with requests whose grammar failed to compile,
+    whose outputs it builds there (finish reason ``error``; the OpenAI server answers that client with an error)."""
+    scheduler.grammar_compile_error_reqs.add(req_id)
+
+
+def prompt_embeds(engine_core_request):
+    """A front-end request's prompt embeddings (``--enable-prompt-embeds``), or None."""
+    return engine_core_request.prompt_embeds
+
+
+def hold_for_grammar(request) -> None:
+    """Keep ``request`` (not yet in the scheduler) out of vLLM's scheduling while its grammar compiles: vLLM
+    skips a waiting request in ``WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR`` whose ``structured_output_request`` is
+    not ready, and the plugin's requests have none (their constraint travels as a grammar of the plugin's)."""
+    from vllm.v1.request import RequestStatus
+
+    assert request.structured_output_request is None, "a dLLM request's constraint is the plugin's grammar"
+    request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+
+def release_from_grammar_hold(request) -> None:
+    """Let vLLM schedule a request :func:`hold_for_grammar` held (unless it finished meanwhile)."""
+    from vllm.v1.request import RequestStatus
+
+    if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
+        request.status = RequestStatus.WAITING
+
+
+def grammar_cache_bytes() -> int:
+    """The bound of the compiled-grammar cache: vLLM's own ``VLLM_XGRAMMAR_CACHE_MB`` (its xgrammar backend's)."""
+    import vllm.envs as envs
+
+    return int(envs.VLLM_XGRAMMAR_CACHE_MB) * 1024 * 1024
 
 
 def new_requests(scheduler_output) -> list:

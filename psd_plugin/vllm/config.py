@@ -84,6 +84,11 @@ class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True
     # the most logits rows one step computes (each is a vocabulary of the model's dtype); default: the step's
     # token budget (``max_num_batched_tokens``). vLLM's memory profile reserves them (:func:`logits_budget`)
     max_logits_rows: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    # structured outputs: the largest constraint a request may carry (its JSON schema, regex, choices or grammar,
+    # bytes of UTF-8: a 400 past it), and how long its grammar may compile (off the step, :mod:`.grammars`)
+    # before the request finishes with an error
+    max_grammar_bytes: Annotated[int, msgspec.Meta(ge=1)] = 65536
+    grammar_compile_timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
 
 
 class PrestoSpeculativeConfig(TreeKnobs, forbid_unknown_fields=True, kw_only=True):
@@ -230,6 +235,10 @@ def platform_settings(engine_args, model_config, parallel_config, mode: str, moe
     """What the platform needs before vLLM builds its config (module docstring, 4.); returns the platform."""
     platform = compat.platform()
     worker_cls(mode, platform)  # refuses a platform without a worker
+    if model_config.enable_prompt_embeds:
+        raise ConfigError("enable_prompt_embeds: psd-plugin decodes from the prompt's token ids (a dLLM's canvases "
+                          "and PRESTO's drafter read them, and its rows are token ids in vLLM's input buffers); "
+                          "leave --enable-prompt-embeds off")
     _pin_v1_runner()
     _check_parallelism(parallel_config, model_config.model, moe)
     path = "dLLM decoding path" if mode == "psd" else "PRESTO path"

@@ -42,12 +42,13 @@ from vllm.v1.outputs import SamplerOutput
 from attention_backends.step_batch import Rows, StepBatch, build_step_batch
 from model_executor.decoding import LogitsRules, merge_stats, predict_rows, propose_all, update_all
 from model_executor.dllm_request import DLLMRequest, record_logprobs, step_predictions
-from model_executor.grammar import GrammarFrontier, compile_grammar, tokenizer_info
+from model_executor.grammar import GrammarFrontier
 from model_executor.models.configs import ArchSpec
 
 from . import compat
 from .config import decode_config, logits_budget
-from .runner import PSDRunnerMixin, request_seed
+from .grammars import compiled, served_compiler
+from .runner import PSDRunnerMixin, engine_fault, request_seed
 from .validation import GRAMMAR_ARG
 
 logger = init_logger(__name__)
@@ -126,7 +127,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         # resumed: requests back from a preemption; replays: the forwards that rebuilt their K/V (no NFE)
         self.step_time = {"steps": 0, "forward_seconds": 0.0, "cut_steps": 0, "resumed": 0, "replays": 0}
         self._forward_t0: float | None = None
-        self._grammar_info = None  # xgrammar's view of the tokenizer, made for the first structured request
+        self._want_lp: dict[int, int] = {}  # this step: batch row -> logprobs asked (requests decoding)
 
     # ------------------------------------------------------------------ per-request decoding state
     def _served(self, req_id: str) -> _Served:
@@ -151,16 +152,14 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         return s
 
     def _grammar(self, sp) -> GrammarFrontier | None:
-        """The request's structured-output grammar (built by the front end: :func:`.validation.take_structured_outputs`),
-        compiled here for the tokenizer (compiled grammars are cached), or None."""
+        """The request's structured-output grammar (built by the front end: :func:`.validation.take_structured_outputs`,
+        compiled off the step by the scheduler: :mod:`.grammars`), or None."""
         text = (sp.extra_args or {}).get(GRAMMAR_ARG)
         if text is None:
             return None
-        if self._grammar_info is None:
-            mc = self.vllm_config.model_config
-            self._grammar_info = tokenizer_info(compat.worker_tokenizer(mc), mc.get_vocab_size())
-        return GrammarFrontier(compile_grammar(text, self._grammar_info), self._grammar_info.vocab_size,
-                               self.spec.eos_token_id, self.spec.mask_token_id)
+        mc = self.vllm_config.model_config
+        info, _ = served_compiler(mc)
+        return GrammarFrontier(compiled(mc, text), info.vocab_size, self.spec.eos_token_id, self.spec.mask_token_id)
 
     def _plan(self, s: _Served, proposal) -> None:
         s.req.plan(proposal)
@@ -168,8 +167,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def _on_request_state_removed(self, req_id, req_state) -> None:
         s = self.served.pop(req_id, None)
         self._held_prompt_logprobs.pop(req_id, None)
-        if s is not None and not s.recorded:  # aborted, or stopped by a stop string
+        if s is not None and not s.recorded and req_id not in self.failed:  # aborted, or stopped by a stop string
             self._record(req_id, s)
+        self._forget_failure(req_id)
         super()._on_request_state_removed(req_id, req_state)
 
     def _record(self, req_id: str, s: _Served) -> None:
@@ -200,26 +200,23 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         req_ids, qsl, computed = compat.batch_rows(self)
         resumed = compat.resumed_req_ids(scheduler_output)
         for rid in resumed:  # back from a preemption: vLLM re-prefills it in this forward
-            if (s := self.served.get(rid)) is not None:
-                s.req.preempted()
+            if (s := self.served.get(rid)) is not None and rid not in self.failed:
+                try:
+                    s.req.preempted()
+                except Exception as e:
+                    self._fail(rid, "resuming after a preemption", e)
                 self.step_time["resumed"] += 1
         entries, self._stepping = [], {}
         for i, rid in enumerate(req_ids):
             n, start = int(qsl[i + 1]) - int(qsl[i]), int(computed[i])
-            s = self._served(rid)
-            s.model_calls += 1
-            drafts = compat.scheduled_drafts(scheduler_output, rid)
-            if s.req.phase == "first" and s.req.step is None and drafts:
-                self._plan(s, propose_all([s.req.dec])[0])  # the first canvas, with the prompt (DLLMScheduler)
-            st = s.req.step
-            if st is not None and start == st.w0 and n == st.num_scheduled and drafts == st.drafts:
-                entries.append(st)
-                self._stepping[i] = s
-            else:  # a prefill (a re-prefill after a preemption too), or a step vLLM cut short: its rows decode nothing
-                if st is not None and rid not in resumed:
-                    self.step_time["cut_steps"] += 1
-                entries.append(Rows(n, start))
-        self.batch = build_step_batch(entries)
+            entry = Rows(n, start)  # rows that decode nothing (a failed request's too)
+            if rid not in self.failed:
+                try:
+                    entry = self._entry(i, rid, n, start, scheduler_output, rid in resumed)
+                except Exception as e:
+                    self._fail(rid, "planning its step", e)
+            entries.append(entry)
+        self.batch = self._build(entries, req_ids)
         self._publish(self.batch)
         # logits only for the rows the decoders read (a rebuild's: none); vLLM computes at least one row
         self._kept = torch.cat([e.kept for e in entries if not isinstance(e, Rows)] or [torch.zeros(0, dtype=torch.bool)])
@@ -228,6 +225,41 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._forward_t0 = time.perf_counter()
         idx = self._upload("logits_rows", idx.to(logits_indices.dtype), logits_indices.device)
         return idx, spec_meta, max_sampled
+
+    def _entry(self, i: int, rid: str, n: int, start: int, scheduler_output, resumed: bool):
+        """Batch row ``i``'s entry of the step: the request's planned step when vLLM scheduled it as planned
+        (then it is stepping in this forward), else plain rows."""
+        s = self._served(rid)
+        s.model_calls += 1
+        drafts = compat.scheduled_drafts(scheduler_output, rid)
+        if s.req.phase == "first" and s.req.step is None and drafts:
+            self._plan(s, propose_all([s.req.dec])[0])  # the first canvas, with the prompt (DLLMScheduler)
+        st = s.req.step
+        if st is not None and start == st.w0 and n == st.num_scheduled and drafts == st.drafts:
+            self._stepping[i] = s
+            return st
+        # a prefill (a re-prefill after a preemption too), or a step vLLM cut short: its rows decode nothing
+        if st is not None and not resumed:
+            self.step_time["cut_steps"] += 1
+        return Rows(n, start)
+
+    def _build(self, entries: list, req_ids: list[str]) -> StepBatch:
+        """The step's layout; where it cannot be built, the entries that cannot be laid out even alone are
+        failed (:meth:`_fail`) and become plain rows."""
+        try:
+            return build_step_batch(entries)
+        except Exception as e:
+            if engine_fault(e):
+                raise
+        for i, e in enumerate(entries):
+            if not isinstance(e, Rows):
+                try:
+                    build_step_batch([e])
+                except Exception as err:
+                    self._fail(req_ids[i], "laying out its step", err)
+                    entries[i] = Rows(e.num_scheduled, e.w0)
+                    self._stepping.pop(i, None)
+        return build_step_batch(entries)
 
     def _dummy_sampler_run(self, hidden_states):
         """vLLM's memory profile runs this after its largest forward and sizes the KV cache from the peak: a
@@ -239,7 +271,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         return super()._dummy_sampler_run(hidden_states)
 
     def _sample(self, logits, spec_decode_metadata):
-        """Decoder updates from this step's logits; a completed block is this step's sampled tokens."""
+        """Decoder updates from this step's logits; a completed block is this step's sampled tokens. What raises
+        for one request fails that request alone (:meth:`~.runner.PSDRunnerMixin._fail`)."""
         if self._forward_t0 is not None:
             self.step_time["steps"] += 1
             self.step_time["forward_seconds"] += time.perf_counter() - self._forward_t0
@@ -248,61 +281,113 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         req_ids, _, _ = compat.batch_rows(self)
         canvas_rows = {i: self.batch.canvas_rows[i] for i in self._stepping}
         steps = {i: s.req.step for i, s in self._stepping.items()}
-        ruled = [(s.rules, canvas_rows[i][0], st.num_canvases, st.block_len, st.b0 - s.req.prompt_len, s.req.history)
-                 for i, s in self._stepping.items() if s.rules is not None and not (st := steps[i]).rebuild]
         logits = logits[: int(self._kept.sum())]  # past them: vLLM's one row when the step keeps none
         decoding = [i for i, st in steps.items() if not st.rebuild]  # a rebuild's logits are not for the decoder
-        # rules, grammar and the top-1 of every kept row, as the reference engine (one function for both)
-        preds = step_predictions(logits, self._kept, self.spec.mask_token_id, [self._stepping[i].req for i in decoding],
-                                 [steps[i] for i in decoding], [canvas_rows[i] for i in decoding], ruled)
-        want_lp = {i: k for i in decoding if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
-        before = {i: self._served(req_ids[i]).req.dec.state.clone() for i in want_lp}
-        update_all([self._stepping[i].req.dec for i in decoding], [steps[i].proposal for i in decoding],
-                   preds, [canvas_rows[i] for i in decoding])  # a method at a time
-        if want_lp:  # under the state canvas's distribution, as the reference engine
-            record_logprobs([self._stepping[i].req for i in want_lp], list(before.values()), preds,
-                            [canvas_rows[i][0] for i in want_lp], [max(k, 0) for k in want_lp.values()])
+        self._decode(logits, decoding, steps, canvas_rows, req_ids)
         outs: list[list[int]] = []
         lps: dict[int, list] = {}  # batch row -> (token, logprob, top, rank) of each emitted token
         for i, rid in enumerate(req_ids):
-            s = self._served(rid)
             emit: list[int] = []
-            if i in self._stepping and steps[i].rebuild:  # the K/V is as that block's first step left it
-                s.req.rebuilt()
-                self.step_time["replays"] += 1
-            elif i in self._stepping:
-                emit = s.req.stepped(steps[i])
-                if emit and i in want_lp:
-                    lps[i] = s.req.logprobs_of(steps[i].b0 - s.req.prompt_len, len(emit))
-                if s.req.done:
-                    self._record(rid, s)
-            elif s.req.step is None and self.spec.attention == "block_causal" and s.req.nfe == 0:
-                # vLLM's prefill wrote exact K/V for the prompt's finished attention blocks
-                s.req.cached = s.req.prompt_len // self.spec.attention_block * self.spec.attention_block
-            outs.append(emit)
+            if rid not in self.failed:
+                try:
+                    emit = self._stepped(i, rid, steps.get(i), lps)
+                except Exception as e:
+                    self._fail(rid, "committing its step", e)
+            outs.append([] if rid in self.failed else emit)
         width = max(2, max((len(o) for o in outs), default=0))
         sampled = torch.full((len(outs), width), -1, dtype=torch.int32)
         for i, o in enumerate(outs):
             if o:
                 sampled[i, : len(o)] = torch.tensor(o, dtype=torch.int32)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=_logprobs_tensors(lps, want_lp, width,
-                                                                                           len(outs)))
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=_logprobs_tensors(
+            {i: v for i, v in lps.items() if req_ids[i] not in self.failed}, self._want_lp, width, len(outs)))
+
+    def _decode(self, logits, decoding: list[int], steps: dict, canvas_rows: dict, req_ids: list[str]) -> None:
+        """The decoders of the batch rows ``decoding`` take this step's predictions (rules, grammar and the top-1
+        of every kept row, as the reference engine: one function for both), and logprobs are recorded for the
+        requests that ask. A request whose rules, grammar, logits (non-finite) or decoder raise is failed; the
+        others' updates are those of a step without it."""
+        served = self._stepping
+        rids = [req_ids[i] for i in decoding]
+        ruled = [None if served[i].rules is None else self._rule_job(served[i], steps[i], canvas_rows[i][0])
+                 for i in decoding]
+        failed: dict[int, Exception] = {}
+        preds = self._contain("computing its predictions", rids, step_predictions, logits, self._kept,
+                              self.spec.mask_token_id, [served[i].req for i in decoding], [steps[i] for i in decoding],
+                              [canvas_rows[i] for i in decoding], ruled, failed)
+        for n, e in failed.items():
+            self._fail(rids[n], "computing its predictions", e)
+        live = [i for i in decoding if req_ids[i] not in self.failed] if preds is not None else []
+        self._want_lp = {i: k for i in live if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
+        before = {i: served[i].req.dec.state.clone() for i in self._want_lp}
+        self._update(live, steps, canvas_rows, preds, req_ids)
+        want = [i for i in self._want_lp if req_ids[i] not in self.failed]
+        if want:  # under the state canvas's distribution, as the reference engine
+            self._contain("recording logprobs", [req_ids[i] for i in want], record_logprobs,
+                          [served[i].req for i in want], [before[i] for i in want], preds,
+                          [canvas_rows[i][0] for i in want], [max(self._want_lp[i], 0) for i in want])
+
+    @staticmethod
+    def _rule_job(s: _Served, st, first: int) -> tuple:
+        """The request's job for :func:`~model_executor.decoding.apply_rules`."""
+        return s.rules, first, st.num_canvases, st.block_len, st.b0 - s.req.prompt_len, s.req.history
+
+    def _update(self, live: list[int], steps: dict, canvas_rows: dict, preds, req_ids: list[str]) -> None:
+        """:func:`update_all` of the decoders of batch rows ``live`` (a method at a time). Where it raises, each
+        decoder that the batched update had not stepped yet is updated alone, and those that raise alone are
+        failed: a decoder's update reads its own rows and rebinds its ``state`` (never writes into it), so one
+        the batched update stepped holds its right next state, and one it did not step is untouched."""
+        decs = [self._stepping[i].req.dec for i in live]
+        props = [steps[i].proposal for i in live]
+        rows = [canvas_rows[i] for i in live]
+        states = [d.state for d in decs]
+        try:
+            update_all(decs, props, preds, rows)
+            return
+        except Exception as e:
+            if engine_fault(e):
+                raise
+        for i, d, p, r, old in zip(live, decs, props, rows, states):
+            if d.state is old:
+                try:
+                    update_all([d], [p], preds, [r])
+                except Exception as e:
+                    self._fail(req_ids[i], "updating its decoder", e)
+
+    def _stepped(self, i: int, rid: str, step, lps: dict) -> list[int]:
+        """Batch row ``i``'s bookkeeping after the step (its decoder took the predictions); returns the tokens it
+        emits (a completed block)."""
+        s = self._served(rid)
+        if i in self._stepping and step.rebuild:  # the K/V is as that block's first step left it
+            s.req.rebuilt()
+            self.step_time["replays"] += 1
+        elif i in self._stepping:
+            emit = s.req.stepped(step)
+            if emit and i in self._want_lp:
+                lps[i] = s.req.logprobs_of(step.b0 - s.req.prompt_len, len(emit))
+            if s.req.done:
+                self._record(rid, s)
+            return emit
+        elif s.req.step is None and self.spec.attention == "block_causal" and s.req.nfe == 0:
+            # vLLM's prefill wrote exact K/V for the prompt's finished attention blocks
+            s.req.cached = s.req.prompt_len // self.spec.attention_block * self.spec.attention_block
+        return []
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         """Each running request's next canvas (module docstring)."""
         req_ids, _, _ = compat.batch_rows(self)
         drafts, rfs, extras, logits, planned = [], [], [], [], []
-        ready = [s for rid in req_ids if (s := self._served(rid)).req.needs_proposal]
+        ready = [(rid, s) for rid in req_ids if rid not in self.failed and (s := self._served(rid)).req.needs_proposal]
         # the canvases of every request about to step, a method at a time
-        proposals = dict(zip(map(id, ready), propose_all([s.req.dec for s in ready])))
+        proposals = dict(zip((id(s) for _, s in ready), self._propose(ready)))
         for rid in req_ids:
-            s = self._served(rid)
-            r = s.req
-            if r.phase == "rebuild" and r.step is None:
-                r.plan_rebuild()
-            elif id(s) in proposals:
-                self._plan(s, proposals[id(s)])
-            st = None if r.done else r.step
+            st = None
+            if rid not in self.failed:
+                try:
+                    st = self._next(self._served(rid), proposals)
+                except Exception as e:
+                    self._fail(rid, "planning its next step", e)
+            st = None if rid in self.failed else st
             drafts.append(list(st.drafts) if st else [])
             rfs.append(st.w0 if st else NO_REWIND)
             extras.append((st.num_canvases - 1) * st.seg_len if st else 0)
@@ -310,6 +395,35 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             planned.append(st is not None)  # a replay past a narrow window has rows but no drafts
         self.set_next_drafts(req_ids, drafts, rfs, extras, logits, planned)
         return drafts
+
+    def _next(self, s: _Served, proposals: dict):
+        """The request's next step, planned from its proposal (or its next replay); None when it is done."""
+        r = s.req
+        if r.phase == "rebuild" and r.step is None:
+            r.plan_rebuild()
+        elif id(s) in proposals:
+            if proposals[id(s)] is None:  # its proposal failed (_propose)
+                return None
+            self._plan(s, proposals[id(s)])
+        return None if r.done else r.step
+
+    def _propose(self, ready: list[tuple[str, _Served]]) -> list:
+        """:func:`propose_all` of the requests ``ready`` (a proposal reads its decoder and changes nothing); where
+        it raises, each is proposed alone, and one that raises alone is failed (its proposal None)."""
+        decs = [s.req.dec for _, s in ready]
+        try:
+            return propose_all(decs)
+        except Exception as e:
+            if engine_fault(e):
+                raise
+        out = []
+        for (rid, _), d in zip(ready, decs):
+            try:
+                out.append(propose_all([d])[0])
+            except Exception as e:
+                self._fail(rid, "proposing its canvases", e)
+                out.append(None)
+        return out
 
     def sample_tokens(self, grammar_output):
         out = super().sample_tokens(grammar_output)
@@ -329,4 +443,5 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def psd_stats(self) -> dict:
         t = dict(self.totals)
         t["tpf"] = t["tokens"] / max(1, t["nfe"])
+        t["failed"] = self.failures
         return {"totals": t, "requests": dict(self.finished), "step_time": dict(self.step_time)}

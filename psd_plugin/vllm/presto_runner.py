@@ -34,7 +34,7 @@ from model_executor.presto_round import DraftState, TreeDrafter, accept_all, dra
 
 from . import compat
 from .config import presto_from_vllm_config
-from .runner import PSDRunnerMixin, request_seed
+from .runner import PSDRunnerMixin, engine_fault, request_seed
 
 logger = init_logger(__name__)
 
@@ -52,6 +52,7 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         self._generators: dict[str, torch.Generator] = {}  # unseeded sampled requests' (_generator)
         # forwards: target forwards requests took part in (prefills included); steps: tree verifications
         self.totals = {"forwards": 0, "steps": 0, "tree_nodes": 0}
+        self.drafting_failures = 0  # drafting forwards that raised (their requests stepped without a tree)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
@@ -95,15 +96,21 @@ class PrestoRunnerMixin(PSDRunnerMixin):
             drafts = compat.scheduled_drafts(scheduler_output, rid)
             tree = self.trees.get(rid)
             D = len(drafts)
-            if D and tree is not None and drafts == tree.tokens[:D]:
-                tree = tree.prefix(D)  # vLLM may have cut the list for budget: a depth-ordered prefix is a tree
-                m = q1 - q0 - D
-                pos, mask = verify_layout(tree, m, c + m)
-                self._verifying[rid] = tree
-            else:  # a prefill chunk, or a step without a tree: causal
+            entry = None
+            if D and tree is not None and drafts == tree.tokens[:D] and rid not in self.failed:
+                try:
+                    tree = tree.prefix(D)  # vLLM may have cut the list for budget: a depth-ordered prefix is a tree
+                    m = q1 - q0 - D
+                    pos, mask = verify_layout(tree, m, c + m)
+                    entry = Rows(q1 - q0, c, positions=pos, mask=mask)
+                    self._verifying[rid] = tree
+                except Exception as e:
+                    self._fail(rid, "laying out its tree", e)
+            if entry is None:  # a prefill chunk, a step without a tree, a failed request: causal
                 pos = torch.arange(c, c + q1 - q0)
                 mask = torch.ones(q1 - q0, q1 - q0, dtype=torch.bool).tril()
-            entries.append(Rows(q1 - q0, c, positions=pos, mask=mask))
+                entry = Rows(q1 - q0, c, positions=pos, mask=mask)
+            entries.append(entry)
         self._publish(build_step_batch(entries))
         return out
 
@@ -117,13 +124,14 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         outs: list[list[int]] = [[] for _ in req_ids]
         live = [i for i in range(len(req_ids))  # vLLM discards an unfinished prefill: draw nothing for it
                 if not compat.prefill_unfinished(self, i)]
+        live = [i for i in live if req_ids[i] not in self.failed]
         trees = [self._verifying.get(req_ids[i]) or TokenTree() for i in live]
         starts = [0, *cu[:-1]]
-        verdicts = accept_all(trees, [logits[starts[i]: cu[i]] for i in live],
-                              [compat.request_temperature(self, i) for i in live],
-                              [self._generator(req_ids[i], i) for i in live],
-                              argmax=[greedy[starts[i]: cu[i]] for i in live])
+        verdicts = self._accept(live, trees, [logits[starts[i]: cu[i]] for i in live],
+                                [greedy[starts[i]: cu[i]] for i in live], req_ids)
         for i, tree, out in zip(live, trees, verdicts):
+            if out is None:  # failed (_accept)
+                continue
             self.accepted[req_ids[i]] = len(out) - 1
             if len(tree):
                 self.totals["steps"] += 1
@@ -134,6 +142,25 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         for i, out in enumerate(outs):
             ids[i, : len(out)] = torch.tensor(out, dtype=torch.int32)
         return SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None)
+
+    def _accept(self, live: list[int], trees: list[TokenTree], logits: list, argmax: list, req_ids: list[str]) -> list:
+        """:func:`accept_all` of the batch rows ``live``; where it raises, each request's walk is taken alone, and
+        one that raises alone is failed (its verdict None)."""
+        temps = [compat.request_temperature(self, i) for i in live]
+        gens = [self._generator(req_ids[i], i) for i in live]
+        try:
+            return accept_all(trees, logits, temps, gens, argmax=argmax)
+        except Exception as e:
+            if engine_fault(e):
+                raise
+        out = []
+        for k, i in enumerate(live):
+            try:
+                out += accept_all([trees[k]], [logits[k]], [temps[k]], [gens[k]], argmax=[argmax[k]])
+            except Exception as e:
+                self._fail(req_ids[i], "verifying its tree", e)
+                out.append(None)
+        return out
 
     def _generator(self, rid: str, row: int) -> torch.Generator | None:
         """The request's generator: vLLM's for a seeded request; for an unseeded sampled one, one seeded from
@@ -158,31 +185,63 @@ class PrestoRunnerMixin(PSDRunnerMixin):
             seq = prompt + output
             L = len(seq)
             rfs.append(L - self.accepted.pop(rid, 0) - 1)
-            if not sampled_token_ids[i]:  # a chunked prefill still running: nothing sampled, nothing to draft
+            if not sampled_token_ids[i] or rid in self.failed:  # a chunked prefill still running: nothing to draft
                 continue
-            st = self.states.get(rid)
-            if st is not None and st.seq != seq[: len(st.seq)]:
-                self._release(rid)
-                st = None
-            if st is None:
-                if not self.free_slots:
-                    continue
-                st = DraftState([], self.free_slots.pop(), None)
-                st.rho = self.drafting.new_rho([])
-                self.states[rid] = st
-            self.drafting.accepted(st, seq[len(st.seq):])
-            if limit - L - 1 <= 0 or L + self.opts["k"] + self.drafting.drafter.spec.attention_block > min(self.max_len,
-                                                                                                     max_pos):
+            st = self._draft_state(rid, seq)
+            if st is None or limit - L - 1 <= 0 or \
+                    L + self.opts["k"] + self.drafting.drafter.spec.attention_block > min(self.max_len, max_pos):
                 continue
             live.append((i, rid, st))
+        if live and not self._draft([st for _, _, st in live]):
+            for _, rid, _ in live:  # their drafting state may be half-written: start it again next step
+                self._release(rid)
+            live = []
         if live:
-            self.drafting.draft([st for _, _, st in live], self.opts)
             for i, rid, st in live:
                 tree = st.tree.prefix(limit - len(st.seq) - 1)
                 self.trees[rid] = tree
                 drafts[i] = list(tree.tokens)
         self.set_next_drafts(req_ids, drafts, rfs)
         return drafts
+
+    def _draft_state(self, rid: str, seq: list[int]) -> DraftState | None:
+        """The request's drafting state, advanced to its tokens ``seq``; None when no drafter slot is free or it
+        could not be advanced (the request then steps without a tree; its state starts again next step)."""
+        st = self.states.get(rid)
+        if st is not None and st.seq != seq[: len(st.seq)]:
+            self._release(rid)
+            st = None
+        try:
+            if st is None:
+                if not self.free_slots:
+                    return None
+                st = DraftState([], self.free_slots.pop(), None)
+                self.states[rid] = st
+                st.rho = self.drafting.new_rho([])
+            self.drafting.accepted(st, seq[len(st.seq):])
+            return st
+        except Exception as e:
+            if engine_fault(e):
+                raise
+            self._release(rid)
+            self.drafting_failures += 1
+            logger.error("PRESTO: drafting state of request %s failed; it steps without a tree", rid, exc_info=e)
+            return None
+
+    def _draft(self, states: list[DraftState]) -> bool:
+        """One batched drafting forward for ``states``; False when it raised. A drafting failure costs no request:
+        they are verified without a tree this step (a plain AR step, whose token is the target's own), so the
+        output is unchanged; the failure is logged."""
+        try:
+            self.drafting.draft(states, self.opts)
+            return True
+        except Exception as e:
+            if engine_fault(e):
+                raise
+            self.drafting_failures += 1
+            logger.error("PRESTO: drafting failed for %d requests; they decode this step without a tree (their "
+                         "outputs are unchanged)", len(states), exc_info=e)
+            return False
 
     def _release(self, rid: str) -> None:
         st = self.states.pop(rid, None)
@@ -202,4 +261,5 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         t = dict(self.totals)
         t["nodes_per_tree"] = t["tree_nodes"] / max(1, t["steps"])
         t["drafting_requests"] = len(self.states)  # requests holding a drafter slot now
+        t["drafting_failures"], t["failed"] = self.drafting_failures, self.failures
         return t

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vllm.logger import init_logger
 from vllm.v1.outputs import DraftTokenIds
 
 from attention_backends.step_batch import StepBatch, current_step, set_step
@@ -30,6 +31,7 @@ from attention_backends.vllm_backend import PSDMetadataBuilder
 
 from . import compat
 
+logger = init_logger(__name__)
 
 def request_seed(req_id: str) -> int:
     """The sampling seed of a request that gives none: derived from its id, so every rank of a tensor-parallel
@@ -47,6 +49,17 @@ class PSDDraftTokenIds(DraftTokenIds):
     extra_rows: list[int] = field(default_factory=list)
     logits_rows: list[int] = field(default_factory=list)  # per request: logits rows its next step computes
     planned: list[bool] = field(default_factory=list)  # per request: its next step is planned (never cut)
+    failed: list[str] = field(default_factory=list)  # requests that failed in the runner: finish with an error
+
+
+# What a request's failure must not be taken for: faults of the engine itself, which vLLM handles (its engine
+# core reports them and stops). Everything else raised while one request is decoded or drafted is that
+# request's: it finishes with an error and the others go on (:meth:`PSDRunnerMixin._fail`).
+def engine_fault(exc: BaseException) -> bool:
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or not isinstance(exc, Exception):
+        return True
+    dist = getattr(torch.distributed, "DistError", None)
+    return dist is not None and isinstance(exc, dist)
 
 
 class PSDRunnerMixin:
@@ -59,6 +72,49 @@ class PSDRunnerMixin:
         super().__init__(*args, **kwargs)
         self._staging: dict[str, torch.Tensor] = {}  # pinned host buffers of ``_upload`` (on a GPU)
         self._tp_group = False  # the tensor-parallel host group (None: one rank); looked up at the first step
+        # requests that failed here (request id -> why), until vLLM removes them: they forward nothing more, and
+        # are reported to the scheduler, which finishes them with an error (finish reason "error": a 500 for
+        # that client alone)
+        self.failed: dict[str, str] = {}
+        self._failures_reported: set[str] = set()
+        self.failures = 0  # requests failed since start (psd_stats)
+
+    # ------------------------------------------------------------------ per-request failures
+    def _fail(self, req_id: str, stage: str, exc: BaseException) -> None:
+        """``req_id`` failed in ``stage`` with ``exc``: it decodes nothing more and finishes with an error (its
+        client gets vLLM's error response; its KV pages are freed); an engine fault (:func:`engine_fault`) is
+        raised again, for vLLM to handle. Logged with the traceback, once per request."""
+        if engine_fault(exc):
+            raise exc
+        if req_id in self.failed:
+            return
+        self.failed[req_id] = f"{stage}: {type(exc).__name__}: {exc}"
+        self.failures += 1
+        logger.error("psd-plugin: request %s failed in %s; it finishes with an error, the engine goes on",
+                     req_id, stage, exc_info=exc)
+
+    def _contain(self, stage: str, req_ids: list[str], fn, *args):
+        """``fn(*args)`` for the requests ``req_ids``, or, where it raises something no one request caused, every
+        one of them failed (:meth:`_fail`) and None returned: a failure the plugin cannot place costs the step's
+        requests, never the engine."""
+        try:
+            return fn(*args)
+        except Exception as e:
+            if engine_fault(e):
+                raise
+            for rid in req_ids:
+                self._fail(rid, stage, e)
+            return None
+
+    def _forget_failure(self, req_id: str) -> None:
+        self.failed.pop(req_id, None)
+        self._failures_reported.discard(req_id)
+
+    def _new_failures(self) -> list[str]:
+        """Failed requests the scheduler has not been told of yet."""
+        new = [r for r in self.failed if r not in self._failures_reported]
+        self._failures_reported.update(new)
+        return new
 
     def initialize_kv_cache(self, *args, **kwargs) -> None:
         super().initialize_kv_cache(*args, **kwargs)
@@ -145,7 +201,8 @@ class PSDRunnerMixin:
                         planned: list[bool] | None = None) -> None:
         n = len(req_ids)
         self._next_drafts = PSDDraftTokenIds(list(req_ids), drafts, recompute_from, extra_rows or [0] * n,
-                                             logits_rows or [0] * n, planned or [bool(d) for d in drafts])
+                                             logits_rows or [0] * n, planned or [bool(d) for d in drafts],
+                                             self._new_failures())
 
     def take_draft_token_ids(self):
         out, self._next_drafts = self._next_drafts, None

@@ -38,8 +38,14 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from model_executor.models.configs import ArchSpec
 
+from vllm.logger import init_logger
+
 from . import compat
-from .config import decode_config, logits_budget
+from .config import decode_config, from_vllm_config, logits_budget
+from .grammars import GrammarCompiles
+from .validation import GRAMMAR_ARG
+
+logger = init_logger(__name__)
 
 
 def apply_draft_updates(scheduler: Scheduler, draft_token_ids) -> None:
@@ -55,9 +61,22 @@ def apply_draft_updates(scheduler: Scheduler, draft_token_ids) -> None:
             r.num_computed_tokens = min(r.num_computed_tokens, rfs[i])
 
 
+def fail_requests(scheduler: Scheduler, draft_token_ids) -> None:
+    """The requests the runner failed (``PSDDraftTokenIds.failed``, :meth:`~.runner.PSDRunnerMixin._fail`):
+    they are scheduled no more (``scheduler.failing``) and vLLM finishes them with an error at the next step's
+    output (finish reason ``error``: the client gets vLLM's error response), freeing their KV pages; the other
+    requests are not touched."""
+    for req_id in getattr(draft_token_ids, "failed", None) or ():
+        r = scheduler.requests.get(req_id)
+        if r is not None and not r.is_finished():
+            scheduler.failing.add(req_id)
+            compat.finish_with_error(scheduler, req_id)
+
+
 class DLLMScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.failing: set[str] = set()  # requests the runner failed; vLLM finishes them with an error
         self.num_sampled_tokens_per_step = 0
         # the runner's spec-decode bookkeeping counts drafts + 1 rows per request; a dLLM step may schedule
         # drafts only (no recomputed token), so keep one row per request free in its buffers
@@ -67,13 +86,33 @@ class DLLMScheduler(Scheduler):
         self.next_rows: dict[str, tuple[int, int, bool]] = {}
         self.logits_budget = logits_budget(self.vllm_config)
         self.cfg = decode_config(self.vllm_config)
+        # structured-output requests wait (held in vLLM's queue) while their grammar compiles off the step
+        self.grammars = GrammarCompiles(self.vllm_config.model_config,
+                                        from_vllm_config(self.vllm_config).grammar_compile_timeout)
         self.mask_id = ArchSpec.from_hf_config(self.vllm_config.model_config.hf_config).mask_token_id
+
+    def add_request(self, request) -> None:
+        text = (request.sampling_params.extra_args or {}).get(GRAMMAR_ARG) if request.sampling_params else None
+        if text is not None and request.request_id not in self.requests:
+            self.grammars.hold(request, text)
+        super().add_request(request)
+
+    def shutdown(self) -> None:
+        self.grammars.shutdown()
+        super().shutdown()
 
     def schedule(self, throttle_prefills: bool = False):
         self.next_rows = {k: v for k, v in self.next_rows.items() if k in self.requests}
+        self.failing &= self.requests.keys()
+        for rid, why in self.grammars.poll(self.requests):
+            logger.error("psd-plugin: request %s fails: %s", rid, why)
+            self.failing.add(rid)
+            compat.finish_with_error(self, rid)
         budget, logits = self.max_num_scheduled_tokens, self.logits_budget
         kept, extra = [], 0
         for r in self.running:
+            if r.request_id in self.failing:
+                continue  # finished with an error at this step's output (update_draft_token_ids)
             need = r.num_tokens_with_spec - r.num_computed_tokens
             more, rows, planned = self.next_rows.get(r.request_id, (0, 0, False))
             if planned and (need + more > budget or rows > logits):
@@ -88,6 +127,8 @@ class DLLMScheduler(Scheduler):
             with compat.scheduling_only(self, kept, max(1, self.max_num_scheduled_tokens - extra)):
                 out = super().schedule(throttle_prefills)
         self._first_canvases(out, self.max_num_scheduled_tokens - extra - out.total_num_scheduled_tokens, logits)
+        if not out.total_num_scheduled_tokens:  # nothing to run: rather than an empty step, wait for a grammar
+            self.grammars.wait(0.01)
         return out
 
     def _first_canvases(self, out, room: int, logits: int) -> None:
@@ -119,6 +160,7 @@ class DLLMScheduler(Scheduler):
 
     def update_draft_token_ids(self, draft_token_ids) -> None:
         apply_draft_updates(self, draft_token_ids)
+        fail_requests(self, draft_token_ids)
         for req_id, extra, rows, planned in zip(draft_token_ids.req_ids,
                                                 getattr(draft_token_ids, "extra_rows", None) or [],
                                                 getattr(draft_token_ids, "logits_rows", None) or [],
@@ -130,5 +172,18 @@ class DLLMScheduler(Scheduler):
 class PrestoScheduler(Scheduler):
     """vLLM's scheduler (one bonus token per step) plus the runner's ``recompute_from`` rewind."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.failing: set[str] = set()
+
+    def schedule(self, throttle_prefills: bool = False):
+        self.failing &= self.requests.keys()
+        held = [r for r in self.running if r.request_id in self.failing]
+        if not held:
+            return super().schedule(throttle_prefills)
+        with compat.scheduling_only(self, [r for r in self.running if r not in held], self.max_num_scheduled_tokens):
+            return super().schedule(throttle_prefills)
+
     def update_draft_token_ids(self, draft_token_ids) -> None:
         apply_draft_updates(self, draft_token_ids)
+        fail_requests(self, draft_token_ids)

@@ -43,15 +43,18 @@ class Server:
         return self.proc.returncode
 
 
-def start(args: list[str], *, plain: bool = False, env: dict | None = None, timeout: float = 300) -> Server:
-    """A healthy server with ``args`` (vLLM server options; ``psd serve`` conventions unless ``plain``)."""
+def start(args: list[str], *, plain: bool = False, env: dict | None = None, timeout: float = 300,
+          cwd: str | None = None) -> Server:
+    """A healthy server with ``args`` (vLLM server options; ``psd serve`` conventions unless ``plain``). ``cwd``:
+    the directory it runs in (a checkout there is the plugin it imports: an earlier tree, for a before/after
+    measurement)."""
     port = free_port()
     cmd = ([sys.executable, "-m", "vllm.entrypoints.openai.api_server"] if plain
            else [sys.executable, "-m", "psd_plugin.cli", "serve"])
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     log = tempfile.NamedTemporaryFile("w+", prefix="psd-server-", suffix=".log", delete=False)
     proc = subprocess.Popen([*cmd, *args, "--host", "127.0.0.1", "--port", str(port)], env=full_env,
-                            start_new_session=True, stdout=log, stderr=subprocess.STDOUT, text=True)
+                            start_new_session=True, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while True:

@@ -18,7 +18,7 @@ from model_executor.decode_config import ConfigError, DecodeConfig
 from model_executor.decoding import GREEDY_ONLY
 
 from . import compat
-from .config import decode_config
+from .config import decode_config, from_vllm_config
 
 _UNSUPPORTED = (  # (field, default, why): refused by PRESTO (the dLLM path takes them: take_structured_outputs)
     ("structured_outputs", None, "structured outputs are not supported by dLLM decoding"),
@@ -57,9 +57,33 @@ def check_presto(params) -> None:
 
 
 GRAMMAR_ARG = "psd_grammar"  # SamplingParams.extra_args key: the request's grammar (xgrammar's serialized JSON)
+# The plugin's own ``SamplingParams.extra_args`` keys begin with this: only the plugin writes them (after the
+# checks below), the workers trust them. vLLM copies a client's ``vllm_xargs`` into ``extra_args``, so a client
+# key with this prefix is refused.
+RESERVED_PREFIX = "psd_"
 
 
-def take_structured_outputs(vllm_config, cfg: DecodeConfig, params) -> None:
+def refuse_reserved_args(params) -> None:
+    """Raise :class:`VLLMValidationError` (a 400) when a request's ``extra_args`` (a client's ``vllm_xargs``)
+    holds a key of the plugin's (:data:`RESERVED_PREFIX`)."""
+    keys = sorted(k for k in (params.extra_args or {}) if isinstance(k, str) and k.startswith(RESERVED_PREFIX))
+    if keys:
+        raise VLLMValidationError(
+            f"vllm_xargs / extra_args key(s) {keys}: keys beginning with {RESERVED_PREFIX!r} are psd-plugin's own "
+            "(what its front end passes to its workers); a request may not set them. Use another name",
+            parameter="vllm_xargs", value=keys)
+
+
+def constraint_bytes(value) -> int:
+    """The size of a structured-output constraint as a client sent it: UTF-8 bytes of its text (a JSON schema or
+    a choice list as JSON)."""
+    import json
+
+    text = value if isinstance(value, str) else json.dumps(value)
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+def take_structured_outputs(vllm_config, cfg: DecodeConfig, params, max_bytes: int | None = None) -> None:
     """Structured outputs on the dLLM path (:mod:`model_executor.grammar`): the request's constraint, already
     validated by vLLM (``SamplingParams.verify``), is built into an xgrammar grammar here, so a constraint
     xgrammar cannot build is a 400, and travels to the workers in ``extra_args[GRAMMAR_ARG]``; the
@@ -90,6 +114,12 @@ def take_structured_outputs(vllm_config, cfg: DecodeConfig, params) -> None:
             "its grammar with xgrammar only (this constraint uses a feature xgrammar does not support)",
             parameter="structured_outputs")
     kind = next(k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(so, k) is not None)
+    size = constraint_bytes(getattr(so, kind))
+    if max_bytes is not None and size > max_bytes:
+        raise VLLMValidationError(
+            f"structured_outputs.{kind}: {size} bytes; a constraint may have at most {max_bytes} "
+            "(speculative_config.max_grammar_bytes): its grammar compiles for the tokenizer before the request "
+            "decodes", parameter=f"structured_outputs.{kind}", value=size)
     try:
         grammar = build_grammar(kind, getattr(so, kind),
                                 any_whitespace=not vllm_config.structured_outputs_config.disable_any_whitespace)
@@ -173,13 +203,21 @@ def install() -> None:
                     params.logit_bias, params.min_p = held
             if held:
                 request.sampling_params.logit_bias, request.sampling_params.min_p = held
-            if isinstance(request.sampling_params, SamplingParams):
+            if isinstance(request.sampling_params, SamplingParams) and ("psd" in extra or "presto" in extra):
+                refuse_reserved_args(request.sampling_params)
+                if compat.prompt_embeds(request) is not None or request.prompt_token_ids is None:
+                    raise VLLMValidationError(
+                        "prompt_embeds: psd-plugin decodes from the prompt's token ids (a dLLM's canvases and "
+                        "PRESTO's drafter read them); send the prompt as text or token ids",
+                        parameter="prompt_embeds")
                 if "psd" in extra:
-                    cfg = self.__dict__.get("_psd_decode_config")
-                    if cfg is None:  # resolved once per front end
-                        cfg = self.__dict__["_psd_decode_config"] = decode_config(self.vllm_config)
+                    got = self.__dict__.get("_psd_configs")
+                    if got is None:  # resolved once per front end
+                        got = self.__dict__["_psd_configs"] = (decode_config(self.vllm_config),
+                                                               from_vllm_config(self.vllm_config).max_grammar_bytes)
+                    cfg, max_bytes = got
                     check(self.vllm_config, cfg, request.sampling_params, len(request.prompt_token_ids or ()))
-                    take_structured_outputs(self.vllm_config, cfg, request.sampling_params)
+                    take_structured_outputs(self.vllm_config, cfg, request.sampling_params, max_bytes)
                 elif "presto" in extra:
                     check_presto(request.sampling_params)
             return request
