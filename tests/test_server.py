@@ -1,9 +1,10 @@
 """``psd serve``: vLLM's OpenAI-compatible server with PSD on the embedded model, driven by the ``openai`` client.
 
 One server on a free loopback port for the module: completions (token-id prompt), chat (the model's chat
-template), streaming (a block's tokens arrive when it commits; the stream joins to the same text), a
-stream aborted mid-way while another request runs (that one is unaffected, the server keeps serving), a
-bad request (400, not a crash), then a clean shutdown on SIGTERM.
+template), streaming (a block's tokens arrive when it commits, several chunks for a multi-block answer; the
+stream joins to the same text), a stream aborted mid-way while another request runs (that one is unaffected, the
+server keeps serving), bad requests (400, not a crash: the plugin's own ``vllm_xargs`` keys on every endpoint),
+then a clean shutdown on SIGTERM.
 """
 
 import threading
@@ -58,7 +59,41 @@ def test_completion_chat_and_stream(server, reference):
     chunks = [ch.choices[0].text for ch in client.completions.create(
         model="llada-tiny", prompt=ids, max_tokens=32, temperature=0, stream=True)]
     assert "".join(chunks) == c.choices[0].text
-    assert len([x for x in chunks if x]) >= 1
+
+
+def test_a_multi_block_answer_streams_a_block_at_a_time(server, reference):
+    """48 tokens past EOS are 6 blocks of 8: they arrive in several chunks, each whole blocks (a block is
+    emitted when it commits; a slow reader may get two at once), joining to the whole answer."""
+    client, _ = server
+    from psd_plugin.evaluate import encode
+
+    _, tok = reference
+    ids = encode(tok, "Sort the list: 9 8 7 6 5 4 3 2 1")
+    whole = client.completions.create(model="llada-tiny", prompt=ids, max_tokens=48, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    chunks = [ch.choices[0].model_extra.get("token_ids") or [] for ch in client.completions.create(
+        model="llada-tiny", prompt=ids, max_tokens=48, temperature=0, stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True})]
+    chunks = [c for c in chunks if c]
+    assert len(chunks) >= 2 and all(len(c) % 8 == 0 for c in chunks), [len(c) for c in chunks]
+    assert [t for c in chunks for t in c] == whole.choices[0].model_extra["token_ids"]
+
+
+def test_client_keys_and_bad_options_are_400_on_every_endpoint(server):
+    """The plugin's own extra_args keys from a client (``vllm_xargs``) are refused on completions, chat and
+    responses (a junk grammar there used to end the engine); the server keeps serving."""
+    client, proc = server
+    for call in (lambda x: client.completions.create(model="llada-tiny", prompt="hi", max_tokens=8, temperature=0,
+                                                     extra_body={"vllm_xargs": x}),
+                 lambda x: client.chat.completions.create(model="llada-tiny", max_tokens=8, temperature=0,
+                                                          messages=[{"role": "user", "content": "hi"}],
+                                                          extra_body={"vllm_xargs": x}),
+                 lambda x: client.responses.create(model="llada-tiny", input="hi", max_output_tokens=8,
+                                                   temperature=0, extra_body={"vllm_xargs": x})):
+        with pytest.raises(openai.BadRequestError, match="psd_grammar"):
+            call({"psd_grammar": "junk"})
+        call({"my_key": 1})  # a client's own key is the client's
+    assert proc.poll() is None
 
 
 def test_response_format_json_schema(server, reference):

@@ -2,8 +2,8 @@
 
 ``start([...server options])`` runs ``psd serve`` (or, with ``plain=True``, vLLM's API server without the
 plugin's defaults, for AR baselines) on a free loopback port in its own session, waits for ``/health`` and
-returns a :class:`Server` (its output goes to a temporary log file, ``Server.log``); ``Server.stop()`` sends SIGTERM to the whole process group (SIGKILL after
-``timeout`` seconds).
+returns a :class:`Server` (its output goes to a temporary log file, ``Server.log``); ``Server.stop()`` sends SIGTERM to
+the server (SIGKILL to its process group after ``timeout`` seconds).
 """
 
 from __future__ import annotations
@@ -32,14 +32,20 @@ class Server:
     log: str  # the server's stdout and stderr
 
     def stop(self, timeout: float = 60) -> int:
-        """SIGTERM the server's process group; returns its exit code (SIGKILL if it does not exit in time)."""
+        """SIGTERM the server (its main process, as an orchestrator stops a container: vLLM then stops its engine
+        processes itself, draining the requests in flight under ``--shutdown-timeout``); returns its exit code.
+        Past ``timeout`` the whole process group gets SIGKILL."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        try:  # anything of the group still alive after the main process exited
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         return self.proc.returncode
 
 
