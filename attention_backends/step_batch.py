@@ -87,6 +87,10 @@ class StepBatch:
     canvas_rows: list[list[int] | None]  # per entry: the first index into ``logits_rows`` of each canvas
     rewrite_ids: torch.Tensor | None = None  # [T]: the id of each scheduled row whose id is not vLLM's, else -1
     pages: HostPages | None = field(default=None, repr=False)  # set by a runner that publishes the batch
+    # every entry's geometry as Python ints: two batches with equal keys have equal positions, segments, prefixes,
+    # kept suffixes, row orders and logits rows (only their token ids may differ), so an attention plan of one
+    # over the same pages serves the other; None where an entry has its own positions or mask (PRESTO's trees)
+    layout_key: tuple | None = None
 
     @property
     def num_requests(self) -> int:
@@ -142,6 +146,16 @@ class StepBatch:
                              suffix_lens=self.suffix_lens)
 
 
+def _index(pieces: list) -> torch.Tensor:
+    """One int64 host tensor of ``pieces`` (ranges, or tensors) end to end: the layout's index arithmetic runs
+    on Python ints, one tensor made at the end (a tensor op per request and canvas would cost more than the
+    arithmetic)."""
+    flat: list[int] = []
+    for p in pieces:
+        flat.extend(p if isinstance(p, range) else p.tolist())
+    return torch.tensor(flat, dtype=torch.long)
+
+
 def build_step_batch(entries: list) -> StepBatch:
     """Lay out one forward from its entries, one per request, in the batch's request order: a dLLM step
     (anything with ``w0, w1, tokens [K, S], first_row, block_len, suffix, reads_suffix``, and ``tail``,
@@ -150,16 +164,21 @@ def build_step_batch(entries: list) -> StepBatch:
     T = sum(e.n if isinstance(e, Rows) else e.num_scheduled for e in entries)
     sched_ids, sched_pos, extra_ids, extra_pos = [], [], [], []
     plan_rows, qo, seg, prefix, suf0, suf = [], [0], [0], [], [], []
-    logits_rows, canvas_rows, masks = [], [], []
+    logits_rows, canvas_rows, masks, scheduled = [], [], [], []
     t = e_next = n_logits = 0  # next scheduled row, next extra row (counted from T), logits rows so far
     rewrite = []  # (first scheduled row, ids): rows whose ids are not vLLM's tokens
     have_ids, custom = True, False
+    key: list | None = []
     for e in entries:
         if isinstance(e, Rows):
-            sched_pos.append(e.positions.long() if e.positions is not None else torch.arange(e.start, e.start + e.n))
+            if e.positions is not None or e.mask is not None:
+                key = None
+            elif key is not None:
+                key.append((e.n, e.start))
+            sched_pos.append(e.positions.long() if e.positions is not None else range(e.start, e.start + e.n))
             sched_ids.append(e.tokens)
             have_ids &= e.tokens is not None
-            plan_rows.append(torch.arange(t, t + e.n))
+            plan_rows.append(range(t, t + e.n))
             seg.append(seg[-1] + e.n)
             qo.append(qo[-1] + e.n)
             prefix.append(e.start)
@@ -168,26 +187,27 @@ def build_step_batch(entries: list) -> StepBatch:
             masks.append(e.mask)
             custom |= e.mask is not None
             canvas_rows.append(None)
+            scheduled.append(e.n)
             t += e.n
             continue
         S, K, tail = e.seg_len, e.tokens.shape[0], e.tail_len
         if tail and K > 1:
             raise ValueError("a step with a tail has one canvas")
-        pos = torch.arange(e.w0, e.w1)
+        pos = range(e.w0, e.w1)
         sched_ids.append(e.tokens[0])
         sched_pos.append(pos)
         r0, r1 = e.rewrites
         if r1 > r0:
             rewrite.append((t + r0 - e.w0, e.tokens[0, r0 - e.w0: r1 - e.w0]))
         starts = [t]
-        plan_rows.append(torch.arange(t, t + S))
+        plan_rows.append(range(t, t + S))
         if tail:
             sched_ids.append(e.tail)
-            sched_pos.append(torch.arange(e.w1, e.w1 + tail))
-            plan_rows.append(torch.arange(t + S, t + S + tail))
+            sched_pos.append(range(e.w1, e.w1 + tail))
+            plan_rows.append(range(t + S, t + S + tail))
         for k in range(1, K):
             starts.append(T + e_next)
-            plan_rows.append(torch.arange(T + e_next, T + e_next + S))
+            plan_rows.append(range(T + e_next, T + e_next + S))
             extra_ids.append(e.tokens[k])
             extra_pos.append(pos)
             e_next += S
@@ -198,13 +218,16 @@ def build_step_batch(entries: list) -> StepBatch:
         suf.append(e.reads_suffix)
         masks.extend([None] * (K + bool(tail)))
         canvas_rows.append([])
+        first, L = e.first_row, e.block_len
+        if key is not None:
+            key.append((e.w0, e.w1, K, tail, e.suffix[0], e.reads_suffix, first, L))
         for a in starts:
             canvas_rows[-1].append(n_logits)
-            logits_rows.append(torch.arange(a + e.first_row, a + e.first_row + e.block_len))
-            n_logits += e.block_len
+            logits_rows.append(range(a + first, a + first + L))
+            n_logits += L
+        scheduled.append(S + tail)
         t += S + tail
     E = e_next
-    order = torch.cat(plan_rows) if plan_rows else torch.zeros(0, dtype=torch.long)
     if custom and any(m is None for m in masks):
         raise ValueError("a step batch with custom masks needs one for every segment")
     ids, rewrite_ids = None, None
@@ -217,17 +240,25 @@ def build_step_batch(entries: list) -> StepBatch:
             torch.zeros(0, dtype=torch.long)
     return StepBatch(
         num_scheduled=T,
-        scheduled_lens=torch.tensor([e.n if isinstance(e, Rows) else e.num_scheduled for e in entries],
-                                    dtype=torch.long),
-        positions=torch.cat(sched_pos + extra_pos) if sched_pos else torch.zeros(0, dtype=torch.long),
+        scheduled_lens=torch.tensor(scheduled, dtype=torch.long),
+        positions=_index(sched_pos + extra_pos),
         input_ids=ids,
         extra_ids=torch.cat([i.long().cpu() for i in extra_ids]) if E else None,
-        order=None if bool((order == torch.arange(order.numel())).all()) else order,
+        order=None if all(p.start == at for p, at in _starts(plan_rows)) else _index(plan_rows),
         qo_indptr=torch.tensor(qo), seg_indptr=torch.tensor(seg), prefix_lens=torch.tensor(prefix, dtype=torch.long),
         suffix_starts=torch.tensor(suf0) if any(suf) else None, suffix_lens=torch.tensor(suf) if any(suf) else None,
         kind="custom" if custom else None, custom_masks=masks if custom else None,
-        logits_rows=torch.cat(logits_rows) if logits_rows else torch.zeros(0, dtype=torch.long),
-        canvas_rows=canvas_rows, rewrite_ids=rewrite_ids)
+        logits_rows=_index(logits_rows), canvas_rows=canvas_rows, rewrite_ids=rewrite_ids,
+        layout_key=None if key is None else tuple(key))
+
+
+def _starts(plan_rows: list[range]):
+    """Each plan-order range with the plan row it starts at (the model order equals the plan order exactly
+    when every range starts there)."""
+    at = 0
+    for p in plan_rows:
+        yield p, at
+        at += len(p)
 
 
 _current: StepBatch | None = None

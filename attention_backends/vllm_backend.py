@@ -139,6 +139,10 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
         # head-major pages (vLLM's CPU layout, ``supported_kv_cache_layouts``): vLLM's kernel reads them in place
         self.head_major = head_major
         self.kernel = None
+        # the last published step's plan: (layout key, its block table rows, (plan, attn, kernel)); a step of the
+        # same layout over the same pages runs on it (a block's later steps, :meth:`build`)
+        self._planned: tuple | None = None
+        self.reused = 0  # steps that ran on the previous step's plan
         choice = cpu_kernel_choice()  # checked on every platform: a bad value fails at start-up, not later
         if self.head_major and choice == "vllm" and kernel_supports(head_dim, page_size, dtype):
             self.kernel = CPUPagedKernel(num_heads, num_kv_heads, head_dim, page_size, dtype,
@@ -165,6 +169,14 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
                 table, slots = self.device_pages(cam, R, T)
             else:
                 table = self._published_table(batch, R)
+                last = self._planned
+                if last is not None and batch.layout_key is not None and last[0] == batch.layout_key \
+                        and last[1].shape == table.shape and torch.equal(last[1], table):
+                    # the previous step's layout over the same pages: the same slots, rows and plan (the kernel's
+                    # and the backend's plan state are theirs: nothing planned since)
+                    self.reused += 1
+                    plan, attn, kernel = last[2]
+                    return PSDAttentionMetadata(plan, attn, None, cam.slot_mapping[:T], T, self.head_major, kernel)
                 slots = vllm_slots(table, prefix, qsl, self.page_size)
                 if self.device.type == "cpu" and not torch.equal(slots, cam.slot_mapping[:T].long()):
                     # on the CPU vLLM's slot mapping is a host tensor: the host slots are checked against it
@@ -190,7 +202,10 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
                            rows=batch.order)
             attn = self.attn
         ok = slots >= 0
+        self._planned = None  # the kernel's and the backend's plan state are this step's now
         if bool(ok.all()):  # vLLM's own slot mapping, where it is (every published step)
+            if batch.layout_key is not None and batch.pages is not None:
+                self._planned = (batch.layout_key, table.clone(), (plan, attn, kernel))
             return PSDAttentionMetadata(plan, attn, None, cam.slot_mapping[:T], T, self.head_major, kernel)
         rows = ok.nonzero().flatten()  # a dummy run's -1 slots: nothing written there
         d = to_device({"rows": rows, "slots": slots[rows]}, self.device)

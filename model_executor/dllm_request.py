@@ -24,7 +24,8 @@ from typing import Callable
 import torch
 
 from .block_schedule import CacheSchedule, plan_blocks
-from .decoding import BlockDecoder, Proposal, RowPredictions, apply_rules, logits_map, merge_stats, predict_rows
+from .decoding import (BlockDecoder, Proposal, RowPredictions, apply_rules, logits_map, merge_stats, predict_rows,
+                       update_all)
 from .grammar import GrammarFrontier, constrain_rows, mask_frontiers
 
 
@@ -355,11 +356,11 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], pr
 
 
 def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests: list[DLLMRequest],
-                     steps: list[DLLMStep], firsts: list[list[int]], ruled: list | None = None,
+                     steps: list[DLLMStep], firsts: list[list[int]], rules: list | None = None,
                      failed: dict[int, Exception] | None = None) -> RowPredictions:
     """What the decoders read of one forward's ``logits`` (the ``kept`` rows), both engines alike: the requests'
-    rules applied (``ruled``: :func:`~model_executor.decoding.apply_rules`'s jobs, one per request of ``requests``
-    or None), structured outputs' frontier rule (grammar masks before the top-1, the running-min constraint
+    rules applied (``rules``: per request of ``requests`` its :class:`~model_executor.decoding.LogitsRules` or
+    None; :func:`~model_executor.decoding.apply_rules`), structured outputs'' frontier rule (grammar masks before the top-1, the running-min constraint
     after), and the top-1 of every kept row computed once (:func:`~model_executor.decoding.predict_rows`; the
     mask token is never a prediction). ``requests``, ``steps``, ``firsts`` (each canvas's first prediction row):
     the step's requests.
@@ -369,12 +370,14 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     grammar raise, is recorded there under its index in ``requests`` and the others' predictions are unaffected
     (every stage writes a request's own rows only); without it (the reference engine) they raise."""
     at = logits_map(kept)
+    ruled = [i for i, r in enumerate(rules or ()) if r is not None]
     if ruled:
         rule_failed = None if failed is None else {}
-        apply_rules(logits, [job for job in ruled if job is not None], at, rule_failed)
+        apply_rules(logits, [(rules[i], firsts[i][0], steps[i].num_canvases, steps[i].block_len,
+                              steps[i].b0 - requests[i].prompt_len, requests[i].history) for i in ruled],
+                    at, rule_failed)
         if rule_failed:
-            owners = [i for i, job in enumerate(ruled) if job is not None]
-            failed.update({owners[n]: e for n, e in rule_failed.items()})
+            failed.update({ruled[n]: e for n, e in rule_failed.items()})
     owners, jobs = grammar_jobs(requests, steps, firsts, skip=failed)
     job_failed = None if failed is None else {}
     if jobs:
@@ -398,6 +401,65 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     if job_failed:
         for n, e in job_failed.items():
             failed.setdefault(owners[n], e)
+    return preds
+
+
+def engine_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is a fault of the engine itself (out of memory, a lost rank, an interrupt), never taken for
+    one request's failure: :func:`decode_step` and the serving engine's error boundary raise it again."""
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or not isinstance(exc, Exception):
+        return True
+    dist = getattr(torch.distributed, "DistError", None)
+    return dist is not None and isinstance(exc, dist)
+
+
+def decode_step(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests: list[DLLMRequest],
+                steps: list[DLLMStep], firsts: list[list[int]], rules: list | None = None,
+                logprobs: list[int | None] | None = None, failed: dict[int, Exception] | None = None
+                ) -> RowPredictions:
+    """One forward's decoding, both engines alike: the requests' predictions (:func:`step_predictions`), every
+    decoder updated at once (:func:`~model_executor.decoding.update_all`, a method at a time), and the
+    log-probabilities of what each committed, for the requests whose ``logprobs[i]`` is not None
+    (:func:`record_logprobs`, under the state canvas's distribution). The engine then calls each request's
+    :meth:`DLLMRequest.stepped`.
+
+    ``failed`` (the serving engine's): a request whose predictions, update or logprobs raise is recorded there
+    under its index and the others' decoding is that of a step without it: where the batched update raises,
+    each decoder it had not stepped yet is updated alone (an update reads its own rows and rebinds its
+    ``state``, never writes into it, so a decoder the batched update stepped holds its right next state, and
+    one it did not step is untouched). Engine faults (:func:`engine_fault`) always raise; without ``failed``
+    (the reference engine) everything raises."""
+    preds = step_predictions(logits, kept, mask_id, requests, steps, firsts, rules, failed)
+    live = [i for i in range(len(requests)) if not failed or i not in failed]
+    want = [i for i in live if logprobs is not None and logprobs[i] is not None]
+    before = {i: requests[i].dec.state.clone() for i in want}
+    decs = [requests[i].dec for i in live]
+    props = [steps[i].proposal for i in live]
+    rows = [firsts[i] for i in live]
+    states = [d.state for d in decs]
+    try:
+        update_all(decs, props, preds, rows)
+    except Exception as e:
+        if failed is None or engine_fault(e):
+            raise
+        for i, d, p, r, old in zip(live, decs, props, rows, states):
+            if d.state is old:
+                try:
+                    update_all([d], [p], preds, [r])
+                except Exception as err:
+                    if engine_fault(err):
+                        raise
+                    failed[i] = err
+    want = [i for i in want if not failed or i not in failed]
+    if want:
+        args = ([requests[i] for i in want], [before[i] for i in want], preds, [firsts[i][0] for i in want],
+                [max(logprobs[i], 0) for i in want])
+        try:
+            record_logprobs(*args)
+        except Exception as e:
+            if failed is None or engine_fault(e):
+                raise
+            failed.update({i: e for i in want})
     return preds
 
 

@@ -41,8 +41,8 @@ from attention_backends.step_batch import StepBatch, build_step_batch
 import msgspec
 
 from .decode_config import ConfigError, DecodeConfig, DecodeKnobs, resolve
-from .decoding import BlockDecoder, LogitsRules, propose_all, update_all
-from .dllm_request import DLLMRequest, record_logprobs, step_predictions
+from .decoding import BlockDecoder, LogitsRules, propose_all
+from .dllm_request import DLLMRequest, decode_step
 from .grammar import GrammarFrontier
 from .models.reference import ReferenceDLLM
 from .outputs import GenerationResult
@@ -158,13 +158,8 @@ class ReferenceEngine:
         self.step_time["forward_seconds"] += time.perf_counter() - t0
         self.step_time["steps"] += 1
         firsts = batch.canvas_rows
-        ruled = None if rules is None else [(rules, f[0], st.num_canvases, st.block_len, st.b0 - r.prompt_len,
-                                             r.history) for f, st, (_, r) in zip(firsts, steps, live)]
-        preds = step_predictions(logits, kept, self.spec.mask_token_id, [r for _, r in live], steps, firsts, ruled)
-        before = [r.dec.state.clone() for _, r in live] if logprobs is not None else None
-        update_all([r.dec for _, r in live], proposals, preds, firsts)  # a method at a time
-        if before is not None:  # under the state canvas's distribution (rules applied, mask excluded)
-            record_logprobs([r for _, r in live], before, preds, [f[0] for f in firsts], [logprobs] * len(live))
+        decode_step(logits, kept, self.spec.mask_token_id, [r for _, r in live], steps, firsts,
+                    [rules] * len(live), [logprobs] * len(live))
         for (_, r), st in zip(live, steps):
             r.stepped(st)
 

@@ -13,8 +13,9 @@ The failures are injected into a real in-process engine (llada-tiny, ar-tiny) fo
 prompt; the batched code then raises for the whole batch, and the runner must find the culprit.
 """
 
+import sys
+
 import pytest
-import torch
 
 from psd_plugin import DEFAULT_DLLM
 
@@ -118,9 +119,9 @@ def _raise_after_writing_the_others(monkeypatch, cls):
 def _nan_for_poisoned(monkeypatch):
     """One logits row of the poisoned request's canvas is NaN (as a model overflow would leave it)."""
     from model_executor.decoding import logits_map
-    from psd_plugin.vllm import dllm_runner
+    from model_executor.dllm_request import step_predictions as original
 
-    original = dllm_runner.step_predictions
+    module = sys.modules[original.__module__]  # (the name model_executor is vLLM's too: by module object)
 
     def nan_row(logits, kept, mask_id, requests, steps, firsts, *args):
         at = logits_map(kept)
@@ -130,7 +131,7 @@ def _nan_for_poisoned(monkeypatch):
                 logits[int(rows[rows >= 0][0]), 7] = float("nan")
         return original(logits, kept, mask_id, requests, steps, firsts, *args)
 
-    monkeypatch.setattr(dllm_runner, "step_predictions", nan_row)
+    monkeypatch.setattr(module, "step_predictions", nan_row)
 
 
 def _stepped_raises(monkeypatch):

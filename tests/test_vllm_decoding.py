@@ -131,6 +131,31 @@ def test_embedded_llada_matches_reference(heldout_prompts, method, cache):
 
 
 @pytest.mark.engine
+def test_a_blocks_later_steps_run_on_its_attention_plan(heldout_prompts):
+    """Under the dual cache every step of a block after its second forwards the same rows over the same pages as
+    the one before: the attention builder reuses that plan (``plans_reused``) instead of planning again. One
+    request, static decoding (one token a step: 8 steps per 8-token block), so exactly ``NFE - 2 * blocks``
+    steps reuse a plan; the tokens and NFE are the reference engine's."""
+    from vllm import SamplingParams
+
+    prompt = heldout_prompts[0]
+    llm = _llm(DEFAULT_DLLM, decoding="static", cache="dual", block_size=8)
+    try:
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=32, temperature=0,
+                                                                          ignore_eos=True), use_tqdm=False)[0]
+        nfe = _request_stats(llm)[out.request_id]["nfe"]
+        reused = llm.collective_rpc("psd_stats")[0]["step_time"]["plans_reused"]
+    finally:
+        del llm
+    ref = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
+    req = ref.generate([prompt], max_tokens=32, method="static", cache="dual", block_size=8)[0]
+    assert nfe == 32
+    # per layer group one builder: every builder reuses the same steps
+    assert reused % (nfe - 2 * 4) == 0 and reused > 0, f"{reused} reuses for NFE {nfe} over 4 blocks"
+    assert list(out.outputs[0].token_ids)[: len(req.token_ids)] == req.token_ids
+
+
+@pytest.mark.engine
 @pytest.mark.parametrize("cache", ("prefix", "dual"))
 @pytest.mark.parametrize("method", ("confidence", "lopa", "psd"))
 def test_embedded_dream_matches_reference(heldout_prompts, method, cache):

@@ -40,14 +40,15 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import SamplerOutput
 
 from attention_backends.step_batch import Rows, StepBatch, build_step_batch
-from model_executor.decoding import LogitsRules, merge_stats, predict_rows, propose_all, update_all
-from model_executor.dllm_request import DLLMRequest, record_logprobs, step_predictions
+from model_executor.decoding import LogitsRules, merge_stats, predict_rows, propose_all
+from model_executor.dllm_request import DLLMRequest, decode_step
 from model_executor.grammar import GrammarFrontier
 from model_executor.models.configs import ArchSpec
 
 from . import compat
 from .config import decode_config, logits_budget
 from .grammars import compiled, served_compiler
+from .next_step import NextStep
 from .runner import PSDRunnerMixin, engine_fault, request_seed
 from .validation import GRAMMAR_ARG
 
@@ -295,64 +296,25 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                     self._fail(rid, "committing its step", e)
             outs.append([] if rid in self.failed else emit)
         width = max(2, max((len(o) for o in outs), default=0))
-        sampled = torch.full((len(outs), width), -1, dtype=torch.int32)
-        for i, o in enumerate(outs):
-            if o:
-                sampled[i, : len(o)] = torch.tensor(o, dtype=torch.int32)
+        sampled = torch.tensor([o + [-1] * (width - len(o)) for o in outs], dtype=torch.int32).view(len(outs), width)
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=_logprobs_tensors(
             {i: v for i, v in lps.items() if req_ids[i] not in self.failed}, self._want_lp, width, len(outs)))
 
     def _decode(self, logits, decoding: list[int], steps: dict, canvas_rows: dict, req_ids: list[str]) -> None:
-        """The decoders of the batch rows ``decoding`` take this step's predictions (rules, grammar and the top-1
-        of every kept row, as the reference engine: one function for both), and logprobs are recorded for the
-        requests that ask. A request whose rules, grammar, logits (non-finite) or decoder raise is failed; the
-        others' updates are those of a step without it."""
+        """The decoders of the batch rows ``decoding`` take this step's predictions, and logprobs are recorded for
+        the requests that ask (:func:`~model_executor.dllm_request.decode_step`, the reference engine's step
+        too). A request whose rules, grammar, logits (non-finite), update or logprobs raise is failed; the others'
+        decoding is that of a step without it; what no one request caused fails the step's requests."""
         served = self._stepping
         rids = [req_ids[i] for i in decoding]
-        ruled = [None if served[i].rules is None else self._rule_job(served[i], steps[i], canvas_rows[i][0])
-                 for i in decoding]
+        asked = [compat.sampling_params(self, rid).logprobs for rid in rids]
+        self._want_lp = {i: k for i, k in zip(decoding, asked) if k is not None}
         failed: dict[int, Exception] = {}
-        preds = self._contain("computing its predictions", rids, step_predictions, logits, self._kept,
-                              self.spec.mask_token_id, [served[i].req for i in decoding], [steps[i] for i in decoding],
-                              [canvas_rows[i] for i in decoding], ruled, failed)
+        self._contain("decoding its step", rids, decode_step, logits, self._kept, self.spec.mask_token_id,
+                      [served[i].req for i in decoding], [steps[i] for i in decoding],
+                      [canvas_rows[i] for i in decoding], [served[i].rules for i in decoding], asked, failed)
         for n, e in failed.items():
-            self._fail(rids[n], "computing its predictions", e)
-        live = [i for i in decoding if req_ids[i] not in self.failed] if preds is not None else []
-        self._want_lp = {i: k for i in live if (k := compat.sampling_params(self, req_ids[i]).logprobs) is not None}
-        before = {i: served[i].req.dec.state.clone() for i in self._want_lp}
-        self._update(live, steps, canvas_rows, preds, req_ids)
-        want = [i for i in self._want_lp if req_ids[i] not in self.failed]
-        if want:  # under the state canvas's distribution, as the reference engine
-            self._contain("recording logprobs", [req_ids[i] for i in want], record_logprobs,
-                          [served[i].req for i in want], [before[i] for i in want], preds,
-                          [canvas_rows[i][0] for i in want], [max(self._want_lp[i], 0) for i in want])
-
-    @staticmethod
-    def _rule_job(s: _Served, st, first: int) -> tuple:
-        """The request's job for :func:`~model_executor.decoding.apply_rules`."""
-        return s.rules, first, st.num_canvases, st.block_len, st.b0 - s.req.prompt_len, s.req.history
-
-    def _update(self, live: list[int], steps: dict, canvas_rows: dict, preds, req_ids: list[str]) -> None:
-        """:func:`update_all` of the decoders of batch rows ``live`` (a method at a time). Where it raises, each
-        decoder that the batched update had not stepped yet is updated alone, and those that raise alone are
-        failed: a decoder's update reads its own rows and rebinds its ``state`` (never writes into it), so one
-        the batched update stepped holds its right next state, and one it did not step is untouched."""
-        decs = [self._stepping[i].req.dec for i in live]
-        props = [steps[i].proposal for i in live]
-        rows = [canvas_rows[i] for i in live]
-        states = [d.state for d in decs]
-        try:
-            update_all(decs, props, preds, rows)
-            return
-        except Exception as e:
-            if engine_fault(e):
-                raise
-        for i, d, p, r, old in zip(live, decs, props, rows, states):
-            if d.state is old:
-                try:
-                    update_all([d], [p], preds, [r])
-                except Exception as e:
-                    self._fail(req_ids[i], "updating its decoder", e)
+            self._fail(rids[n], "decoding its step", e)
 
     def _stepped(self, i: int, rid: str, step, lps: dict) -> list[int]:
         """Batch row ``i``'s bookkeeping after the step (its decoder took the predictions); returns the tokens it
@@ -376,7 +338,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         """Each running request's next canvas (module docstring)."""
         req_ids, _, _ = compat.batch_rows(self)
-        drafts, rfs, extras, logits, planned = [], [], [], [], []
+        drafts, nexts = [], []
         ready = [(rid, s) for rid in req_ids if rid not in self.failed and (s := self._served(rid)).req.needs_proposal]
         # the canvases of every request about to step, a method at a time
         proposals = dict(zip((id(s) for _, s in ready), self._propose(ready)))
@@ -389,11 +351,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                     self._fail(rid, "planning its next step", e)
             st = None if rid in self.failed else st
             drafts.append(list(st.drafts) if st else [])
-            rfs.append(st.w0 if st else NO_REWIND)
-            extras.append((st.num_canvases - 1) * st.seg_len if st else 0)
-            logits.append(st.num_logits_rows if st else 0)
-            planned.append(st is not None)  # a replay past a narrow window has rows but no drafts
-        self.set_next_drafts(req_ids, drafts, rfs, extras, logits, planned)
+            # planned: a replay past a narrow window has rows but no drafts
+            nexts.append(NextStep(st.w0, (st.num_canvases - 1) * st.seg_len, st.num_logits_rows, True) if st
+                         else NextStep(NO_REWIND))
+        self.set_next_drafts(req_ids, drafts, nexts)
         return drafts
 
     def _next(self, s: _Served, proposals: dict):
@@ -444,4 +405,6 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         t = dict(self.totals)
         t["tpf"] = t["tokens"] / max(1, t["nfe"])
         t["failed"] = self.failures
-        return {"totals": t, "requests": dict(self.finished), "step_time": dict(self.step_time)}
+        # plans_reused: steps whose attention ran on the previous step's plan (the same layout over the same pages)
+        reused = sum(getattr(b, "reused", 0) for b in compat.metadata_builders(self))
+        return {"totals": t, "requests": dict(self.finished), "step_time": {**self.step_time, "plans_reused": reused}}

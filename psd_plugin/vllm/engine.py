@@ -60,10 +60,11 @@ class VLLMEngine:
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 32, block_size: int = 8,
                  method: str = "psd", cache: str | None = None, seed: int = 0, temperature: float = 0.0,
                  batch_size: int = 64, graph=None, config: DecodeConfig | None = None,
-                 **knobs) -> list[GenerationResult]:
+                 ignore_eos: bool = False, **knobs) -> list[GenerationResult]:
         """Decode every prompt through vLLM, as the reference engine's ``generate`` does: with a resolved
         ``config`` (:class:`~model_executor.decode_config.DecodeConfig`), or ``method``, ``block_size``,
-        ``cache``, ``graph`` (a path) and ``knobs`` (:class:`PSDSpeculativeConfig` fields)."""
+        ``cache``, ``graph`` (a path) and ``knobs`` (:class:`PSDSpeculativeConfig` fields); ``ignore_eos``: every request
+        decodes ``max_tokens`` (for timing steady steps)."""
         from vllm import SamplingParams
 
         if config is not None:
@@ -83,7 +84,7 @@ class VLLMEngine:
         if graph is not None:
             spec_config["graph"] = str(graph)  # a path; the runner loads and checks it
         llm = self._engine({k: v for k, v in spec_config.items() if v is not None})
-        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature,
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos,
                                  seed=(seed * 1_000_003 + i) if temperature > 0 else None)
                   for i in range(len(prompts))]
         t0 = time.perf_counter()

@@ -34,6 +34,7 @@ from model_executor.presto_round import DraftState, TreeDrafter, accept_all, dra
 
 from . import compat
 from .config import presto_from_vllm_config
+from .next_step import NextStep
 from .runner import PSDRunnerMixin, engine_fault, request_seed
 
 logger = init_logger(__name__)
@@ -201,7 +202,7 @@ class PrestoRunnerMixin(PSDRunnerMixin):
                 tree = st.tree.prefix(limit - len(st.seq) - 1)
                 self.trees[rid] = tree
                 drafts[i] = list(tree.tokens)
-        self.set_next_drafts(req_ids, drafts, rfs)
+        self.set_next_drafts(req_ids, drafts, [NextStep(r) for r in rfs])
         return drafts
 
     def _draft_state(self, rid: str, seq: list[int]) -> DraftState | None:

@@ -19,47 +19,26 @@ A step of either mode goes through the same hooks (their vLLM names are in :mod:
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
 
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.outputs import DraftTokenIds
 
 from attention_backends.step_batch import StepBatch, current_step, set_step
 from attention_backends.vllm_backend import PSDMetadataBuilder
+from model_executor.dllm_request import engine_fault  # noqa: F401  (the modes' error boundary)
 
 from . import compat
+from .next_step import NextStep, PSDDraftTokenIds
 
 logger = init_logger(__name__)
+
 
 def request_seed(req_id: str) -> int:
     """The sampling seed of a request that gives none: derived from its id, so every rank of a tensor-parallel
     engine draws the same tokens (each rank decodes the gathered logits itself; a rank whose draws differed
     would lay out another step, and the all-reduce would hang or mix masks)."""
     return int.from_bytes(hashlib.blake2b(req_id.encode(), digest_size=8).digest(), "little") >> 2
-
-
-@dataclass
-class PSDDraftTokenIds(DraftTokenIds):
-    """Draft tokens plus, per request, where its next forward starts and how many rows its next step adds
-    beyond its scheduled tokens (a dLLM's extra canvases)."""
-
-    recompute_from: list[int] = field(default_factory=list)
-    extra_rows: list[int] = field(default_factory=list)
-    logits_rows: list[int] = field(default_factory=list)  # per request: logits rows its next step computes
-    planned: list[bool] = field(default_factory=list)  # per request: its next step is planned (never cut)
-    failed: list[str] = field(default_factory=list)  # requests that failed in the runner: finish with an error
-
-
-# What a request's failure must not be taken for: faults of the engine itself, which vLLM handles (its engine
-# core reports them and stops). Everything else raised while one request is decoded or drafted is that
-# request's: it finishes with an error and the others go on (:meth:`PSDRunnerMixin._fail`).
-def engine_fault(exc: BaseException) -> bool:
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)) or not isinstance(exc, Exception):
-        return True
-    dist = getattr(torch.distributed, "DistError", None)
-    return dist is not None and isinstance(exc, dist)
 
 
 class PSDRunnerMixin:
@@ -196,13 +175,10 @@ class PSDRunnerMixin:
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         return True  # drafts are sized by the modes themselves, to the room each request has left
 
-    def set_next_drafts(self, req_ids: list[str], drafts: list[list[int]], recompute_from: list[int],
-                        extra_rows: list[int] | None = None, logits_rows: list[int] | None = None,
-                        planned: list[bool] | None = None) -> None:
-        n = len(req_ids)
-        self._next_drafts = PSDDraftTokenIds(list(req_ids), drafts, recompute_from, extra_rows or [0] * n,
-                                             logits_rows or [0] * n, planned or [bool(d) for d in drafts],
-                                             self._new_failures())
+    def set_next_drafts(self, req_ids: list[str], drafts: list[list[int]], next_steps: list[NextStep]) -> None:
+        """What :meth:`take_draft_token_ids` hands the scheduler after this step: per request of ``req_ids`` its
+        draft tokens and :class:`NextStep`, and the failures it has not been told of yet."""
+        self._next_drafts = PSDDraftTokenIds(list(req_ids), drafts, next_steps, self._new_failures())
 
     def take_draft_token_ids(self):
         out, self._next_drafts = self._next_drafts, None

@@ -43,30 +43,31 @@ from vllm.logger import init_logger
 from . import compat
 from .config import decode_config, from_vllm_config, logits_budget
 from .grammars import GrammarCompiles
+from .next_step import NextStep, PSDDraftTokenIds
 from .validation import GRAMMAR_ARG
 
 logger = init_logger(__name__)
 
+UNPLANNED = NextStep(0)  # a request the runner has planned nothing for yet
 
-def apply_draft_updates(scheduler: Scheduler, draft_token_ids) -> None:
-    """Set each running request's drafts and roll ``num_computed_tokens`` back to the runner's
-    ``recompute_from`` (module docstring)."""
-    rfs = getattr(draft_token_ids, "recompute_from", None)
-    for i, (req_id, drafts) in enumerate(zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids)):
+
+def apply_draft_updates(scheduler: Scheduler, draft_token_ids: PSDDraftTokenIds) -> None:
+    """Set each running request's drafts and roll ``num_computed_tokens`` back to its
+    :attr:`~.runner.NextStep.recompute_from` (module docstring); then finish the requests the runner failed:
+    they are scheduled no more (``scheduler.failing``) and vLLM finishes them with an error at the next step's
+    output (finish reason ``error``: the client gets vLLM's error response), freeing their KV pages; the other
+    requests are not touched."""
+    if not isinstance(draft_token_ids, PSDDraftTokenIds):
+        raise TypeError(f"psd-plugin: the runner handed the scheduler a {type(draft_token_ids).__name__}, not "
+                        "PSDDraftTokenIds (a worker without the plugin's runner?)")
+    for req_id, drafts, nxt in zip(draft_token_ids.req_ids, draft_token_ids.draft_token_ids,
+                                   draft_token_ids.next_steps):
         r = scheduler.requests.get(req_id)
         if r is None or r.is_finished():
             continue
         r.spec_token_ids = list(drafts)
-        if rfs is not None:
-            r.num_computed_tokens = min(r.num_computed_tokens, rfs[i])
-
-
-def fail_requests(scheduler: Scheduler, draft_token_ids) -> None:
-    """The requests the runner failed (``PSDDraftTokenIds.failed``, :meth:`~.runner.PSDRunnerMixin._fail`):
-    they are scheduled no more (``scheduler.failing``) and vLLM finishes them with an error at the next step's
-    output (finish reason ``error``: the client gets vLLM's error response), freeing their KV pages; the other
-    requests are not touched."""
-    for req_id in getattr(draft_token_ids, "failed", None) or ():
+        r.num_computed_tokens = min(r.num_computed_tokens, nxt.recompute_from)
+    for req_id in draft_token_ids.failed:
         r = scheduler.requests.get(req_id)
         if r is not None and not r.is_finished():
             scheduler.failing.add(req_id)
@@ -81,9 +82,8 @@ class DLLMScheduler(Scheduler):
         # the runner's spec-decode bookkeeping counts drafts + 1 rows per request; a dLLM step may schedule
         # drafts only (no recomputed token), so keep one row per request free in its buffers
         self.max_num_scheduled_tokens = max(1, self.max_num_scheduled_tokens - self.max_num_running_reqs)
-        # per request: (rows its next step adds beyond its scheduled tokens, logits rows that step computes, whether
-        # a step is planned: drafts, or a replay with none, :class:`~model_executor.dllm_request.DLLMStep`)
-        self.next_rows: dict[str, tuple[int, int, bool]] = {}
+        # per request: its next step's rows beyond its scheduled tokens, logits rows, and whether it is planned
+        self.next_steps: dict[str, NextStep] = {}
         self.logits_budget = logits_budget(self.vllm_config)
         self.cfg = decode_config(self.vllm_config)
         # structured-output requests wait (held in vLLM's queue) while their grammar compiles off the step
@@ -102,7 +102,7 @@ class DLLMScheduler(Scheduler):
         super().shutdown()
 
     def schedule(self, throttle_prefills: bool = False):
-        self.next_rows = {k: v for k, v in self.next_rows.items() if k in self.requests}
+        self.next_steps = {k: v for k, v in self.next_steps.items() if k in self.requests}
         self.failing &= self.requests.keys()
         for rid, why in self.grammars.poll(self.requests):
             logger.error("psd-plugin: request %s fails: %s", rid, why)
@@ -114,12 +114,13 @@ class DLLMScheduler(Scheduler):
             if r.request_id in self.failing:
                 continue  # finished with an error at this step's output (update_draft_token_ids)
             need = r.num_tokens_with_spec - r.num_computed_tokens
-            more, rows, planned = self.next_rows.get(r.request_id, (0, 0, False))
-            if planned and (need + more > budget or rows > logits):
+            nxt = self.next_steps.get(r.request_id, UNPLANNED)
+            more = nxt.extra_rows
+            if nxt.planned and (need + more > budget or nxt.logits_rows > logits):
                 continue  # waits for the next step, whole
             kept.append(r)
             budget -= max(0, need) + more
-            logits -= rows
+            logits -= nxt.logits_rows
             extra += more
         if len(kept) == len(self.running) and not extra:
             out = super().schedule(throttle_prefills)
@@ -158,15 +159,10 @@ class DLLMScheduler(Scheduler):
                                           num_accepted_tokens=min(num_accepted_tokens, self.num_spec_tokens))
         return spec_decoding_stats
 
-    def update_draft_token_ids(self, draft_token_ids) -> None:
+    def update_draft_token_ids(self, draft_token_ids: PSDDraftTokenIds) -> None:
         apply_draft_updates(self, draft_token_ids)
-        fail_requests(self, draft_token_ids)
-        for req_id, extra, rows, planned in zip(draft_token_ids.req_ids,
-                                                getattr(draft_token_ids, "extra_rows", None) or [],
-                                                getattr(draft_token_ids, "logits_rows", None) or [],
-                                                getattr(draft_token_ids, "planned", None) or []):
-            if req_id in self.requests:
-                self.next_rows[req_id] = (extra, rows, planned)
+        self.next_steps.update((rid, nxt) for rid, nxt in zip(draft_token_ids.req_ids, draft_token_ids.next_steps)
+                               if rid in self.requests)
 
 
 class PrestoScheduler(Scheduler):
@@ -184,6 +180,5 @@ class PrestoScheduler(Scheduler):
         with compat.scheduling_only(self, [r for r in self.running if r not in held], self.max_num_scheduled_tokens):
             return super().schedule(throttle_prefills)
 
-    def update_draft_token_ids(self, draft_token_ids) -> None:
+    def update_draft_token_ids(self, draft_token_ids: PSDDraftTokenIds) -> None:
         apply_draft_updates(self, draft_token_ids)
-        fail_requests(self, draft_token_ids)

@@ -1,0 +1,27 @@
+"""What the runner hands the scheduler after each step (the ticket of the two processes' one exchange): vLLM's
+draft tokens plus, per request, a typed :class:`NextStep`, and the requests the runner failed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.v1.outputs import DraftTokenIds
+
+
+@dataclass(frozen=True)
+class NextStep:
+    """What the runner tells the scheduler of one request's next step, beside its draft tokens."""
+
+    recompute_from: int  # where its next forward starts: the scheduler rolls ``num_computed_tokens`` back to it
+    extra_rows: int = 0  # rows the step adds beyond its scheduled tokens (a dLLM's further canvases)
+    logits_rows: int = 0  # rows of logits the step computes
+    planned: bool = False  # a step is planned (drafts, or a replay with none): never cut, it waits whole
+
+
+@dataclass
+class PSDDraftTokenIds(DraftTokenIds):
+    """vLLM's draft tokens plus, per request (in ``req_ids`` order), its :class:`NextStep`, and the requests the
+    runner failed (:meth:`PSDRunnerMixin._fail`), which the scheduler finishes with an error."""
+
+    next_steps: list[NextStep] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
