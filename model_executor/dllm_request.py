@@ -360,8 +360,8 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
                      failed: dict[int, Exception] | None = None) -> RowPredictions:
     """What the decoders read of one forward's ``logits`` (the ``kept`` rows), both engines alike: the requests'
     rules applied (``rules``: per request of ``requests`` its :class:`~model_executor.decoding.LogitsRules` or
-    None; :func:`~model_executor.decoding.apply_rules`), structured outputs'' frontier rule (grammar masks before the top-1, the running-min constraint
-    after), and the top-1 of every kept row computed once (:func:`~model_executor.decoding.predict_rows`; the
+    None; :func:`~model_executor.decoding.apply_rules`), structured outputs' frontier rule (grammar masks before
+    the top-1, the running-min constraint after), and the top-1 of every kept row computed once (:func:`~model_executor.decoding.predict_rows`; the
     mask token is never a prediction). ``requests``, ``steps``, ``firsts`` (each canvas's first prediction row):
     the step's requests.
 

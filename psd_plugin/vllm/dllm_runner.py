@@ -41,7 +41,7 @@ from vllm.v1.outputs import SamplerOutput
 
 from attention_backends.step_batch import Rows, StepBatch, build_step_batch
 from model_executor.decoding import LogitsRules, merge_stats, predict_rows, propose_all
-from model_executor.dllm_request import DLLMRequest, decode_step
+from model_executor.dllm_request import DLLMRequest, decode_step, engine_fault
 from model_executor.grammar import GrammarFrontier
 from model_executor.models.configs import ArchSpec
 
@@ -49,7 +49,7 @@ from . import compat
 from .config import decode_config, logits_budget
 from .grammars import compiled, served_compiler
 from .next_step import NextStep
-from .runner import PSDRunnerMixin, engine_fault, request_seed
+from .runner import PSDRunnerMixin, request_seed
 from .validation import GRAMMAR_ARG
 
 logger = init_logger(__name__)

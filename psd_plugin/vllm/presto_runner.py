@@ -30,12 +30,13 @@ from attention_backends.step_batch import Rows, build_step_batch
 from model_executor.decoding.ngram import NGramModel
 from model_executor.decoding.tree import TokenTree
 from model_executor.models.reference import ReferenceDLLM
+from model_executor.dllm_request import engine_fault
 from model_executor.presto_round import DraftState, TreeDrafter, accept_all, draft_options, verify_layout
 
 from . import compat
 from .config import presto_from_vllm_config
 from .next_step import NextStep
-from .runner import PSDRunnerMixin, engine_fault, request_seed
+from .runner import PSDRunnerMixin, request_seed
 
 logger = init_logger(__name__)
 

@@ -26,7 +26,7 @@ from vllm.logger import init_logger
 
 from attention_backends.step_batch import StepBatch, current_step, set_step
 from attention_backends.vllm_backend import PSDMetadataBuilder
-from model_executor.dllm_request import engine_fault  # noqa: F401  (the modes' error boundary)
+from model_executor.dllm_request import engine_fault
 
 from . import compat
 from .next_step import NextStep, PSDDraftTokenIds
