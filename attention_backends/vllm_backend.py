@@ -49,6 +49,7 @@ import functools
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from vllm.model_executor.layers.attention import Attention
@@ -177,11 +178,10 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
                     self.reused += 1
                     plan, attn, kernel = last[2]
                     return PSDAttentionMetadata(plan, attn, None, cam.slot_mapping[:T], T, self.head_major, kernel)
-                slots = vllm_slots(table, prefix, qsl, self.page_size)
-                if self.device.type == "cpu" and not torch.equal(slots, cam.slot_mapping[:T].long()):
-                    # on the CPU vLLM's slot mapping is a host tensor: the host slots are checked against it
-                    raise RuntimeError("psd attention backend: the slots derived from the host block table differ "
-                                       "from vLLM's slot mapping")
+                # on the CPU vLLM's slot mapping is a host tensor: read it; elsewhere derive the same slots from
+                # the host block table (the plan needs them on the host; reading the device's would sync)
+                slots = cam.slot_mapping[:T].long() if self.device.type == "cpu" \
+                    else vllm_slots(table, prefix, qsl, self.page_size)
         # rows vLLM scheduled have their K/V written (``forward``) before attending; extra rows do not. On the CPU
         # vLLM's kernel takes every row where the scheduled rows see exactly their pages and the further canvases
         # stand on them (one kernel call per canvas index) and, with drafts, where that pays; else PyTorch
@@ -255,11 +255,12 @@ def vllm_slots(block_table: torch.Tensor, prefix_lens: torch.Tensor, query_start
     """``[T]`` flat cache slots of the rows vLLM scheduled, on the host: request ``r``'s rows are at positions
     ``prefix_lens[r] + i``, and slot = ``block_table[r, pos // page_size] * page_size + pos % page_size``
     (vLLM's slot mapping without context parallelism, ``vllm/v1/worker/block_table.py``)."""
-    lens = query_start_loc.diff()
-    T = int(query_start_loc[-1])
-    req = torch.repeat_interleave(torch.arange(lens.numel()), lens, output_size=T)
-    pos = prefix_lens[req] + torch.arange(T) - query_start_loc[:-1][req]
-    return block_table[req, pos // page_size].long() * page_size + pos % page_size
+    qsl = query_start_loc.numpy()
+    T = int(qsl[-1])
+    req = np.repeat(np.arange(qsl.size - 1), np.diff(qsl))  # numpy: a few microseconds where torch's small ops
+    pos = prefix_lens.numpy()[req] + np.arange(T) - qsl[:-1][req]  # take tens
+    table = block_table.numpy()
+    return torch.from_numpy(table[req, pos // page_size].astype(np.int64) * page_size + pos % page_size)
 
 
 class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
@@ -358,7 +359,7 @@ class PSDAttentionBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # listed in psd_plugin.vllm.compat.OBJECTS
 
         # the CPU: vLLM's CPU attention layout, which its kernels read in place; elsewhere FlashInfer's NHD pages
         return (KVCacheLayout.LBHNC,) if current_platform.is_cpu() else (KVCacheLayout.LBNHC,)

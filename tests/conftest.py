@@ -6,6 +6,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM's compile cache for every engine the tests start, the AR ones too (the plugin sets it for its own on the
+# CPU: compat.AOT_COMPILE_ENV): vLLM-CPU 0.32's AOT cache never loads, so each compiled start would compile again
+os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
 from psd_plugin import DEFAULT_DLLM  # noqa: E402
 

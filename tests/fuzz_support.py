@@ -33,6 +33,7 @@ log.
 from __future__ import annotations
 
 import collections
+import http.client
 import json
 import re
 import threading
@@ -443,7 +444,7 @@ def post(url: str, body, timeout: float = 120) -> tuple[int | None, str]:
             return r.status, r.read().decode(errors="replace")
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode(errors="replace")
-    except OSError as e:
+    except (OSError, http.client.HTTPException) as e:  # no answer, or one cut off (IncompleteRead)
         return None, f"{type(e).__name__}: {e}"
 
 

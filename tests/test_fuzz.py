@@ -45,8 +45,8 @@ pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 256
 SEED = 49
-MAX_EXAMPLES = 40  # Hypothesis-generated requests per endpoint, besides the examples and coverage cases
-MAX_EXAMPLES_RESPONSES = 300  # POST /v1/responses: generated requests only
+MAX_EXAMPLES = 20  # Hypothesis-generated requests per endpoint, besides the examples and coverage cases
+MAX_EXAMPLES_RESPONSES = 150  # POST /v1/responses: generated requests only
 MIN_REQUESTS = 2000  # per server
 TIME_BUDGET_S = 170  # per server, for sending
 

@@ -6,8 +6,10 @@ its share of the heads (KV heads replicated where the ranks outnumber them, as i
 LLaDA2 checkpoints: 2 heads, 1 KV head) and of LLaDA2's experts, and runs the decoders on the gathered logits.
 
 - Tensor parallelism (2 ranks) gives the reference engine's tokens and forwards (the reference engine equals
-  one rank in ``test_vllm_decoding.py``): every method on LLaDA with the prefix cache, the dual cache, the
-  random Dream, SDAR and LLaDA2 checkpoints, and PRESTO (= the AR target's greedy decoding).
+  one rank in ``test_vllm_decoding.py``): methods on LLaDA with the prefix cache and the dual cache, on the
+  random Dream, SDAR and LLaDA2 checkpoints, and PRESTO (= the AR target's greedy decoding). CI runs the
+  decoders and layouts that differ (each extra-canvas method on some family); ``PSD_TP_MATRIX=1`` runs every
+  method on every family and cache.
 - A seeded sampled request is the same on 1 and 2 ranks; an unseeded one runs (its seed comes from its id,
   so the ranks' draws agree; the per-step layout check would fail the step otherwise).
 - Served: 32 concurrent streaming clients on a 2-rank server, each output equal to its solo run; a dense
@@ -69,7 +71,11 @@ def random_prompts():
     return [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (3, 9, 17, 30, 41)]
 
 
-@pytest.mark.parametrize("method", METHODS)
+# CI: the decoders whose rank-sensitive paths no other test here runs on two ranks (the policy family, PSD on the
+# default model and cache, joint_threshold's edits; LoPA, FreeDave and Spiffy run on the random checkpoints
+# below); PSD_TP_MATRIX=1 runs every method
+@pytest.mark.parametrize("method", METHODS if os.environ.get("PSD_TP_MATRIX") else
+                         ("confidence", "psd", "joint_threshold"))
 def test_two_ranks_equal_the_reference_every_method(heldout_prompts, method):
     _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache="prefix", llm_kw=TP)
 
@@ -161,40 +167,59 @@ async def _streams(url, prompts, max_tokens=32):
                                     return_exceptions=True)
 
 
-def _served_as_alone(prompts, *server_args):
-    """Every prompt streamed at once to a server started with ``server_args``: each output equals the prompt
-    decoded alone by the reference engine, none lost, and the server stops cleanly."""
+def _served_as_alone(prompts, srv=None, *server_args):
+    """Every prompt streamed at once to ``srv`` (else a server started with ``server_args``, then stopped): each
+    output equals the prompt decoded alone by the reference engine, none lost, and a server started here stops
+    cleanly."""
     from model_executor.engine import ReferenceEngine
 
     engine = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
     alone = [engine.generate([p], max_tokens=32, method="psd")[0].token_ids for p in prompts]
-    srv = _serve(*server_args)
+    own = srv is None
+    srv = _serve(*server_args) if own else srv
     try:
         got = asyncio.run(_streams(srv.url, prompts))
     finally:
-        assert srv.stop() == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"
+        if own:
+            assert srv.stop() == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"
     assert len(got) == len(prompts)
     for i, (g, a) in enumerate(zip(got, alone)):
         assert g == a, f"request {i}: served {g} != alone {a}"
 
 
-def test_two_rank_server_under_32_concurrent_streams(heldout_prompts):
-    _served_as_alone((heldout_prompts * 3)[:32], "--tensor-parallel-size", "2", "--max-num-seqs", "32")
+@pytest.fixture(scope="module")
+def tp_server():
+    """A 2-rank server shared by the tests below (one start instead of one each); a test that finds it exited
+    (the killed-worker test ends it) gets a new one."""
+    servers = []
+
+    def get():
+        if not servers or servers[-1].proc.poll() is not None:
+            servers.append(_serve("--tensor-parallel-size", "2", "--max-num-seqs", "32"))
+        return servers[-1]
+
+    yield get
+    for srv in servers:
+        srv.stop(timeout=30)
+
+
+def test_two_rank_server_under_32_concurrent_streams(heldout_prompts, tp_server):
+    _served_as_alone((heldout_prompts * 3)[:32], tp_server())
 
 
 def test_two_data_parallel_ranks_answer_as_one(heldout_prompts):
-    _served_as_alone(heldout_prompts, "--data-parallel-size", "2", "--max-num-seqs", "8")
+    _served_as_alone(heldout_prompts, None, "--data-parallel-size", "2", "--max-num-seqs", "8")
 
 
 KILLED_WORKER_EXIT_S = 60  # the bound docs/configuration.md states
 
 
-def test_a_killed_worker_fails_the_requests_and_the_server_exits(heldout_prompts):
+def test_a_killed_worker_fails_the_requests_and_the_server_exits(heldout_prompts, tp_server):
     """A worker process dies (SIGKILL) while requests run: they fail with an error (not a hang) and the server
     exits within :data:`KILLED_WORKER_EXIT_S` seconds."""
     import psutil
 
-    srv = _serve("--tensor-parallel-size", "2", "--max-num-seqs", "8")
+    srv = tp_server()
     try:
         workers = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
                    if "VllmWorker" in " ".join(p.cmdline()) or "Worker" in p.name()]

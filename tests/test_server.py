@@ -93,6 +93,15 @@ def test_client_keys_and_bad_options_are_400_on_every_endpoint(server):
         with pytest.raises(openai.BadRequestError, match="psd_grammar"):
             call({"psd_grammar": "junk"})
         call({"my_key": 1})  # a client's own key is the client's
+    # streamed Responses: vLLM adds the request after the stream has started; the refusal ends the stream with
+    # the API's error event (the connection used to be cut mid-response: found by tests/test_fuzz.py)
+    events = list(client.responses.create(model="llada-tiny", input="hi", max_output_tokens=8, temperature=0,
+                                          stream=True, extra_body={"vllm_xargs": {"psd_grammar": "junk"}}))
+    assert events[-1].type == "error" and "psd_grammar" in events[-1].message, events
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    ok = list(client.responses.create(model="llada-tiny", input="hi", max_output_tokens=8, temperature=0,
+                                      stream=True))
+    assert ok[-1].type == "response.completed", ok[-1]
     assert proc.poll() is None
 
 

