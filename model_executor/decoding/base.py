@@ -360,12 +360,10 @@ def canvas_row_index(decoders: list[BlockDecoder], canvas_rows: list[list[int]],
                      ) -> torch.Tensor:
     """``[R, K, L]``: the row of ``preds`` of position ``l`` of canvas ``k`` of decoder ``r`` (-1 past its
     canvases or past a shorter block); ``K`` defaults to the most canvases of a decoder."""
-    R = len(decoders)
     lens = [d.state.numel() for d in decoders]
     K = max(len(c) for c in canvas_rows) if K is None else K
-    starts = torch.full((R, K), -1, dtype=torch.long)
-    for r, c in enumerate(canvas_rows):
-        starts[r, : len(c)] = torch.tensor(c[:K], dtype=torch.long)
+    # one tensor from Python lists (a tensor per decoder costs more than the list arithmetic)
+    starts = torch.tensor([list(c[:K]) + [-1] * (K - len(c[:K])) for c in canvas_rows], dtype=torch.long)
     j = torch.arange(max(lens))
     ok = (starts[..., None] >= 0) & (j < torch.tensor(lens)[:, None, None])
     return torch.where(ok, starts[..., None] + j, -1)
