@@ -242,10 +242,10 @@ def _self_reads(path: Path) -> dict[str, set[str]]:
     return out
 
 
-def _adapter_defines() -> set[str]:
-    """Everything the adapter's own classes define: methods, class attributes, ``self.X = ...``."""
+def _adapter_defines(paths=OWN) -> set[str]:
+    """Everything the adapter's own classes define (in ``paths``): methods, class attributes, ``self.X = ...``."""
     names = set()
-    for path in OWN:
+    for path in paths:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
                     and isinstance(node.ctx, ast.Store):
@@ -373,16 +373,7 @@ def test_the_attention_backend_overrides_and_reads_only_listed_vllm_names():
     vLLM's base classes that compat does not name (what they define themselves aside)."""
     from attention_backends.vllm_backend import PSDAttentionImpl, PSDMetadataBuilder
 
-    defined = set()
-    for node in ast.walk(ast.parse(BACKEND.read_text())):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self" \
-                and isinstance(node.ctx, ast.Store):
-            defined.add(node.attr)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            defined.add(node.name)
-        elif isinstance(node, ast.ClassDef):
-            defined |= {t.id for st in node.body if isinstance(st, (ast.Assign, ast.AnnAssign))
-                        for t in (st.targets if isinstance(st, ast.Assign) else [st.target]) if isinstance(t, ast.Name)}
+    defined = _adapter_defines([BACKEND])
     reads = _self_reads(BACKEND)
     for ours, where in ((PSDMetadataBuilder, "vllm.v1.attention.backend:AttentionMetadataBuilder"),
                         (PSDAttentionImpl, "vllm.v1.attention.backend:AttentionImpl")):
