@@ -178,10 +178,13 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
                     self.reused += 1
                     plan, attn, kernel = last[2]
                     return PSDAttentionMetadata(plan, attn, None, cam.slot_mapping[:T], T, self.head_major, kernel)
-                # on the CPU vLLM's slot mapping is a host tensor: read it; elsewhere derive the same slots from
-                # the host block table (the plan needs them on the host; reading the device's would sync)
-                slots = cam.slot_mapping[:T].long() if self.device.type == "cpu" \
-                    else vllm_slots(table, prefix, qsl, self.page_size)
+                # the slots from the host block table (the plan needs them on the host; reading the device's
+                # mapping would sync)
+                slots = vllm_slots(table, prefix, qsl, self.page_size)
+                if self.device.type == "cpu" and not torch.equal(slots, cam.slot_mapping[:T].long()):
+                    # on the CPU vLLM's slot mapping is a host tensor: the host slots are checked against it
+                    raise RuntimeError("psd attention backend: the slots derived from the host block table differ "
+                                       "from vLLM's slot mapping")
         # rows vLLM scheduled have their K/V written (``forward``) before attending; extra rows do not. On the CPU
         # vLLM's kernel takes every row where the scheduled rows see exactly their pages and the further canvases
         # stand on them (one kernel call per canvas index) and, with drafts, where that pays; else PyTorch

@@ -154,7 +154,7 @@ def test_sampling_is_the_same_on_one_and_two_ranks(heldout_prompts):
 def _serve(*args):
     from psd_plugin.vllm.server import start
 
-    return start(["--max-model-len", "512", "--dtype", "float32", *args], env=RANKS_ENV)
+    return start(["--max-model-len", "512", "--dtype", "float32", "--enforce-eager", *args], env=RANKS_ENV)
 
 
 async def _streams(url, prompts, max_tokens=32):

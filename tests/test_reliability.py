@@ -57,8 +57,9 @@ def dllm_server():
     from psd_plugin.vllm.server import start
 
     # request logging at INFO whatever this process's environment says (the abort lines are read from the log)
+    # eager: the servers' tests are about serving (the compiled model is test_server's and the engine tests')
     srv = start(["--max-model-len", "512", "--max-num-seqs", "64", "--dtype", "float32", "--enable-log-requests",
-                 "--speculative-config", json.dumps(SPEC)], env={"VLLM_LOGGING_LEVEL": "INFO"})
+                 "--enforce-eager", "--speculative-config", json.dumps(SPEC)], env={"VLLM_LOGGING_LEVEL": "INFO"})
     yield srv
     code = srv.stop()  # test_sigterm_under_load stops it first
     assert code == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"
@@ -306,7 +307,7 @@ def test_presto_server_under_load(prompts):
 
     alone = [r.token_ids for r in AREngine.from_pretrained(DEFAULT_AR).generate(prompts, max_tokens=32)]
     srv = start([str(DEFAULT_AR), "--served-model-name", "ar-tiny", "--max-model-len", "512",
-                 "--max-num-seqs", "64", "--dtype", "float32"])
+                 "--max-num-seqs", "64", "--dtype", "float32", "--enforce-eager"])
     try:
         got = asyncio.run(_all(srv.url, "ar-tiny", prompts))
         for path, body in _controls(prompts[0], "ar-tiny"):
