@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/exactness.py [--limit N] [--dtypes float64,float32] [--caches prefix,dual]
         [--tasks sort,...,count_lines]   # default: the short tasks; a long family decodes with its 256 budget
+        [--temperature 0.9 --top-k 20]  # sampled: the same seeds for the base policy and the method
 
 float64 must match on every prompt (the tests check that too). In float32 a draft canvas is computed in a
 batch of a different shape than plain decoding's forward, so the last bits of a logit may differ; when
@@ -56,6 +57,8 @@ def main():
     ap.add_argument("--caches", default="prefix", help="comma-separated KV-cache modes: prefix, dual")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--tasks", default=",".join(TASKS), help="comma-separated held-out tasks (default: the short ones)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled, seeds 0 .. (prompt i: seed i)")
+    ap.add_argument("--top-k", type=int, default=0)
     args = ap.parse_args()
     try:
         tasks = parse_tasks(args.tasks)
@@ -77,26 +80,30 @@ def main():
         for pol in ("static", "confidence"):
             g = load_graph(default_graph(args.model, pol))
             runs[f"spiffy D*=3 vs {pol}"] = (pol, dict(method="spiffy", policy=pol, graph=g, budget=3))
+        sample = dict(temperature=args.temperature, top_k=args.top_k, seed=0) if args.temperature > 0 else {}
         for cache in caches:
             base_cache = {}
             for name, (pol, kw) in runs.items():
                 if pol not in base_cache:
-                    base_cache[pol] = generate_by_budget(engine, prompts, budgets, method=pol, cache=cache)
+                    base_cache[pol] = generate_by_budget(engine, prompts, budgets, method=pol, cache=cache, **sample)
                 base = base_cache[pol]
-                out = generate_by_budget(engine, prompts, budgets, cache=cache, **kw)
+                out = generate_by_budget(engine, prompts, budgets, cache=cache, **kw, **sample)
                 bad = [i for i, (a, b) in enumerate(zip(base, out)) if a.token_ids != b.token_ids]
                 entry = {"prompts": len(prompts), "identical": len(prompts) - len(bad),
                          "match_rate": round(1 - len(bad) / len(prompts), 4),
                          "nfe_ratio": round(sum(r.nfe for r in out) / sum(r.nfe for r in base), 4),
                          "mismatches": [{"prompt": rows[i]["prompt"],
-                                         **min_margin(engine, prompts[i], pol, cache, budgets[i])} for i in bad]}
+                                         **({} if sample else min_margin(engine, prompts[i], pol, cache, budgets[i]))}
+                                        for i in bad]}
                 key = f"{name} ({dtype})" if cache == "prefix" else f"{name} ({dtype}, dual cache)"
                 if tasks != TASKS:
                     key += f" [{','.join(tasks)}]"
+                if sample:
+                    key += f" T={args.temperature:g} top_k={args.top_k}"
                 report[key] = entry
                 print(f"{name:<26} {dtype} {cache}: {entry['identical']}/{len(prompts)} identical, NFE ratio "
                       f"{entry['nfe_ratio']:.3f}", flush=True)
-                for m in entry["mismatches"]:
+                for m in entry["mismatches"] if not sample else ():
                     print(f"    mismatch: {m['prompt']!r}: smallest conf gap {m['conf_gap']:.2e}, "
                           f"logit gap {m['logit_gap']:.2e}")
     args.out.mkdir(parents=True, exist_ok=True)

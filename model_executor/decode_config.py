@@ -10,8 +10,9 @@ front end; the scheduler, the per-request checks and the runner read the same re
 - :func:`resolve`: the knobs plus the method, checked against the model (:class:`~.models.configs.ArchSpec`),
   with the model-dependent defaults filled in (block size, cache mode) and Spiffy's draft graph attached.
 - :class:`DecodeConfig`: the result, immutable. :meth:`DecodeConfig.check_request` holds the per-request
-  rules (sampling, penalties), :meth:`DecodeConfig.step_rows` the one formula for how many rows a step of a
-  request forwards, :meth:`DecodeConfig.decoder_factory` builds each block's decoder.
+  rules (penalties), :meth:`DecodeConfig.sampling` a request's sampling options, :meth:`DecodeConfig.step_rows`
+  the one formula for how many rows a step of a request forwards, :meth:`DecodeConfig.decoder_factory` builds
+  each block's decoder.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import msgspec
 import torch
 
 from .block_schedule import CACHE_MODES, CacheSchedule, plan_blocks
-from .decoding import GREEDY_ONLY, METHODS, BlockDecoder, DraftDAG, make_decoder
+from .decoding import METHODS, BlockDecoder, DraftDAG, Sampling, make_decoder
 from .decoding.policies import SPATIAL_POLICIES
 
 Threshold = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
@@ -63,6 +64,9 @@ class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
       (default, Fast-dLLM: everything), ``answer`` (keeps the prompt's K/V from the request's first forward; an
       approximation), ``last`` (keeps every K/V cached so far, recomputes from the previous block on; an
       approximation). :mod:`model_executor.block_schedule` gives the windows.
+    - ``sample_confidence``: what a sampled position's commit confidence is (:mod:`.decoding.sampling`):
+      ``drawn`` (default; LLaDA, Fast-dLLM: the model's untempered probability of the drawn token) |
+      ``tempered`` (SGLang's dLLM sampler: ``min(p_max, exp((z_drawn - z_max) / T))``).
     """
 
     threshold: Threshold = 0.9
@@ -80,6 +84,7 @@ class DecodeKnobs(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cache: Literal["none", "prefix", "dual", "block"] | None = None
     suffix: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] | None = None
     refresh: Literal["full", "answer", "last"] = "full"
+    sample_confidence: Literal["drawn", "tempered"] = "drawn"
 
 
 @dataclass(frozen=True)
@@ -135,30 +140,31 @@ class DecodeConfig:
         refill = plan_blocks(P, M, B, self.aligned)[-1][0]  # a request preempted in its last block
         return max(first, self.max_canvases() * later, refill)
 
-    def check_request(self, temperature: float = 0.0, penalized: bool = False) -> None:
-        """Raise :class:`ConfigError` for request options this config cannot decode."""
-        if temperature > 0 and self.method in GREEDY_ONLY:
-            raise ConfigError(f"temperature={temperature}: decoding {self.method!r} is greedy (its acceptance tests "
-                              "compare argmax tokens); use temperature 0, or decoding static | confidence | localleap "
-                              "| spiffy (lossless under sampling)")
+    def check_request(self, penalized: bool = False) -> None:
+        """Raise :class:`ConfigError` for request options this config cannot decode (every method samples)."""
         if penalized and self.method not in SPATIAL_POLICIES:
             raise ConfigError(f"penalties with decoding {self.method!r}: they count the tokens committed so far, "
                               "which its draft canvases would see out of date; use decoding "
                               f"{' | '.join(SPATIAL_POLICIES)}")
 
-    def decoder_factory(self, mask_id: int, *, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                        min_p: float = 0.0, generator: torch.Generator | None = None
+    def sampling(self, temperature: float, seed: int, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
+                 ) -> Sampling | None:
+        """A request's :class:`~.decoding.Sampling` under this config (None: greedy, ``temperature`` 0); ``top_k``
+        -1 or 0 keeps every token."""
+        if not temperature > 0:
+            return None
+        return Sampling(temperature, seed, max(top_k, 0), top_p, min_p, self.knobs.sample_confidence)
+
+    def decoder_factory(self, mask_id: int, sampling: Sampling | None = None
                         ) -> Callable[[torch.Tensor], BlockDecoder]:
-        """``make(block)``: the decoder of one block of a request sampled with these options."""
+        """``make(block)``: the decoder of one block of a request sampled with ``sampling`` (None: greedy)."""
         k = self.knobs
         kw = dict(threshold=k.threshold, relaxed_threshold=k.relaxed_threshold, radius=k.radius, policy=k.policy,
                   depth=k.depth, dag_shape=k.dag_shape, branches=k.branches, steps=k.steps, budget=k.budget,
-                  graph=self.graph, dag=self.dag,
-                  temperature=temperature, top_k=max(top_k, 0), top_p=top_p, min_p=min_p,
-                  edit_threshold=k.edit_threshold, max_post_edit_steps=k.max_post_edit_steps)
+                  graph=self.graph, dag=self.dag, sampling=sampling, edit_threshold=k.edit_threshold, max_post_edit_steps=k.max_post_edit_steps)
 
         def make(block: torch.Tensor) -> BlockDecoder:
-            return make_decoder(self.method, block, mask_id, generator=generator, **kw)
+            return make_decoder(self.method, block, mask_id, **kw)
         return make
 
 

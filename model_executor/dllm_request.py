@@ -26,6 +26,7 @@ import torch
 from .block_schedule import CacheSchedule, plan_blocks
 from .decoding import (BlockDecoder, Proposal, RowPredictions, apply_rules, logits_map, merge_stats, predict_rows,
                        update_all)
+from .decoding.sampling import RowDraws, row_draws
 from .grammar import GrammarFrontier, constrain_rows, mask_frontiers
 
 
@@ -248,8 +249,9 @@ class DLLMRequest:
         rows = self.tokens[w0:w1].repeat(len(canvases), 1)
         block = torch.stack(canvases)
         rows[:, b0 - w0: b1 - w0] = block
-        # the rows a decoder reads: every row of a canvas it samples from (the draw covers the block, as the
-        # authors' code draws it), else the positions each canvas leaves masked (no prediction is read elsewhere)
+        # the rows a decoder reads: the positions each canvas leaves masked (no prediction is read elsewhere; a draw
+        # is keyed by its position, so drawing the masked ones alone is the draw of the block), every row for a
+        # decoder that reads filled positions too (edits, calibration)
         kept = torch.ones_like(block, dtype=torch.bool) if self.dec.reads_all_rows else block == self.mask_id
         return DLLMStep(w0, w1, b0, b1, rows, keep, sch.shift, sch.kept_suffix((b0, b1), self.total), proposal,
                         kept.flatten())
@@ -382,7 +384,7 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     job_failed = None if failed is None else {}
     if jobs:
         mask_frontiers(logits, jobs, at, job_failed)
-    preds = predict_rows(logits, mask_id=mask_id, kept=kept)
+    preds = predict_rows(logits, mask_id=mask_id, kept=kept, draws=step_draws(requests, steps, firsts, at, failed))
     bad = preds.conf.isnan()
     if bool(bad.any()):  # host data; one reduction over the step's rows
         for i, (st, f) in enumerate(zip(steps, firsts)):
@@ -402,6 +404,20 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
         for n, e in job_failed.items():
             failed.setdefault(owners[n], e)
     return preds
+
+
+def step_draws(requests: list[DLLMRequest], steps: list[DLLMStep], firsts: list[list[int]], at: torch.Tensor,
+               skip: dict | None = None) -> RowDraws | None:
+    """The step's sampled rows (:mod:`model_executor.decoding.sampling`): every kept prediction row of a request
+    whose decoder samples (not in ``skip``), with its request's seed, its predicted position and its canvas's
+    step in the block (:meth:`~model_executor.decoding.Proposal.canvas_steps`); ``at`` maps prediction rows to
+    logits rows. None when no request samples."""
+    jobs = []
+    for i, (r, st, f) in enumerate(zip(requests, steps, firsts)):
+        if st.rebuild or r.dec is None or r.dec.sampling is None or (skip and i in skip):
+            continue
+        jobs.append((r.dec.sampling, st.b0, f, st.proposal.canvas_steps(r.dec.t), st.block_len, st.kept.numpy()))
+    return row_draws(jobs, at.numpy()) if jobs else None
 
 
 def engine_fault(exc: BaseException) -> bool:

@@ -80,9 +80,9 @@ class ReferenceEngine:
         ``config``: a resolved :class:`~model_executor.decode_config.DecodeConfig`; without one, ``method``,
         ``block_size``, ``cache``, ``graph``, ``dag`` and ``knobs`` (fields of
         :class:`~model_executor.decode_config.DecodeKnobs`: ``threshold``, ``policy``, ``depth`` ...) are resolved
-        into one. ``temperature``, ``top_k``, ``top_p``, ``min_p`` sample (each request from its own generator,
-        seeded from ``seed``). ``rules`` (logit bias, allowed and banned tokens, ``min_tokens``, penalties) apply
-        to every request's logits before the decoders see them. ``logprobs=k`` gives each token's log-probability
+        into one. ``temperature``, ``top_k``, ``top_p``, ``min_p`` sample, every method (prompt ``i``'s draws
+        seeded ``seed * 1_000_003 + i``; :mod:`~model_executor.decoding.sampling`). ``rules`` (logit bias, allowed
+        and banned tokens, ``min_tokens``, penalties) apply to every request's logits before the decoders see them. ``logprobs=k`` gives each token's log-probability
         and the ``k`` most likely tokens' (:attr:`GenerationResult.logprobs`). ``decoder_factory(block)``
         replaces the method's decoder (calibration uses it to record trajectories). ``grammar``: structured
         outputs, a compiled grammar (:func:`~model_executor.grammar.compile_grammar`) every answer must follow,
@@ -95,7 +95,7 @@ class ReferenceEngine:
             except msgspec.ValidationError as e:
                 raise ConfigError(f"knobs: {e}") from None
             config = resolve(method, knobs, spec, block_size=block_size, graph=graph, dag=dag, where="generate")
-        config.check_request(temperature, rules is not None and rules.penalized)
+        config.check_request(rules is not None and rules.penalized)
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0 (got {max_tokens})")
         for p in prompts:
@@ -115,11 +115,8 @@ class ReferenceEngine:
             idx = list(range(s, min(len(prompts), s + batch_size)))
             reqs: list[DLLMRequest] = []
             for i in idx:
-                gen = None
-                if temperature > 0:
-                    gen = torch.Generator(device=self.device).manual_seed(seed * 1_000_003 + i)
-                make = decoder_factory or config.decoder_factory(spec.mask_token_id, temperature=temperature,
-                                                                 top_k=top_k, top_p=top_p, min_p=min_p, generator=gen)
+                sampling = config.sampling(temperature, seed * 1_000_003 + i, top_k, top_p, min_p)
+                make = decoder_factory or config.decoder_factory(spec.mask_token_id, sampling)
                 g = None if grammars[i] is None else GrammarFrontier(grammars[i], spec.vocab_size, spec.eos_token_id,
                                                                      spec.mask_token_id)
                 reqs.append(DLLMRequest(list(prompts[i]), max_tokens, config.block_size, make, spec.mask_token_id,

@@ -24,8 +24,9 @@ class TreeConfig(TreeKnobs, forbid_unknown_fields=True, kw_only=True):
 class RunConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True):
     """``psd generate/eval --config JSON`` for dLLMs: the method knobs (:class:`DecodeKnobs`) plus
 
-    - ``temperature``: 0 is greedy; > 0 samples with Gumbel noise in float64 (LLaDA ``generate.py``;
-      static, confidence, localleap, and spiffy, which samples its base policy's tokens losslessly).
+    - ``temperature``: 0 is greedy; > 0 samples, every method, by Gumbel-max with the noise in float64 (LLaDA
+      ``generate.py``), a function of the seed, the position and the step (:mod:`model_executor.decoding.sampling`:
+      FreeDave and Spiffy sample their base policy's tokens losslessly).
     - ``seed``: seed of the sampling noise.
     - ``batch_size``: requests decoded together in one model call.
     """

@@ -14,9 +14,9 @@ becomes the same request):
   zero, a float, a string, null, a list, past ``max_model_len`` or vLLM's ``n`` limit), so each validation path
   the generator reaches is still taken, and a valid value stays valid: only the cost changes;
 - reach: most generated requests would be refused before any plugin code runs (an unknown model name, no
-  prompt, vLLM's default temperature 1 where the dLLM's ``psd`` decoding is greedy, a schema template's
-  ``tools: []``). So a string ``model`` becomes the served name 7 times in 8 (an absent one 3 in 4), a
-  non-negative or absent ``temperature`` becomes 0 with probability ``p_greedy``, and an absent or empty field
+  prompt, a schema template's ``tools: []``). So a string ``model`` becomes the served name 7 times in 8 (an
+  absent one 3 in 4), a non-negative or absent ``temperature`` becomes 0 with probability ``p_greedy`` (greedy
+  outputs are the ones checked against the reference), and an absent or empty field
   of ``BASE`` (a prompt, messages, a small ``max_tokens``) is filled 3 times in 4. A coverage-phase case varies
   one field of a template (schemathesis' metadata says which, :func:`varied_field`): 3 times in 4 it is sent
   as that field alone on the ``BASE`` request, so the variation is what the server judges. The varied field,
@@ -43,7 +43,7 @@ import urllib.request
 import zlib
 from dataclasses import dataclass, field
 
-CAP_TOKENS = 16
+CAP_TOKENS = 8
 CAP_N = 2
 MAX_N_SEQUENCES = 16384  # vLLM's VLLM_MAX_N_SEQUENCES default: a larger n is refused, so it stays
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens")

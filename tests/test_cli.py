@@ -20,26 +20,21 @@ def psd(*args, input=None):
 
 
 @pytest.mark.engine
-def test_generate_json_fields():
-    r = psd("generate", "--json", "--prompt", "Sort the list: 5 2 8", "--prompt", "Reverse the list: x y z")
+def test_generate_json_fields_from_a_prompts_file(tmp_path):
+    """``psd generate --json`` over a prompts file (a blank line skipped) with a method and a config: one JSON row
+    per prompt with its fields, TPF consistent with them, the chat template applied, static's one token per
+    forward."""
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "Sort the list: 5 2 8"}\n\n{"prompt": "Reverse the list: x y z"}\n')
+    r = psd("generate", "--json", "--prompts", str(f), "--method", "static", "--config", '{"cache": "none"}')
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in r.stdout.splitlines()]
     assert len(rows) == 2
     for row in rows:
         assert {"prompt", "prompt_token_ids", "text", "token_ids", "nfe", "tpf", "seconds"} <= set(row)
         assert row["tpf"] == pytest.approx(len(row["token_ids"]) / row["nfe"], abs=1e-4)
-        assert row["token_ids"][-1] == 0  # EOS of the embedded tokenizer
+        assert row["nfe"] >= len(row["token_ids"])
     assert rows[0]["prompt_token_ids"][:2] == [1, 3]  # <|startoftext|><|user|>: the chat template
-
-
-@pytest.mark.engine
-def test_generate_prompts_file_and_static(tmp_path):
-    f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "Add 1 to each: 1 2"}\n\n{"prompt": "Remove duplicates: 1 1 2"}\n')
-    r = psd("generate", "--json", "--prompts", str(f), "--method", "static", "--config", '{"cache": "none"}')
-    assert r.returncode == 0, r.stderr
-    rows = [json.loads(line) for line in r.stdout.splitlines()]
-    assert len(rows) == 2 and all(row["nfe"] >= len(row["token_ids"]) for row in rows)
 
 
 @pytest.mark.engine
@@ -135,7 +130,7 @@ def test_the_command_exits_with_status_2():
 
 
 @pytest.mark.engine
-def test_calibrate_command(tmp_path):
+def test_calibrate_command(tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"prompt": f"Sort the list: {i} 3 1"}) + "\n" for i in range(6)))
     out = tmp_path / "g.json"
@@ -147,9 +142,11 @@ def test_calibrate_command(tmp_path):
     r = psd("generate", "--method", "spiffy", "--json", *prompts,
             "--config", json.dumps({"policy": "static", "graph": str(out)}))
     assert r.returncode == 0, r.stderr
-    base = psd("generate", "--method", "static", "--json", "--engine", "reference", *prompts)  # vLLM's tokens
-    assert base.returncode == 0, base.stderr
-    spiffy, static = ([json.loads(line) for line in x.stdout.splitlines()] for x in (r, base))
+    from psd_plugin.cli import main
+
+    assert main(["generate", "--method", "static", "--json", "--engine", "reference", *prompts]) == 0  # vLLM's tokens
+    spiffy = [json.loads(line) for line in r.stdout.splitlines()]
+    static = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     # the graph is a real one: Spiffy with it decodes static's tokens in fewer forwards
     assert [row["token_ids"] for row in spiffy] == [row["token_ids"] for row in static]
     assert sum(row["nfe"] for row in spiffy) < sum(row["nfe"] for row in static)

@@ -324,9 +324,8 @@ def test_policies_over_a_batch_of_blocks_equal_them_block_by_block(name):
 
 
 def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
-    """:func:`update_all`: greedy policy decoders of blocks of different lengths, states and policies, updated
-    in one batched step per policy, equal each decoder's oracle (the policy on one block); a sampling one
-    predicts alone, from its own generator."""
+    """:func:`update_all`: policy decoders of blocks of different lengths, states and policies, updated in one
+    batched step per policy, equal each decoder's oracle (the policy on one block)."""
     import sys
 
     from model_executor.decoding import PolicyDecoder, predict_rows, propose_all, update_all
@@ -351,24 +350,22 @@ def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
     starts = [sum(lens[:i]) for i in range(len(lens))]
     kw = dict(threshold=0.5, relaxed_threshold=0.3, radius=2)
     together = [make_decoder(m, b, M, **kw) for m, b in zip(methods, blocks)]
-    together.append(make_decoder("static", blocks[0], M, temperature=1.0, generator=torch.Generator().manual_seed(1)))
-    update_all(together, propose_all(together), preds, [[a] for a in starts] + [[starts[0]]])
+    update_all(together, propose_all(together), preds, [[a] for a in starts])
     for dec, m, b, a in zip(together, methods, blocks, starts):
         alone = make_oracle(m, b, M, **kw)
         alone.update([logits[a: a + b.numel()]])
         assert torch.equal(dec.state, alone.state) and dec.state.numel() == b.numel(), m
         assert (dec.state != b).any()  # every block had masks: something committed
-    sampled = make_oracle("static", blocks[0], M, temperature=1.0, generator=torch.Generator().manual_seed(1))
-    sampled.update([logits[: lens[0]]])
-    assert torch.equal(together[-1].state, sampled.state)
-    assert sorted(batches) == [1, 2, 2]  # confidence x2, static x2, localleap alone (the sampling one apart)
+    assert sorted(batches) == [1, 2, 2]  # confidence x2, static x2, localleap alone
 
 
 @pytest.mark.parametrize("temperature,flt", [(1.0, (0, 1.0, 0.0)), (0.7, (3, 1.0, 0.0)), (1.3, (0, 0.8, 0.0)),
                                              (1.0, (0, 1.0, 0.2))])
 def test_sampled_tokens_follow_the_filtered_softmax(temperature, flt):
     """Over 20000 masked positions with the same logits, the sampled tokens' histogram is softmax(logits / T)
-    restricted by (top_k, top_p, min_p) and renormalised; the mask token is never drawn."""
+    restricted by (top_k, top_p, min_p) and renormalised (each position draws its own counter-based noise); the
+    mask token is never drawn."""
+    from model_executor.decoding import Sampling
     from model_executor.decoding.base import predict
 
     g = torch.Generator().manual_seed(0)
@@ -376,8 +373,7 @@ def test_sampled_tokens_follow_the_filtered_softmax(temperature, flt):
     logits = torch.randn(V, generator=g, dtype=torch.float64) * 1.5
     logits[mask] = 5.0  # the most likely token, were it allowed
     state = torch.full((N,), mask)
-    pred = predict(logits.expand(N, V).clone(), state, mask, temperature=temperature,
-                   generator=torch.Generator().manual_seed(1), sample_filter=flt)
+    pred = predict(logits.expand(N, V).clone(), state, mask, sampling=Sampling(temperature, 1, *flt), position0=40)
     counts = torch.bincount(pred.tokens, minlength=V).double() / N
     p = torch.softmax(torch.where(torch.arange(V) == mask, float("-inf"), logits) / temperature, -1)
     top_k, top_p, min_p = flt
@@ -394,6 +390,59 @@ def test_sampled_tokens_follow_the_filtered_softmax(temperature, flt):
     assert counts[mask] == 0 and (counts[~keep] == 0).all()
     assert (counts - want).abs().max() < 0.012, (counts, want)
     assert keep.sum() < V - 1 or flt == (0, 1.0, 0.0)  # the filter removed something
+
+
+def test_a_draw_is_a_function_of_seed_position_and_step():
+    """Counter-based Gumbel-max (:mod:`model_executor.decoding.sampling`): a row's draw depends on its request's
+    seed, its position and its step only, not on where it sits in the step, on which other rows are drawn or on
+    the logits of the rows beside it; another seed, position or step draws afresh. Both confidence rules are the
+    formulas they name."""
+    from model_executor.decoding import Sampling, predict_rows
+    from model_executor.decoding.sampling import row_draws
+
+    g = torch.Generator().manual_seed(0)
+    V, L = 50, 16
+    logits = torch.randn(L, V, generator=g, dtype=torch.float64) * 0.5  # flat: every draw is a real draw
+    s = Sampling(1.0, seed=123)
+
+    def draw(lg, jobs, kept=None):
+        return predict_rows(lg.clone(), kept=kept, draws=row_draws(jobs, None if kept is None else
+                                                                   torch.where(kept, kept.long().cumsum(0) - 1,
+                                                                               -1).numpy()))
+    alone = draw(logits, [(s, 100, [0], [2], L, torch.ones(L, dtype=torch.bool).numpy())])
+    # the same canvas second in a step, after another request's rows, with only its even rows kept
+    other = torch.randn(L, V, generator=g, dtype=torch.float64)
+    kept = torch.cat([torch.ones(L, dtype=torch.bool), torch.arange(L) % 2 == 0])
+    both = draw(torch.cat([other, logits[::2]]), [(Sampling(0.7, seed=9), 40, [0], [0], L, kept[:L].numpy()),
+                                                 (s, 100, [L], [2], L, kept[L:].numpy())], kept)
+    assert torch.equal(both.tokens[L::2], alone.tokens[::2]) and torch.equal(both.conf[L::2], alone.conf[::2])
+    for changed in [(Sampling(1.0, seed=124), 100, 2), (s, 101, 2), (s, 100, 3)]:
+        again = draw(logits, [(changed[0], changed[1], [0], [changed[2]], L, torch.ones(L, dtype=torch.bool).numpy())])
+        assert (again.tokens != alone.tokens).sum() > L // 2, changed
+    z = logits
+    p = torch.softmax(z, -1)
+    assert torch.allclose(alone.conf.double(), p.gather(1, alone.tokens[:, None])[:, 0])  # drawn: untempered p
+    T = 0.5
+    hot = draw(logits, [(Sampling(T, seed=123, confidence="tempered"), 100, [0], [2], L,
+                         torch.ones(L, dtype=torch.bool).numpy())])
+    want = torch.minimum(p.max(-1).values, ((z.gather(1, hot.tokens[:, None])[:, 0] - z.max(-1).values) / T).exp())
+    assert torch.allclose(hot.conf.double(), want)
+    assert (hot.tokens != z.argmax(-1)).any()  # not the argmax everywhere: it drew
+
+
+def test_filter_rows_is_the_scalar_filter_per_row():
+    """The batched top-k / top-p / min-p of the step's draws keeps, row by row, what the one-row filter keeps."""
+    from model_executor.decoding.logits_rules import filter_logits
+    from model_executor.decoding.sampling import filter_rows
+
+    g = torch.Generator().manual_seed(2)
+    knobs = [(0, 1.0, 0.0), (3, 1.0, 0.0), (0, 0.8, 0.0), (0, 1.0, 0.2), (5, 0.5, 0.1), (1, 1.0, 0.0), (0, 1e-9, 0.0)]
+    x = torch.randn(len(knobs), 40, generator=g, dtype=torch.float64) * 2
+    got = filter_rows(x.clone(), *(torch.tensor(c) for c in zip(*knobs)))
+    want = torch.stack([filter_logits(row, *k) for row, k in zip(x, knobs)])
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got[~torch.isinf(got)],
+                                                                            want[~torch.isinf(want)])
+    assert torch.isinf(got).any(-1).tolist() == [False] + [True] * (len(knobs) - 1)
 
 
 def _toy_model(V: int, seed: int):

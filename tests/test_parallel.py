@@ -71,16 +71,15 @@ def random_prompts():
     return [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (3, 9, 17, 30, 41)]
 
 
-# CI: the decoders whose rank-sensitive paths no other test here runs on two ranks (the policy family, PSD on the
-# default model and cache, joint_threshold's edits; LoPA, FreeDave and Spiffy run on the random checkpoints
-# below); PSD_TP_MATRIX=1 runs every method
-@pytest.mark.parametrize("method", METHODS if os.environ.get("PSD_TP_MATRIX") else
-                         ("confidence", "psd", "joint_threshold"))
+# CI: the decoders whose rank-sensitive paths no other test here runs on two ranks (PSD on the default model and
+# cache, joint_threshold's edits; the confidence policy runs in the sampling and structured-output tests, LoPA and
+# Spiffy on the random checkpoints below); PSD_TP_MATRIX=1 runs every method
+@pytest.mark.parametrize("method", METHODS if os.environ.get("PSD_TP_MATRIX") else ("psd", "joint_threshold"))
 def test_two_ranks_equal_the_reference_every_method(heldout_prompts, method):
     _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache="prefix", llm_kw=TP)
 
 
-@pytest.mark.parametrize("method", METHODS if os.environ.get("PSD_TP_MATRIX") else ("confidence", "psd"))
+@pytest.mark.parametrize("method", METHODS if os.environ.get("PSD_TP_MATRIX") else ("psd",))
 def test_two_ranks_dual_cache(heldout_prompts, method):
     _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache="dual", llm_kw=TP)
 
@@ -89,8 +88,9 @@ def test_two_ranks_dual_cache(heldout_prompts, method):
 _CACHES = {"dream": (None, "dual"), "sdar": (None,), "llada2": (None,)}  # None: the family's default
 RANDOM_CASES = ([(f, m, c) for f, caches in _CACHES.items() for c in caches for m in METHODS]
                 if os.environ.get("PSD_TP_MATRIX") else
-                [("dream", "psd", None), ("dream", "psd", "dual"), ("sdar", "psd", None), ("sdar", "lopa", None),
-                 ("llada2", "psd", None), ("llada2", "spiffy", None), ("llada2", "freedave", None)])
+                # Dream's shifted logits with its dual cache and drafts, SDAR's block-causal attention with branches,
+                # LLaDA2's sharded experts with Spiffy's drafts
+                [("dream", "psd", "dual"), ("sdar", "lopa", None), ("llada2", "spiffy", None)])
 
 
 @pytest.mark.parametrize("family, method, cache", RANDOM_CASES)
@@ -123,16 +123,19 @@ def test_presto_on_two_ranks_is_the_targets_greedy_decoding(heldout_prompts):
 
 
 def _sampled(llm_kw, prompts):
-    """Seeded samples of every prompt, then unseeded samples and the greedy answers of the first four."""
+    """Seeded samples of every prompt, then unseeded samples and the greedy answers of every prompt."""
     from vllm import SamplingParams
 
-    llm = _llm(DEFAULT_DLLM, llm_kw=llm_kw, decoding="confidence")
+    n = len(prompts)
+    llm = _llm(DEFAULT_DLLM, llm_kw=llm_kw, decoding="psd")  # drafts and the confidence policy, sampled
     try:
-        seeded = [SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=7 + i) for i in range(len(prompts))]
-        unseeded = SamplingParams(max_tokens=24, temperature=0.9)
+        seeded = [SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=7 + i) for i in range(n)]
+        # unseeded: a seed from each request's id, so a fresh draw each run; hot enough that 14 prompts all
+        # drawing their greedy answers is out of reach (at 0.9 on four prompts it happened once in CI)
+        unseeded = SamplingParams(max_tokens=24, temperature=1.5)
         greedy = SamplingParams(max_tokens=24, temperature=0)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts + prompts[:4] + prompts[:4]],
-                            seeded + [unseeded] * 4 + [greedy] * 4, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts * 3],
+                            seeded + [unseeded] * n + [greedy] * n, use_tqdm=False)
     finally:
         del llm
     return [list(o.outputs[0].token_ids) for o in outs]
@@ -141,13 +144,13 @@ def _sampled(llm_kw, prompts):
 def test_sampling_is_the_same_on_one_and_two_ranks(heldout_prompts):
     one, two = _sampled(None, heldout_prompts), _sampled(TP, heldout_prompts)
     n = len(heldout_prompts)
-    seeded, unseeded, greedy = two[:n], two[n: n + 4], two[n + 4:]
+    seeded, unseeded, greedy = two[:n], two[n: 2 * n], two[2 * n:]
     assert seeded == one[:n]  # seeded: the same tokens
-    assert greedy == one[n + 4:]
+    assert greedy == one[2 * n:]
     assert all(unseeded)  # unseeded: decoded (the ranks' draws agreed, or the layout check fails the step)
-    # sampled, not greedy: an engine that decoded greedily on both rank counts would pass the checks above (the
-    # seeded samples of the first four prompts are their greedy answers: this model is that confident)
-    assert unseeded != greedy, "unseeded samples on two ranks are the greedy answers"
+    # sampled, not greedy: an engine that decoded greedily on both rank counts would pass the checks above (most
+    # seeded samples are their greedy answers: this model is that confident)
+    assert sum(u != g for u, g in zip(unseeded, greedy)) >= 2, "unseeded samples on two ranks are the greedy answers"
 
 
 # ----------------------------------------------------------------------------------------------- served

@@ -158,10 +158,9 @@ def _check(audit: _StepAudit, allowed: dict[str, int]) -> None:
     assert set(allowed) <= set(most), (sorted(allowed), sorted(most))
 
 
-# a decoder's reads beyond the predictions: Spiffy ranks a few positions' top tokens (one packed copy); a
-# sampled request's draws (tokens, confidences, Spiffy's ranks) come back in one copy for the step's requests
+# a decoder's reads beyond the predictions: Spiffy ranks a few positions' top tokens (one packed copy); a sampled
+# request's draws need none (they are drawn where the logits are and ride in the predictions' one copy)
 TOP_TOKENS = {"model_executor/decoding/base.py:top_tokens cpu": 1}
-DRAWS = {"model_executor/decoding/base.py:predict_each cpu": 1}
 
 
 # penalties (repetition, presence, frequency; the spatial policies only): each request's prompt and answer so far
@@ -176,7 +175,7 @@ PENALTY_SYNCS = {"model_executor/decoding/logits_rules.py:<genexpr> to(device) b
 
 @pytest.mark.parametrize("method,cache,temperature,options,allowed", [
     ("confidence", "prefix", 0.0, {}, {}), ("psd", "dual", 0.0, {}, {}), ("spiffy", "prefix", 0.0, {}, TOP_TOKENS),
-    ("freedave", "prefix", 0.0, {}, {}), ("lopa", "dual", 0.0, {}, {}), ("confidence", "dual", 0.8, {}, DRAWS),
+    ("freedave", "prefix", 0.0, {}, {}), ("lopa", "dual", 0.0, {}, {}), ("psd", "dual", 0.8, {}, {}),
     ("confidence", "prefix", 0.0, PENALTIES, PENALTY_SYNCS)], ids=lambda v: "penalties" if v is PENALTIES else None)
 def test_dllm_step_reads_the_device_once(step_audit, mixed_prompts, method, cache, temperature, options, allowed):
     from vllm import LLM, SamplingParams

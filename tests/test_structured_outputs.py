@@ -190,8 +190,29 @@ def _vllm_llm(method, **spec):
 
     knobs = {"policy": "static", "graph": str(default_graph(DEFAULT_DLLM, "static"))} if method == "spiffy" else {}
     return LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
-               structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
+               structured_outputs_config={"backend": "xgrammar"},  # JSON compact: json_whitespace's default
                speculative_config={"method": "psd", "decoding": method, **knobs, **spec})
+
+
+@pytest.mark.parametrize("json_whitespace, disable, free", [("compact", False, False), ("any", False, True),
+                                                           ("any", True, False)])
+def test_dllm_json_is_compact_unless_asked(json_whitespace, disable, free):
+    """The grammar a dLLM request carries: compact JSON by default (the frontier rule would let free whitespace win
+    at every position), vLLM's free-whitespace grammar with ``json_whitespace: any``, compact again when the server
+    sets vLLM's ``disable_any_whitespace``."""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from psd_plugin.vllm.validation import GRAMMAR_ARG, take_structured_outputs
+
+    vc = SimpleNamespace(structured_outputs_config=SimpleNamespace(disable_any_whitespace=disable))
+    cfg = SimpleNamespace(method="psd")
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    take_structured_outputs(vc, cfg, params, 1 << 16, json_whitespace)
+    assert params.structured_outputs is None
+    assert params.extra_args[GRAMMAR_ARG] == build_grammar("json", SCHEMA, any_whitespace=free).serialize_json()
 
 
 @pytest.mark.engine

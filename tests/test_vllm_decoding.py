@@ -9,6 +9,7 @@ sampling determinism, and the errors users get for bad configs and unsupported r
 """
 
 
+import os
 import re
 
 import pytest
@@ -400,6 +401,8 @@ def test_sampling_options(heldout_prompts):
         assert [o.outputs[0].token_ids for o in a] != [o.outputs[0].token_ids for o in other]
         greedy = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in a] != [o.outputs[0].token_ids for o in greedy]
+        eight = llm.generate(prompts[:1], SamplingParams(max_tokens=16, temperature=1.0, n=8), use_tqdm=False)
+        assert len(eight[0].outputs) == 8 and len({tuple(c.token_ids) for c in eight[0].outputs}) > 1
         two = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, n=2, seed=3), use_tqdm=False)
         # vLLM gives sample j of a seeded request the seed + j: each is that seed's single sample
         singles = [llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=3 + j), use_tqdm=False)
@@ -424,14 +427,28 @@ def test_sampling_options(heldout_prompts):
 
 
 @pytest.mark.engine
-def test_greedy_only_methods_reject_temperature(heldout_prompts):
+def test_psd_samples_as_the_reference_engine(heldout_prompts):
+    """The default method under sampling: seeded requests (temperature, top_p) give the reference engine's tokens
+    and forwards (the draws are a function of the seed, position and step, the same in both engines), a request
+    that leaves ``temperature`` at its default (1.0) is answered, and an answer region past the context is
+    refused."""
     from vllm import SamplingParams
 
+    n = len(heldout_prompts)
+    want = ReferenceEngine.from_pretrained(DEFAULT_DLLM).generate(heldout_prompts, max_tokens=24, method="psd",
+                                                                    temperature=0.8, top_p=0.9, seed=0)
     llm = _llm(DEFAULT_DLLM, decoding="psd")
     try:
-        with pytest.raises(VLLMValidationError, match="temperature.*greedy"):
-            llm.generate([{"prompt_token_ids": heldout_prompts[0]}], SamplingParams(max_tokens=8, temperature=0.7),
-                         use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts],
+                            [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=i) for i in range(n)],
+                            use_tqdm=False)
+        stats = _request_stats(llm)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [r.token_ids for r in want]
+        assert [stats[o.request_id]["nfe"] for o in outs] == [r.nfe for r in want]
+        greedy = ReferenceEngine.from_pretrained(DEFAULT_DLLM).generate(heldout_prompts, max_tokens=24, method="psd")
+        assert [r.token_ids for r in want] != [r.token_ids for r in greedy]  # it sampled
+        plain = llm.generate([{"prompt_token_ids": heldout_prompts[0]}], SamplingParams(max_tokens=8), use_tqdm=False)
+        assert plain[0].outputs[0].token_ids
         # the answer region must fit the context (draft canvases need none of it: the same prompt with
         # max_tokens 100 was refused before canvases became extra rows)
         long = (heldout_prompts[0] * 20)[:300]
@@ -491,7 +508,9 @@ def test_sdar_block_size_must_be_the_models(tiny_checkpoints):
 @pytest.mark.parametrize("family,cache", [("llada", "prefix"), ("llada", "dual"), ("sdar", "block")])
 def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, family, cache):
     """A KV cache of 8 usable pages of 16 tokens forces vLLM to preempt and resume requests; outputs stay the
-    reference's (under the dual cache the resumed block's first step restores the kept suffix too)."""
+    reference's, greedy and seeded sampled requests alike (under the dual cache the resumed block's first step
+    restores the kept suffix too; a draw is a function of seed, position and step, so a resumed request draws
+    what it would have)."""
     from vllm import LLM, SamplingParams
 
     from psd_plugin.vllm.scheduler import DLLMScheduler
@@ -503,13 +522,16 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
     path, prompts = (DEFAULT_DLLM, heldout_prompts) if family == "llada" else (tiny_checkpoints["sdar"],
                                                                                 random_prompts * 3)
     engine = ReferenceEngine.from_pretrained(path)
-    ref = engine.generate(prompts, max_tokens=32, method="psd", block_size=engine.spec.attention_block or 8, cache=cache)
+    kw = dict(max_tokens=32, method="psd", block_size=engine.spec.attention_block or 8, cache=cache)
+    greedy, sampled = engine.generate(prompts[::2], **kw), engine.generate(prompts[1::2], **kw, temperature=0.8, seed=0)
+    ref = [r for pair in zip(greedy, sampled) for r in pair] + greedy[len(sampled):]
     llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
               num_gpu_blocks_override=9,
               speculative_config={"method": "psd", "decoding": "psd", "cache": cache})
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=32, temperature=0),
-                            use_tqdm=False)
+        params = [SamplingParams(max_tokens=32, temperature=0) if i % 2 == 0 else
+                  SamplingParams(max_tokens=32, temperature=0.8, seed=i // 2) for i in range(len(prompts))]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     finally:
         del llm
     assert preempted, "the test did not force a preemption"
@@ -588,12 +610,15 @@ def test_preemption_in_a_blocks_later_steps_keeps_outputs(monkeypatch, tiny_chec
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("cache", ("prefix", "dual"))
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method, cache", [(m, c) for m in METHODS for c in ("prefix", "dual")]
+                         if os.environ.get("PSD_FULL_MATRIX") else
+                         [("confidence", "prefix"), ("psd", "prefix"), ("psd", "dual"), ("lopa", "dual"),
+                          ("freedave", "prefix"), ("spiffy", "dual")])
 def test_every_method_serves_a_request_that_fills_the_context(tiny_checkpoints, method, cache):
     """prompt + max_tokens = max_model_len: draft canvases take no context (they are extra rows of a step, not
     sequence positions), so every method serves it, equal to the reference engine, and runs to the last
-    position with ignore_eos."""
+    position with ignore_eos. CI runs one single-canvas method and each drafting method on some cache (their
+    canvases and windows are what could run past the context); ``PSD_FULL_MATRIX=1`` every method on both."""
     from vllm import LLM, SamplingParams
 
     path = tiny_checkpoints["llada"]
@@ -715,24 +740,28 @@ def test_logprobs_equal_the_reference_engine(heldout_prompts, method):
 
 
 @pytest.mark.engine
-def test_spiffy_samples_its_base_policys_tokens_in_vllm(heldout_prompts):
-    """Spiffy under sampling in vLLM: per-request seeds give the static policy's sampled tokens, token for
-    token, in fewer forwards."""
+def test_lossless_methods_sample_their_base_policys_tokens_in_vllm(heldout_prompts):
+    """FreeDave and Spiffy under sampling in vLLM, on a batch mixing seeded sampled requests (with filters) and
+    greedy ones: every request's tokens are the static policy's for the same options, token for token, in fewer
+    forwards."""
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": p} for p in heldout_prompts]
+    params = [SamplingParams(max_tokens=24, temperature=0) if i % 3 == 2 else
+              SamplingParams(max_tokens=24, temperature=0.9, top_k=20 if i % 2 else 0, top_p=1.0 if i % 2 else 0.9,
+                             seed=100 + i) for i in range(len(prompts))]
     runs = {}
-    for method, knobs in (("static", {}), ("spiffy", _knobs(DEFAULT_DLLM, "spiffy"))):
+    for method, knobs in (("static", {}), ("freedave", {"steps": 4}), ("spiffy", _knobs(DEFAULT_DLLM, "spiffy"))):
         llm = _llm(DEFAULT_DLLM, decoding=method, **knobs)
         try:
-            outs = llm.generate(prompts, [SamplingParams(max_tokens=24, temperature=0.9, top_k=20, seed=100 + i)
-                                          for i in range(len(prompts))], use_tqdm=False)
+            outs = llm.generate(prompts, params, use_tqdm=False)
             stats = _request_stats(llm)
             runs[method] = ([list(o.outputs[0].token_ids) for o in outs], sum(stats[o.request_id]["nfe"] for o in outs))
         finally:
             del llm
-    assert runs["spiffy"][0] == runs["static"][0]
-    assert runs["spiffy"][1] < runs["static"][1]
+    for method in ("freedave", "spiffy"):
+        assert runs[method][0] == runs["static"][0], method
+        assert runs[method][1] < runs["static"][1], method
 
 
 @pytest.mark.engine
@@ -776,10 +805,11 @@ def test_max_logits_rows_bounds_every_step(monkeypatch, heldout_prompts):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("method, temperature", [("psd", 0.0), ("confidence", 0.9)])
-def test_vllm_computes_logits_only_for_the_rows_a_decoder_reads(monkeypatch, heldout_prompts, method, temperature):
-    """vLLM's logits indices are the canvas rows the decoders read: greedy, the positions each canvas leaves
-    masked; sampling, every row of each canvas; a step whose rows decode nothing computes vLLM's one row."""
+def test_vllm_computes_logits_only_for_the_rows_a_decoder_reads(monkeypatch, heldout_prompts):
+    """vLLM's logits indices are the canvas rows the decoders read: the positions each canvas leaves masked (PSD's
+    drafts, sampled: a draw is keyed by its position, so the masked rows' draws are the block's); a step whose
+    rows decode nothing computes vLLM's one row."""
+    method, temperature = "psd", 0.9
     from vllm import SamplingParams
 
     from psd_plugin.vllm import dllm_runner
@@ -802,8 +832,8 @@ def test_vllm_computes_logits_only_for_the_rows_a_decoder_reads(monkeypatch, hel
         del llm
     assert seen
     for computed, masked, rows in seen:
-        assert computed == max(1, rows if temperature > 0 else masked), seen
-    assert temperature > 0 or sum(m for _, m, _ in seen) < sum(r for _, _, r in seen)
+        assert computed == max(1, masked), seen
+    assert sum(m for _, m, _ in seen) < sum(r for _, _, r in seen)
 
 
 def test_room_checks_name_the_limit_they_hit():

@@ -26,18 +26,16 @@ import math
 
 import torch
 
-from .logits_rules import filter_logits
+from .sampling import RowDraws, Sampling, draw_rows, row_draws
 
 
 @dataclass
 class Prediction:
     """The model's view of one block state: top-1 tokens and their probabilities."""
 
-    tokens: torch.Tensor  # [L] argmax (or sampled) token per position
-    conf: torch.Tensor  # [L] probability of that token; -inf at positions already decoded
+    tokens: torch.Tensor  # [L] argmax (or drawn) token per position
+    conf: torch.Tensor  # [L] its commit confidence; -inf at positions already decoded
     probs: torch.Tensor | None = None  # [L, V] full distribution (calibration only)
-    top_ids: torch.Tensor | None = None  # [L, k] the k most likely tokens (sampled predictions, when asked for)
-    top_probs: torch.Tensor | None = None  # [L, k] their probabilities
     logits: torch.Tensor | None = None  # [L, V] the canvas's logits (greedy; mask token excluded): :func:`top_tokens`
 
 
@@ -103,8 +101,8 @@ def confidence_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.Tensor | None = None
-                 ) -> RowPredictions:
+def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.Tensor | None = None,
+                 draws: RowDraws | None = None) -> RowPredictions:
     """Argmax and its probability of every row of ``logits [M, V]``, without materialising a softmax: per row
     the max (first index on ties, as ``argmax``, in the logits' dtype) and ``sum(exp(x - max))`` in
     :func:`confidence_dtype` (float32 from bfloat16/float16 logits). The rows go in chunks whose work buffer
@@ -115,6 +113,9 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.T
     ``kept [N]`` (bool, on the host): the logits are those of these prediction rows only (``M = kept.sum()``;
     the engines keep the rows a decoder reads, :attr:`~model_executor.dllm_request.DLLMStep.kept`); the
     others get token -1 and confidence -inf (a decoded position).
+
+    ``draws``: the step's sampled rows (:func:`~.sampling.row_draws`); their tokens and confidences are the
+    Gumbel-max draws (:func:`~.sampling.draw_rows`), computed where the logits are before the one copy.
 
     Device discipline: the tokens and confidences come back **on the host** (the decoders' state lives there),
     in one device-to-host copy (both packed into one float64 tensor: token ids are exact in it); the logits
@@ -138,6 +139,8 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.T
             w.copy_(x).sub_(best[:, None].to(cdt))
         z = w.exp_().sum(-1)  # >= 1: the max contributes exp(0)
         tokens[a: a + chunk], conf[a: a + chunk] = idx, 1.0 / z
+    if draws is not None and len(draws):
+        draw_rows(logits, draws, tokens, conf, work_bytes(logits.device))
     # one copy to the host: [2, M] float64 (ids < 2**53 are exact); on a CPU a copy of the host tensor
     both = torch.stack([tokens.to(torch.float64), conf.to(torch.float64)]).cpu()
     if kept is None:
@@ -153,23 +156,30 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.T
 def top_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, conf: torch.Tensor, k: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``k`` likeliest tokens of the rows ``rows [n]`` of ``logits [N, V]`` and their probabilities ``[n, k]``
-    (float64, on the CPU): rank 1 is the row's prediction ``tokens`` with its probability ``conf``, rank ``j`` has
-    ``conf * exp(logit_j - logit_1)``. Only for the rows a decoder reads (Spiffy: a few per request), never a
-    whole step's; they are gathered in chunks of :func:`work_bytes` into one reused buffer, as
-    :func:`predict_rows` does. The exponentials are Python's, so equal inputs give equal outputs wherever a row
-    sits in a batch (a vectorised kernel may round a batch's tail differently)."""
+    (float64, on the CPU): rank 1 is the row's prediction ``tokens`` (greedy or drawn) with its probability
+    ``conf``, then the likeliest other tokens, rank ``j`` with ``conf * exp(logit_j - logit_1)``. Only for the rows
+    a decoder reads (Spiffy: a few per request), never a whole step's; they are gathered in chunks of
+    :func:`work_bytes` into one reused buffer, as :func:`predict_rows` does. The exponentials are Python's, so
+    equal inputs give equal outputs wherever a row sits in a batch (a vectorised kernel may round a batch's tail
+    differently)."""
     n, V = rows.numel(), logits.shape[1]
     ids = torch.zeros(n, k, dtype=torch.long)
     gaps = torch.zeros(n, k, dtype=torch.float64)
     if n:
         rows = rows.to(logits.device, non_blocking=True)
+        tok = tokens.to(logits.device, non_blocking=True)[:, None]
         chunk = max(1, work_bytes(logits.device) // max(1, V * logits.element_size()))
         work = torch.empty(min(chunk, n), V, dtype=logits.dtype, device=logits.device)
         for a in range(0, n, chunk):
             x = torch.index_select(logits, 0, rows[a: a + chunk], out=work[: min(chunk, n - a)])
+            t = tok[a: a + chunk]
             top = x.topk(k, dim=-1)
-            both = torch.cat([top.indices.double(), (top.values - top.values[:, :1]).double()], 1).cpu()  # one copy
-            ids[a: a + chunk], gaps[a: a + chunk] = both[:, :k].long(), both[:, k:]
+            # ranks 2..k: the likeliest tokens other than the prediction (a drawn one need not be the argmax)
+            pick = torch.sort((top.indices == t).to(torch.int8), dim=1, stable=True).indices[:, : k - 1]
+            ref = x.gather(1, t)
+            both = torch.cat([top.indices.gather(1, pick).double(), (top.values.gather(1, pick) - ref).double()],
+                             1).cpu()  # one copy
+            ids[a: a + chunk, 1:], gaps[a: a + chunk, 1:] = both[:, : k - 1].long(), both[:, k - 1:]
         ids[:, 0] = tokens.cpu()
     probs = torch.tensor([[c * math.exp(g) for g in row] for c, row in zip(conf.double().cpu().tolist(),
                                                                            gaps.tolist())], dtype=torch.float64)
@@ -177,39 +187,37 @@ def top_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, c
 
 
 def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: int, keep_probs: bool = False,
-            temperature: float = 0.0, generator: torch.Generator | None = None, topk: int = 0,
-            sample_filter: tuple[int, float, float] = (0, 1.0, 0.0)) -> Prediction:
-    """Greedy (or Gumbel-max sampled, LLaDA ``generate.py``) tokens and confidences over masked positions of
-    one canvas, from its logits ``[L, V]`` or its slice of the step's :class:`RowPredictions`.
+            sampling: Sampling | None = None, position0: int = 0, step: int = 0) -> Prediction:
+    """Greedy (or sampled) tokens and confidences over masked positions of one canvas, from its logits
+    ``[L, V]`` or its slice of the step's :class:`RowPredictions`.
 
-    Greedy predictions come from the batched rows (computed here when given bare logits; confidences in
+    Predictions come from the batched rows (computed here when given bare logits; confidences in
     :func:`confidence_dtype`, so a float64 model gives float64 confidences, the exactness path), and keep the
     canvas's logits (``Prediction.logits``) for a decoder that ranks tokens at a few positions
-    (:func:`top_tokens`). Sampling and ``keep_probs`` (full distributions, for calibration) work on the logits
-    in float64; ``topk`` gives a sampled prediction its ``k`` likeliest tokens (Spiffy's ranks), rank 1 being
-    the sampled one. ``sample_filter = (top_k, top_p, min_p)`` restricts sampling
-    (:func:`~model_executor.decoding.logits_rules.filter_logits`, after temperature); a confidence is still the
-    model's probability of the chosen token. Several canvases: :func:`predict_each`."""
-    return predict_each([(out, state, dict(keep_probs=keep_probs, temperature=temperature, generator=generator,
-                                           topk=topk, sample_filter=sample_filter))], mask_id)[0]
+    (:func:`top_tokens`). ``sampling`` (bare logits only: the engines' rows are drawn already) draws the canvas
+    as the engines draw it: position ``j`` is absolute position ``position0 + j`` in the block's ``step``-th
+    step (:mod:`.sampling`). ``keep_probs`` (greedy; calibration) gives the full distributions, in float64.
+    Several canvases: :func:`predict_each`."""
+    return predict_each([(out, state, dict(keep_probs=keep_probs, sampling=sampling, position0=position0,
+                                           step=step))], mask_id)[0]
 
 
 def predict_each(jobs: list[tuple[torch.Tensor | RowPredictions, torch.Tensor, dict]], mask_id: int
                  ) -> list[Prediction]:
-    """:func:`predict` ``(out, state, mask_id, **options)`` of every job ``(out, state, options)``: the draws are
-    made where the logits and each job's generator are, and what the decoders read of them (tokens,
-    confidences, top tokens) reaches the host in one copy for all jobs. An option ``grammar`` (the request's
-    :class:`~model_executor.grammar.GrammarFrontier`) constrains the job's confidences to the frontier rule."""
+    """:func:`predict` ``(out, state, mask_id, **options)`` of every job ``(out, state, options)``; what the
+    decoders read of full distributions (``keep_probs``) reaches the host in one copy for all jobs. An option
+    ``grammar`` (the request's :class:`~model_executor.grammar.GrammarFrontier`) constrains the job's confidences
+    to the frontier rule."""
     preds, drawn, grammars = [], [], []
     for out, state, kw in jobs:
         kw = dict(kw)
         grammars.append(kw.pop("grammar", None))
-        p = _predict_here(out, mask_id, **kw)
+        p = _predict_here(out, state, mask_id, **kw)
         preds.append(p)
-        if p.logits is None:  # drawn: still where the logits are
+        if p.logits is None:  # still where the logits are
             drawn.append(p)
-    fields = ("tokens", "conf", "top_ids", "top_probs")
-    parts = [(p, f, getattr(p, f)) for p in drawn for f in fields if getattr(p, f) is not None]
+    fields = ("tokens", "conf")
+    parts = [(p, f, getattr(p, f)) for p in drawn for f in fields]
     if parts:  # one copy: float64 holds the token ids exactly
         flat = torch.cat([t.reshape(-1).to(torch.float64) for _, _, t in parts]).cpu()
         at = 0
@@ -218,39 +226,34 @@ def predict_each(jobs: list[tuple[torch.Tensor | RowPredictions, torch.Tensor, d
             at += t.numel()
     for p, (_, state, _), g in zip(preds, jobs, grammars):
         p.conf = torch.where(state == mask_id, p.conf, torch.full_like(p.conf, float("-inf")))
-        if g is not None:  # the grammar frontier rule on the canvas's own draw (model_executor.grammar)
+        if g is not None:  # the grammar frontier rule on the canvas's own prediction (model_executor.grammar)
             p.tokens, p.conf = g.constrain(state, p.tokens, p.conf)
     return preds
 
 
-def _predict_here(out, mask_id: int, keep_probs: bool = False, temperature: float = 0.0,
-                  generator: torch.Generator | None = None, topk: int = 0,
-                  sample_filter: tuple[int, float, float] = (0, 1.0, 0.0)) -> Prediction:
-    """:func:`predict` before the host's copy and the state's mask: a drawn prediction (``logits`` None) is where
-    the logits are; a greedy one is the step's host predictions."""
+def _predict_here(out, state: torch.Tensor, mask_id: int, keep_probs: bool = False,
+                  sampling: Sampling | None = None, position0: int = 0, step: int = 0) -> Prediction:
+    """:func:`predict` before the state's mask: a ``keep_probs`` prediction (``logits`` None) is where the logits
+    are; any other is the rows' host predictions."""
     rows = out if isinstance(out, RowPredictions) else None
     # the engines' rows exclude the mask token already (predict_rows(..., mask_id)); bare logits are copied
     logits = rows.logits if rows is not None else exclude_mask_token(out.clone(), mask_id)
-    if not (temperature > 0 or keep_probs):
-        rows = rows if rows is not None else predict_rows(logits)
-        return Prediction(rows.tokens, rows.conf, logits=rows.logits)
-    lg = logits.double()
-    if temperature > 0:
-        u = torch.rand(lg.shape, generator=generator, device=lg.device, dtype=torch.float64).clamp_min(1e-300)
-        scaled = lg / temperature
-        if sample_filter != (0, 1.0, 0.0):
-            scaled = filter_logits(scaled, *sample_filter)
-        tokens = (scaled - torch.log(-torch.log(u))).argmax(-1)
-    else:
+    if keep_probs:
+        if sampling is not None:
+            raise ValueError("predict: keep_probs (calibration) is greedy; sampling is not supported with it")
+        lg = logits.double()
+        probs = torch.softmax(lg, -1)
         tokens = lg.argmax(-1)
-    probs = torch.softmax(lg, -1)
-    conf = probs.gather(-1, tokens[:, None])[:, 0]
-    top_ids = top_probs = None
-    if topk > 0:  # Spiffy's draft formulas: rank 1 is the token this sample commits, then the likeliest
-        top = probs.topk(topk, dim=-1)
-        top_ids, top_probs = top.indices.clone(), top.values.clone()
-        top_ids[:, 0], top_probs[:, 0] = tokens, conf
-    return Prediction(tokens, conf, probs if keep_probs else None, top_ids, top_probs)
+        return Prediction(tokens, probs.gather(-1, tokens[:, None])[:, 0], probs)
+    if rows is None:
+        L = logits.shape[0]
+        draws = None if sampling is None else row_draws([(sampling, position0, [0], [step], L,
+                                                          (state == mask_id).cpu().numpy())], None)
+        rows = predict_rows(logits, draws=draws)
+    elif sampling is not None:
+        raise ValueError("predict: the engines' rows are drawn already (predict_rows' draws); sampling is for "
+                         "bare logits")
+    return Prediction(rows.tokens, rows.conf, logits=rows.logits)
 
 
 def commit(state: torch.Tensor, pred: Prediction, positions: torch.Tensor) -> torch.Tensor:
@@ -266,6 +269,13 @@ class Proposal:
 
     canvases: list[torch.Tensor]
     data: object = None
+    # the base-policy step (in the block) whose draw each canvas's predictions take when sampling
+    # (:mod:`.sampling`): a draft for the state k steps ahead is drawn as that state will be; None: every
+    # canvas at the decoder's current step (:attr:`BlockDecoder.t`)
+    steps: list[int] | None = None
+
+    def canvas_steps(self, t: int) -> list[int]:
+        return [t] * len(self.canvases) if self.steps is None else self.steps
 
 
 class BlockDecoder:
@@ -281,6 +291,10 @@ class BlockDecoder:
         self.state = block.clone()
         self.mask_id = mask_id
         self.forwards = 0  # model calls this block took
+        # the base-policy steps that led to ``state`` in this block: the step index of its draws when sampling
+        # (:mod:`.sampling`); a method that commits several steps at once (accepted drafts) advances it by as many
+        self.t = 0
+        self.sampling: Sampling | None = None  # the request's (set by make_decoder); None: greedy
         # the request's grammar (structured outputs, model_executor.grammar): the engines constrain the step's
         # predictions with it; a decoder that draws its own predictions passes it to predict_each
         self.grammar = None

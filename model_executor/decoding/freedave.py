@@ -19,7 +19,9 @@ Choices the paper leaves open, made here:
   forward, and with one mask left the last token is committed from the reused prediction with no forward
   (Alg. 2 L14-17). The NFE of a block is therefore ``1 + iterations``.
 - Drafts never cross the block boundary (semi-autoregressive decoding finishes a block first).
-- Greedy only: lossless sampling needs the sample coupled across drafts; ``temperature > 0`` is refused.
+- Sampling: draft ``k`` is drawn as the state ``k`` steps ahead will be (:mod:`.sampling`: the draw is a
+  function of the request's seed, the position and the step), so each accepted draft's prediction is the one
+  sampled static decoding draws there: lossless under sampling too, token for token for the same seed.
 
 One step of all requests at once (:meth:`FreeDaveDecoder.propose_batch`, :meth:`FreeDaveDecoder.update_batch`):
 L5-13 by one sort (draft ``k`` fills the positions of confidence rank < ``k``), L19-35 for every draft of every
@@ -76,7 +78,7 @@ class FreeDaveDecoder(BlockDecoder):
             n, fin = (S == mask).sum(-1), torch.isfinite(C).sum(-1)
             n_fwd = torch.minimum(torch.where(fin < n, fin, n - 1), torch.tensor([d.steps for d in group])).clamp(min=0)
             for i, d, drafts, nf in zip(idx, group, D, n_fwd.tolist()):
-                out[i] = Proposal(list(drafts[:nf, : d.state.numel()]), True)
+                out[i] = Proposal(list(drafts[:nf, : d.state.numel()]), True, list(range(d.t + 1, d.t + 1 + nf)))
         return out
 
     @classmethod
@@ -101,6 +103,7 @@ class FreeDaveDecoder(BlockDecoder):
         for d, p, s, t, c, mm in zip(decoders, proposals, state, tok_m, conf_m, m.tolist()):
             L_d = d.state.numel()
             d.state, d.pred = s[:L_d], Prediction(t[:L_d], c[:L_d])
+            d.t = p.canvas_steps(d.t)[mm]  # the accepted draft's step
             if p.data:
                 d.accepted += mm
                 d.iterations += 1

@@ -3,7 +3,7 @@
 LLaDA2.1 is trained to revise tokens it has already written, and its authors decode it so (their
 ``generate`` in the LLaDA2.1 checkpoints' modeling code, read, not run here; SGLang's
 ``srt/dllm/algorithm/joint_threshold.py`` implements the same rule). Per forward of one block, from the
-greedy prediction ``x`` and its probability ``p`` at every position:
+prediction ``x`` and its probability ``p`` at every position:
 
 1. *Unmask*: every masked position with ``p > threshold`` takes ``x``; when none passes, the masked
    position of highest ``p`` does (first on ties), so each forward makes progress while masks remain.
@@ -15,7 +15,8 @@ greedy prediction ``x`` and its probability ``p`` at every position:
    (0: final as soon as the last mask is filled: plain threshold decoding). Only then is it emitted.
 
 ``edit_threshold`` 0 edits wherever the prediction changed (SGLang's "full editing"); 1 never edits. The
-confidences are the engines' (float32 at least from bfloat16 logits). Greedy only. Each position's edits are
+confidences are the engines' (float32 at least from bfloat16 logits); under sampling ``x`` is the step's draw
+at every position (:mod:`.sampling`), filled ones too. Each position's edits are
 counted in :meth:`JointThresholdDecoder.stats`.
 
 All requests of a step at once (:meth:`JointThresholdDecoder.update_batch`): states ``[R, L]``, predictions of
@@ -78,6 +79,7 @@ class JointThresholdDecoder(BlockDecoder):
         n_edits = edit.sum(-1).tolist()
         for d, row, f, e in zip(decoders, new, full.tolist(), n_edits):
             d.state = row[: d.state.numel()]
+            d.t += 1
             d.edits += e
             if f:
                 d.post_steps += 1

@@ -10,7 +10,8 @@ LoPA Alg. 1, per iteration, from the current state and its prediction (reused fr
 - keep B* = argmax C and reuse its prediction for the next iteration (logits reuse).
 
 Choices the paper leaves open (docs/paper-notes-psd-lopa.md, O7-O10), made here: confidence = max
-softmax probability; the token at p_j is the prediction's argmax (no fresh sample, greedy); Eq. 2 is
+softmax probability; the token at p_j is the prediction's token (greedy, or the step's draw when sampling:
+every branch is drawn as the state one step ahead, :mod:`.sampling`); Eq. 2 is
 averaged over the current block only; ties prefer the anchor, then the lower j; if B0 completes the
 block no forward is run, and a branch that completes the block (no masks left, Eq. 2 undefined) is
 taken at once without a forward. With k = 0 LoPA is its spatial policy, forward for forward.
@@ -43,7 +44,8 @@ class LoPADecoder(BlockDecoder):
     @classmethod
     def propose_batch(cls, decoders):
         """The block's first step forwards the state; later ones the branches the last update explored."""
-        return [Proposal([d.state]) if d.pred is None else Proposal(list(d.branches[0][: d.branches[1]]), d.branches)
+        return [Proposal([d.state]) if d.pred is None else
+                Proposal(list(d.branches[0][: d.branches[1]]), d.branches, [d.t + 1] * d.branches[1])
                 for d in decoders]
 
     @classmethod
@@ -92,7 +94,8 @@ class LoPADecoder(BlockDecoder):
                                                            done.tolist())):
             L_d = d.state.numel()
             d.pred = Prediction(t[:L_d], c[:L_d])
-            if verify:
+            if verify:  # B* is one step past the last state (every branch is: B0 plus lookahead positions)
                 d.chosen[jj] += 1
+                d.t += 1
             d.state = s[:L_d]
             d.branches = None if dn else (branches[r, :, :L_d], nb)

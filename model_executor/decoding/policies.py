@@ -73,17 +73,15 @@ def make_policy(name: str, threshold: float = 0.9, relaxed_threshold: float = 0.
 
 
 class PolicyDecoder(BlockDecoder):
-    """A spatial policy alone: each forward predicts the block and the policy commits positions.
+    """A spatial policy alone: each forward predicts the block and the policy commits positions (greedy, or
+    sampled: the engines draw the step's rows, :mod:`.sampling`; the policy reads them alike).
 
     ``record``: a list that receives ``(state, prediction with full probabilities, next state)`` per step
-    (calibration, :mod:`psd_plugin.calibrate`)."""
+    (calibration, :mod:`psd_plugin.calibrate`; greedy)."""
 
-    def __init__(self, block, mask_id, policy: Policy, temperature: float = 0.0,
-                 generator: torch.Generator | None = None, sample_filter: tuple[int, float, float] = (0, 1.0, 0.0),
-                 record: list | None = None):
+    def __init__(self, block, mask_id, policy: Policy, record: list | None = None):
         super().__init__(block, mask_id)
-        self.policy, self.temperature, self.generator = policy, temperature, generator
-        self.sample_filter = sample_filter  # (top_k, top_p, min_p) when sampling
+        self.policy = policy
         self.record = record
 
     @classmethod
@@ -92,20 +90,18 @@ class PolicyDecoder(BlockDecoder):
 
     @property
     def reads_all_rows(self) -> bool:
-        return self.temperature > 0 or self.record is not None
+        return self.record is not None
 
     @classmethod
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """Every decoder's step at once, a policy at a time: states ``[R, L]`` (padded with -1, never the mask),
         the predictions of each state (its only canvas), the policy over all rows, one commit. A decoder that
-        samples (or records) predicts its own block, drawing from its own generator, decoders in order."""
+        records predicts its own block with full distributions, decoders in order."""
         for idx in groups(decoders, lambda d: (policy_key(d.policy), d.reads_all_rows)):
             group = [decoders[i] for i in idx]
             S = pad_rows([d.state for d in group], -1)
-            if group[0].reads_all_rows:  # its prediction is not the step's greedy one
-                mine = predict_each([(preds[a: a + d.state.numel()], d.state,
-                                      dict(keep_probs=d.record is not None, temperature=d.temperature,
-                                           generator=d.generator, sample_filter=d.sample_filter, grammar=d.grammar))
+            if group[0].reads_all_rows:  # calibration: the full distributions
+                mine = predict_each([(preds[a: a + d.state.numel()], d.state, dict(keep_probs=True, grammar=d.grammar))
                                      for d, a in ((d, canvas_rows[i][0]) for d, i in zip(group, idx))],
                                     group[0].mask_id)
                 T = pad_rows([p.tokens.to(S.device) for p in mine], -1)
@@ -120,3 +116,4 @@ class PolicyDecoder(BlockDecoder):
                 if d.record is not None:
                     d.record.append((d.state, mine[r], row))
                 d.state = row
+                d.t += 1

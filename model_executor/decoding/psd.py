@@ -95,6 +95,15 @@ class DraftDAG:
             if k > 0 and not ps:
                 raise ValueError(f"draft DAG: node {k} has no parent")
 
+    @functools.cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Each node's depth: the root 0, a node one more than its deepest parent (the chain's node j: j). A node
+        is drawn as the state that many policy steps after the root (:mod:`.sampling`)."""
+        out: list[int] = []
+        for ps in self.parents:
+            out.append(1 + max(out[p] for p in ps) if ps else 0)
+        return tuple(out)
+
 
 DAG_SHAPES = ("chain", "skip")  # the built-in draft DAGs: DraftDAG.nested, DraftDAG.skip
 
@@ -151,7 +160,8 @@ class PSDDecoder(BlockDecoder):
             F = E & (D == mask).any(-1)  # a draft that fills the block needs no forward
             for i, d, dr, e, f, o, fl in zip(idx, group, D, E, F, order, F.tolist()):
                 L_d = d.state.numel()
-                out[i] = Proposal([dr[k, :L_d] for k, fwd in enumerate(fl) if fwd], (dr[:, :L_d], e, f, o[:L_d]))
+                out[i] = Proposal([dr[k, :L_d] for k, fwd in enumerate(fl) if fwd], (dr[:, :L_d], e, f, o[:L_d]),
+                                  [d.t + dag.depths[k] for k, fwd in enumerate(fl) if fwd])
         return out
 
     @classmethod
@@ -202,6 +212,7 @@ class PSDDecoder(BlockDecoder):
             best = torch.where(acc, size * (N + 1) + N - torch.arange(N), -1).argmax(-1)  # L25: deepest, earliest
         else:
             size, best = torch.zeros(1, dtype=torch.long), torch.zeros(R, dtype=torch.long)
+        past = torch.tensor(first.dag.depths if verify else (0,))[best].tolist()  # k*'s steps past the root
         fb = F[ar, best]
         state = torch.where(commits[ar, best] & fb[:, None], tok[ar, best], D[ar, best])  # L26 on k*'s output
         tried, accepted = (E & (torch.arange(N) > 0)).tolist(), (acc & (torch.arange(N) > 0)).tolist()
@@ -209,6 +220,7 @@ class PSDDecoder(BlockDecoder):
                                                         size[best].tolist())):
             L_d = d.state.numel()
             d.state = s[:L_d]
+            d.t += past[r] + 1  # k*'s steps, then L26's commit
             if f:
                 d.pred = Prediction(t[:L_d], c[:L_d])
             if verify:

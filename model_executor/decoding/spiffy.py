@@ -36,8 +36,11 @@ one-block reading of §4, which the tests compare against).
 Choices the paper leaves open, made here: a draft must extend the current state (agree on every decoded
 position, decode more); drafts that fill the whole block are kept for acceptance but need no forward;
 invalid instantiations (rank beyond the masked count, two pairs on one position) are dropped; the first
-forward of a block carries no drafts. A sampling decoder predicts each canvas it commits from, alone, drawing
-from its request's generator in Alg. 1's order (the state first, an accepted draft when accepted).
+forward of a block carries no drafts. Under sampling (:mod:`.sampling`) a level-k draft is drawn as the state k
+base steps ahead will be, and is accepted only as that state (its level equal to the commits so far in the
+step): its prediction is then the base policy's own draw there, so sampled Spiffy is the sampled base policy,
+token for token for the same seed (appendix A.1's losslessness); a draft equal to another step's state is not
+reused (its draw would be another step's).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from typing import Callable
 import torch
 
 from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, commit, groups, pad_rows,
-                   predict_each, top_tokens, update_in_groups)
+                   top_tokens, update_in_groups)
 from .policies import policy_key
 from .spiffy_graph import DraftGraph
 
@@ -118,13 +121,8 @@ class BaseStep:
 
 class SpiffyDecoder(BlockDecoder):
     def __init__(self, block, mask_id, next_state: BaseStep, graph: DraftGraph, budget: int = 3,
-                 max_commit: int | None = None, temperature: float = 0.0, generator: torch.Generator | None = None,
-                 sample_filter: tuple[int, float, float] = (0, 1.0, 0.0)):
+                 max_commit: int | None = None):
         super().__init__(block, mask_id)
-        # sampling (Alg. 1 is lossless under it, appendix A.1): each Next draws from the request's generator in
-        # the order the base policy would, the state's prediction first and an accepted draft's only when it is
-        # accepted, so the decoded tokens are the base policy's sample for the same seed, token for token
-        self.sampling = dict(temperature=temperature, generator=generator, sample_filter=sample_filter)
         self.next_state, self.graph, self.budget = next_state, graph, budget
         self.max_commit = max_commit  # most positions one base step commits (static: 1; None: unbounded)
         self.max_i = max(i for n in graph.nodes for i, _ in n.formula)  # the deepest position rank a formula reads
@@ -133,10 +131,6 @@ class SpiffyDecoder(BlockDecoder):
         self.accepted = self.iterations = 0
         self.node_tried = [0] * len(graph.nodes)
         self.node_accepted = [0] * len(graph.nodes)
-
-    @property
-    def reads_all_rows(self) -> bool:
-        return self.sampling["temperature"] > 0  # a sampled Next draws over its whole canvas
 
     def stats(self):
         return {"accepted_drafts": self.accepted, "verify_iterations": self.iterations,
@@ -150,8 +144,10 @@ class SpiffyDecoder(BlockDecoder):
         live = [i for i, d in enumerate(decoders) if d.q is not None]
         for idx in groups(live, lambda i: (id(decoders[i].graph), decoders[i].budget, decoders[i].max_commit)):
             idx = [live[i] for i in idx]
+            levels = [n.level for n in decoders[idx[0]].graph.nodes]
             for i, nodes, drafts in zip(idx, *cls._drafts([decoders[i] for i in idx])):
-                out[i] = Proposal([decoders[i].state] + drafts, nodes)
+                t = decoders[i].t
+                out[i] = Proposal([decoders[i].state] + drafts, nodes, [t] + [t + levels[k] for k in nodes])
         return out
 
     @staticmethod
@@ -221,18 +217,16 @@ class SpiffyDecoder(BlockDecoder):
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """Alg. 1 for every decoder, a graph and base step at a time (greedy and sampling decoders apart)."""
         update_in_groups(cls._update, lambda d, p: (id(d.graph), policy_key(d.next_state.rule),
-                                                    d.sampling["temperature"] > 0), decoders, proposals, preds,
-                         canvas_rows)
+                                                    d.sampling is not None), decoders, proposals, preds, canvas_rows)
 
     @classmethod
     def _update(cls, decoders, proposals, preds, canvas_rows):
         """Commit one base step from the state's prediction; while the new state equals a forwarded draft, reuse
-        that draft's prediction for the next step (one pass per accepted draft, all requests at once); then
-        Eqs. 8-9 at the last commit for the next proposal. A sampling decoder predicts each canvas it commits
-        from itself, drawing from its own generator in Alg. 1's order, decoders in order."""
+        that draft's prediction for the next step (one pass per accepted draft, all requests at once; sampling:
+        a draft of the level the commits have reached); then Eqs. 8-9 at the last commit for the next proposal."""
         d0 = decoders[0]
         mask, R, rr = d0.mask_id, len(decoders), torch.arange(len(decoders))
-        sampled = d0.sampling["temperature"] > 0
+        sampled = d0.sampling is not None
         for d, p in zip(decoders, proposals):
             for k in p.data:
                 d.node_tried[k] += 1
@@ -240,36 +234,27 @@ class SpiffyDecoder(BlockDecoder):
         L = S.shape[1]
         K = max(len(p.canvases) for p in proposals) - 1
         D = torch.full((R, max(K, 1), L), -2, dtype=S.dtype)  # -2: no draft (never equals a state)
-        for r, p in enumerate(proposals):
-            for n, x in enumerate(p.canvases[1:]):
+        level = torch.zeros(R, max(K, 1), dtype=torch.long)  # each draft's steps past the state
+        for r, (d, p) in enumerate(zip(decoders, proposals)):
+            for n, (x, st) in enumerate(zip(p.canvases[1:], p.canvas_steps(d.t)[1:])):
                 D[r, n, : x.numel()], D[r, n, x.numel():] = x, -1
+                level[r, n] = st - d.t
         rows = canvas_row_index(decoders, canvas_rows).to(S.device)
         cur = torch.zeros(R, dtype=torch.long)  # the canvas whose prediction commits next (0: the state)
         live = torch.ones(R, dtype=torch.bool)
+        taken = torch.zeros(R, dtype=torch.long)  # base steps committed in this update
         Yq, q_rows = S.clone(), rows[:, 0].clone()
-        q_pred: list[Prediction | None] = [None] * R  # sampling: the prediction of the last commit
-        for _ in range(K + 1):
+        for n in range(K + 1):
             r_cur = rows[rr, cur]  # [R, L]
-            if sampled:
-                tok = torch.full_like(S, -1)
-                conf = torch.full(S.shape, float("-inf"), dtype=torch.float64, device=S.device)
-                now = live.nonzero().flatten().tolist()
-                drawn = predict_each([(preds[a: a + L_d], S[r, :L_d], dict(topk=decoders[r].max_j,
-                                                                          grammar=decoders[r].grammar,
-                                                                          **decoders[r].sampling))
-                                      for r in now for L_d, a in [(decoders[r].state.numel(),
-                                                                   canvas_rows[r][int(cur[r])])]], mask)
-                for r, p in zip(now, drawn):
-                    L_d = decoders[r].state.numel()
-                    q_pred[r] = p
-                    tok[r, :L_d], conf[r, :L_d] = p.tokens.to(S.device), p.conf.to(S.device)
-            else:
-                tok, conf = canvas_predictions(preds, r_cur, S, mask)
+            tok, conf = canvas_predictions(preds, r_cur, S, mask)
             new = torch.where(d0.next_state.rule(conf) & torch.isfinite(conf), tok, S)
             Yq = torch.where(live[:, None], S, Yq)
             q_rows = torch.where(live[:, None], r_cur, q_rows)
             S = torch.where(live[:, None], new, S)
+            taken += live
             eq = (D == S[:, None]).all(-1)  # [R, K]
+            if sampled:  # reused only as the state it was drawn for
+                eq &= level == n + 1
             hit = live & (S == mask).any(-1) & eq.any(-1)
             n_hit = eq.long().argmax(-1)
             for r in hit.nonzero().flatten().tolist():
@@ -279,20 +264,8 @@ class SpiffyDecoder(BlockDecoder):
             live = hit
             if not bool(live.any()):
                 break
-        if sampled:  # Eqs. 8-9 on each request's own (sampled) distribution
-            for d, s, y, p in zip(decoders, S, Yq, q_pred):
-                L_d = d.state.numel()
-                d.state = s[:L_d]
-                if d.done:
-                    d.q = None
-                else:
-                    n = int(torch.isfinite(p.conf).sum())
-                    order = torch.sort(p.conf, descending=True, stable=True).indices[:n]
-                    at = order[: d.max_i]
-                    d.q = Ranked(y[:L_d], order.cpu(), p.top_ids[at, : d.max_j].cpu(),
-                                 _elementwise(_log, p.top_probs[at, : d.max_j].double().cpu()))
-                d.iterations += 1
-            return
+        for d, k in zip(decoders, taken.tolist()):
+            d.t += k
         # Eqs. 8-9 at each request's last commit: positions by confidence, top tokens at the first few
         tok_q, conf_q = canvas_predictions(preds, q_rows, Yq, mask)
         n_q = torch.isfinite(conf_q).sum(-1)

@@ -89,6 +89,11 @@ class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True
     # before the request finishes with an error
     max_grammar_bytes: Annotated[int, msgspec.Meta(ge=1)] = 65536
     grammar_compile_timeout: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    # JSON constraints (json schema, json_object): ``compact`` (default) allows no whitespace between tokens, as
+    # vLLM's ``disable_any_whitespace``; ``any`` is vLLM's default grammar. A dLLM decodes a JSON answer's
+    # positions in any order under the frontier rule, and free whitespace is a likely token at every one of them:
+    # with ``any`` the tiny models wrote whitespace until max_tokens (docs/benchmarks.md, structured outputs)
+    json_whitespace: Literal["compact", "any"] = "compact"
 
 
 class PrestoSpeculativeConfig(TreeKnobs, forbid_unknown_fields=True, kw_only=True):

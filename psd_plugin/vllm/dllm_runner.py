@@ -136,13 +136,11 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         if s is None:
             sp = compat.sampling_params(self, req_id)
             prompt, _ = compat.request_tokens(self, req_id)
-            gen = None
-            if sp.temperature > 0:
-                gen = torch.Generator(device=self.device).manual_seed(
-                    sp.seed if sp.seed is not None else request_seed(req_id))
+            # an unseeded request's draws from its id: every tensor-parallel rank draws the same tokens
+            sampling = self.cfg.sampling(sp.temperature, sp.seed if sp.seed is not None else request_seed(req_id),
+                                         sp.top_k, sp.top_p, sp.min_p)
             mask = self.spec.mask_token_id
-            make = self.cfg.decoder_factory(mask, temperature=sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
-                                            min_p=sp.min_p, generator=gen)
+            make = self.cfg.decoder_factory(mask, sampling)
             # decode past the model's EOS exactly when vLLM will not stop there (ignore_eos, or a tokenizer /
             # generation config whose EOS differs): the request then ends where vLLM ends it
             eos = self.spec.eos_token_id

@@ -15,7 +15,6 @@ from __future__ import annotations
 from vllm.exceptions import VLLMValidationError
 
 from model_executor.decode_config import ConfigError, DecodeConfig
-from model_executor.decoding import GREEDY_ONLY
 
 from . import compat
 from .config import decode_config, from_vllm_config
@@ -83,12 +82,15 @@ def constraint_bytes(value) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-def take_structured_outputs(vllm_config, cfg: DecodeConfig, params, max_bytes: int | None = None) -> None:
+def take_structured_outputs(vllm_config, cfg: DecodeConfig, params, max_bytes: int | None = None,
+                            json_whitespace: str = "compact") -> None:
     """Structured outputs on the dLLM path (:mod:`model_executor.grammar`): the request's constraint, already
     validated by vLLM (``SamplingParams.verify``), is built into an xgrammar grammar here, so a constraint
     xgrammar cannot build is a 400, and travels to the workers in ``extra_args[GRAMMAR_ARG]``; the
     ``structured_outputs`` field is cleared, so vLLM's engine core, whose grammar advances one token per step
-    left to right, never sees it. The workers compile it for the tokenizer and decode under the frontier rule."""
+    left to right, never sees it. The workers compile it for the tokenizer and decode under the frontier rule.
+    JSON is compact unless ``json_whitespace`` is ``any`` (speculative_config) and vLLM's
+    ``disable_any_whitespace`` is off."""
     so = params.structured_outputs
     if so is None or so.all_constraints_none():
         return
@@ -121,8 +123,8 @@ def take_structured_outputs(vllm_config, cfg: DecodeConfig, params, max_bytes: i
             "(speculative_config.max_grammar_bytes): its grammar compiles for the tokenizer before the request "
             "decodes", parameter=f"structured_outputs.{kind}", value=size)
     try:
-        grammar = build_grammar(kind, getattr(so, kind),
-                                any_whitespace=not vllm_config.structured_outputs_config.disable_any_whitespace)
+        any_ws = json_whitespace == "any" and not vllm_config.structured_outputs_config.disable_any_whitespace
+        grammar = build_grammar(kind, getattr(so, kind), any_whitespace=any_ws)
     except ValueError as e:
         raise VLLMValidationError(str(e), parameter=f"structured_outputs.{kind}") from None
     params.extra_args = {**(params.extra_args or {}), GRAMMAR_ARG: grammar.serialize_json()}
@@ -133,10 +135,8 @@ def check(vllm_config, cfg: DecodeConfig, params, prompt_len: int) -> None:
     """Raise :class:`VLLMValidationError` for a request the dLLM path (decoding with ``cfg``) cannot serve."""
     penalized = next((name for name, default, _ in _PENALTIES if getattr(params, name, default) != default), None)
     try:
-        cfg.check_request(params.temperature, penalized is not None)
+        cfg.check_request(penalized is not None)
     except ConfigError as e:
-        if params.temperature > 0 and cfg.method in GREEDY_ONLY:
-            raise VLLMValidationError(str(e), parameter="temperature", value=params.temperature) from None
         value = getattr(params, penalized)
         raise VLLMValidationError(f"{penalized}={value!r}: {e}", parameter=penalized, value=value) from None
     if params.bad_words and any(len(ids) > 1 for ids in (params.bad_words_token_ids or [])):
@@ -214,10 +214,11 @@ def install() -> None:
                     got = self.__dict__.get("_psd_configs")
                     if got is None:  # resolved once per front end
                         got = self.__dict__["_psd_configs"] = (decode_config(self.vllm_config),
-                                                               from_vllm_config(self.vllm_config).max_grammar_bytes)
-                    cfg, max_bytes = got
+                                                               from_vllm_config(self.vllm_config))
+                    cfg, spec = got
                     check(self.vllm_config, cfg, request.sampling_params, len(request.prompt_token_ids or ()))
-                    take_structured_outputs(self.vllm_config, cfg, request.sampling_params, max_bytes)
+                    take_structured_outputs(self.vllm_config, cfg, request.sampling_params, spec.max_grammar_bytes,
+                                            spec.json_whitespace)
                 elif "presto" in extra:
                     check_presto(request.sampling_params)
             return request

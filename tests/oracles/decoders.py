@@ -33,18 +33,15 @@ class OracleDecoder(BlockDecoder):
 class PolicyOracle(OracleDecoder):
     """A spatial policy alone: each forward predicts the block and the policy commits positions."""
 
-    def __init__(self, block, mask_id, policy: Policy, temperature: float = 0.0,
-                 generator: torch.Generator | None = None, sample_filter: tuple[int, float, float] = (0, 1.0, 0.0)):
+    def __init__(self, block, mask_id, policy: Policy):
         super().__init__(block, mask_id)
-        self.policy, self.temperature, self.generator = policy, temperature, generator
-        self.sample_filter = sample_filter
+        self.policy = policy
 
     def canvases(self):
         return [self.state]
 
     def update(self, logits):
-        pred = predict(logits[0], self.state, self.mask_id, temperature=self.temperature, generator=self.generator,
-                       sample_filter=self.sample_filter)
+        pred = predict(logits[0], self.state, self.mask_id)
         self.state = commit(self.state, pred, self.policy(pred.conf) & self.masked)
 
 
@@ -203,10 +200,7 @@ def ranks(state_q: torch.Tensor, pred: Prediction, max_i: int, max_j: int) -> Ra
     masked = torch.isfinite(pred.conf)
     order = torch.sort(pred.conf, descending=True, stable=True).indices[: int(masked.sum())]
     at = order[:max_i]
-    if pred.top_ids is not None:  # a sampled prediction ranks its own distribution
-        top_tok, top_p = pred.top_ids[at, :max_j].cpu(), pred.top_probs[at, :max_j].double().cpu()
-    else:
-        top_tok, top_p = top_tokens(pred.logits, at, pred.tokens[at], pred.conf[at], max_j)
+    top_tok, top_p = top_tokens(pred.logits, at, pred.tokens[at], pred.conf[at], max_j)
     return Ranked(state_q, order.cpu(), top_tok, _elementwise(_log, top_p))
 
 
@@ -234,10 +228,8 @@ class SpiffyOracle(OracleDecoder):
     """Spiffy §4: drafts from a calibrated graph, Alg. 1 verification (see :mod:`model_executor.decoding.spiffy`)."""
 
     def __init__(self, block, mask_id, rule: Policy, graph: DraftGraph, budget: int = 3,
-                 max_commit: int | None = None, temperature: float = 0.0, generator: torch.Generator | None = None,
-                 sample_filter: tuple[int, float, float] = (0, 1.0, 0.0)):
+                 max_commit: int | None = None):
         super().__init__(block, mask_id)
-        self.sampling = dict(temperature=temperature, generator=generator, sample_filter=sample_filter)
         self.rule, self.graph, self.budget, self.max_commit = rule, graph, budget, max_commit
         self.kids = graph.children()
         self.max_i = max(i for n in graph.nodes for i, _ in n.formula)
@@ -294,7 +286,7 @@ class SpiffyOracle(OracleDecoder):
 
     def update(self, logits):
         rows = list(logits)
-        pred = predict(rows[0], self.state, self.mask_id, topk=self.max_j, **self.sampling)
+        pred = predict(rows[0], self.state, self.mask_id)
         pending = set(range(len(self.drafts)))
         while True:  # Alg. 1: commit from the state's exact prediction, then reuse an equal draft's
             new = self.next_state(self.state, pred)
@@ -308,7 +300,7 @@ class SpiffyOracle(OracleDecoder):
             pending.discard(hit)
             self.accepted += 1
             self.node_accepted[self.draft_nodes[hit]] += 1
-            pred = predict(rows[1 + hit], self.drafts[hit], self.mask_id, topk=self.max_j, **self.sampling)
+            pred = predict(rows[1 + hit], self.drafts[hit], self.mask_id)
         self.q = None if self.done else ranks(y_q, q, self.max_i, self.max_j)
         self.iterations += 1
 
@@ -364,20 +356,17 @@ class JointThresholdOracle(OracleDecoder):
 def make_oracle(method: str, block: torch.Tensor, mask_id: int, *, threshold: float = 0.9,
                 relaxed_threshold: float = 0.75, radius: int = 4, policy: str = "confidence", depth: int = 3,
                 branches: int = 3, steps: int = 4, dag: DraftDAG | None = None, dag_shape: str = "chain",
-                graph: DraftGraph | None = None, budget: int = 3, temperature: float = 0.0,
-                generator: torch.Generator | None = None, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                graph: DraftGraph | None = None, budget: int = 3,
                 edit_threshold: float = 0.9, max_post_edit_steps: int = 16) -> OracleDecoder:
     """The oracle of ``make_decoder(method, block, mask_id, **knobs)``, with the same knobs."""
     knobs = dict(threshold=threshold, relaxed_threshold=relaxed_threshold, radius=radius)
-    flt = (top_k if top_k > 0 else 0, top_p, min_p)
     if method in SPATIAL_POLICIES:
-        return PolicyOracle(block, mask_id, make_policy(method, **knobs), temperature, generator, flt)
+        return PolicyOracle(block, mask_id, make_policy(method, **knobs))
     if method == "freedave":
         return FreeDaveOracle(block, mask_id, steps=steps)
     if method == "spiffy":
         return SpiffyOracle(block, mask_id, make_policy(policy, threshold=threshold), graph, budget=budget,
-                            max_commit=1 if policy == "static" else None, temperature=temperature,
-                            generator=generator, sample_filter=flt)
+                            max_commit=1 if policy == "static" else None)
     if method == "lopa":
         return LoPAOracle(block, mask_id, make_policy(policy, **knobs), branches=branches)
     if method == "joint_threshold":
