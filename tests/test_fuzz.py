@@ -200,8 +200,9 @@ class _FuzzedServer:
     def served(cls):
         from psd_plugin.vllm.server import start
 
-        # compiled (vLLM's default): thousands of requests decode faster than eager, which only starts sooner
-        srv = start([*cls.ARGS, "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32"])
+        # eager: the fuzz is about the front end (the compiled model is test_server's and the engine tests'); in a
+        # fresh checkout a compiled start costs about 20 s more than its faster decoding saves here
+        srv = start([*cls.ARGS, "--max-model-len", str(MAX_MODEL_LEN), "--dtype", "float32", "--enforce-eager"])
         yield srv, Recorder(srv.url, served=cls.SERVED, max_model_len=MAX_MODEL_LEN, p_greedy=cls.P_GREEDY,
                             time_budget_s=TIME_BUDGET_S)
         srv.stop()
