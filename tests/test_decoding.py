@@ -432,7 +432,7 @@ def test_a_draw_is_a_function_of_seed_position_and_step():
 
 def test_filter_rows_is_the_scalar_filter_per_row():
     """The batched top-k / top-p / min-p of the step's draws keeps, row by row, what the one-row filter keeps."""
-    from model_executor.decoding.logits_rules import filter_logits
+    from oracles.decoders import filter_logits
     from model_executor.decoding.sampling import filter_rows
 
     g = torch.Generator().manual_seed(2)

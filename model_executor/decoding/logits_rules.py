@@ -9,8 +9,8 @@ far (for the decoders that forward their state alone: :attr:`LogitsRules.penaliz
 place, in both engines, so every decoding method (the lossless ones included: their base policy and their
 drafts see the same processed logits) decodes the processed distribution.
 
-:func:`filter_logits` is ``top_k`` / ``top_p`` / ``min_p`` for the policies that sample (after temperature,
-as vLLM's sampler orders them).
+``top_k`` / ``top_p`` / ``min_p`` restrict sampled draws (:func:`~.sampling.filter_rows`, after temperature, as
+vLLM's sampler orders them).
 """
 
 from __future__ import annotations
@@ -114,23 +114,3 @@ def _apply_one(logits, rules, first, K, L, offset, history, at) -> None:
     rows, offsets = rows[kept], offsets[kept]
     a = int(rows[0])  # a request's kept rows are contiguous, in order
     rules.apply(logits[a: a + rows.numel()], offsets, history() if rules.penalized else None)
-
-
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
-    """Keep, per row of (temperature-scaled) ``logits [..., V]``, the ``top_k`` best tokens (0 or -1: all), the
-    smallest set of best tokens whose probability reaches ``top_p``, and the tokens with at least ``min_p``
-    times the best one's probability; the others get -inf. The best token always stays. Returns a new tensor."""
-    out = logits.clone()
-    V = out.shape[-1]
-    if 0 < top_k < V:
-        kth = out.topk(top_k, dim=-1).values[..., -1:]
-        out.masked_fill_(out < kth, float("-inf"))
-    if top_p < 1.0:
-        srt, idx = out.sort(dim=-1, descending=True)
-        cum = srt.softmax(-1).cumsum(-1)
-        drop = (cum - srt.softmax(-1)) >= top_p  # the mass before this token already reaches top_p
-        out.scatter_(-1, idx, srt.masked_fill(drop, float("-inf")))
-    if min_p > 0.0:
-        p = out.softmax(-1)
-        out.masked_fill_(p < min_p * p.amax(-1, keepdim=True), float("-inf"))
-    return out

@@ -374,3 +374,23 @@ def make_oracle(method: str, block: torch.Tensor, mask_id: int, *, threshold: fl
     if method == "psd":
         return PSDOracle(block, mask_id, make_policy(policy, **knobs), dag or DraftDAG.shaped(dag_shape, depth))
     raise ValueError(f"method {method!r}")
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """The one-row oracle of :func:`model_executor.decoding.sampling.filter_rows`: keep, per row of (temperature-scaled) ``logits [..., V]``, the ``top_k`` best tokens (0 or -1: all), the
+    smallest set of best tokens whose probability reaches ``top_p``, and the tokens with at least ``min_p``
+    times the best one's probability; the others get -inf. The best token always stays. Returns a new tensor."""
+    out = logits.clone()
+    V = out.shape[-1]
+    if 0 < top_k < V:
+        kth = out.topk(top_k, dim=-1).values[..., -1:]
+        out.masked_fill_(out < kth, float("-inf"))
+    if top_p < 1.0:
+        srt, idx = out.sort(dim=-1, descending=True)
+        cum = srt.softmax(-1).cumsum(-1)
+        drop = (cum - srt.softmax(-1)) >= top_p  # the mass before this token already reaches top_p
+        out.scatter_(-1, idx, srt.masked_fill(drop, float("-inf")))
+    if min_p > 0.0:
+        p = out.softmax(-1)
+        out.masked_fill_(p < min_p * p.amax(-1, keepdim=True), float("-inf"))
+    return out
