@@ -1,16 +1,18 @@
-"""RL rollouts: ``n`` samples of each prompt through vLLM, a dLLM method against the AR model, in one process.
+"""RL rollouts and sampled serving speed: a dLLM method against the AR model through vLLM, in one process.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/rollouts.py [--model PATH] [--prompts 16] [--n 8]
-        [--temperature 1.0] [--methods psd,confidence] [--repeats 2]
+        [--temperatures 1.0] [--concurrency 0] [--methods psd,confidence] [--repeats 2] [--name rollouts]
 
 What an RL trainer asks of a server: ``--prompts`` held-out prompts (spread over the tasks), each sampled ``--n``
-times (vLLM's ``n``, unseeded: every sample draws from its own request id), at ``--temperature``, max_tokens 32.
-Per engine: generated tokens per second over the wall time of the whole batch (tokens up to and including EOS;
-each engine warmed up first, outside the timed region), the distinct-sample rate (distinct answers among a
-prompt's ``n``, divided by ``n``, averaged over prompts), and for the dLLM its TPF. The engines alternate
-``--repeats`` times (this machine's speed drifts: compare within a run, give the spread). Writes
-``rollouts.md`` / ``.json`` into ``--out``. On this CPU a tiny model's step is host-bound: the tokens/s ratio
-measures the host path as much as the model.
+times (vLLM's ``n``, unseeded: every sample draws from its own request id), at each of ``--temperatures``
+(0: greedy), max_tokens 32. ``--concurrency c`` sends the prompts in waves of ``c`` (``LLM.generate`` per wave,
+one wave after another; 0: all prompts in one call). Per engine, temperature and concurrency: generated tokens
+per second over the wall time (tokens up to and including EOS; each engine warmed up first, outside the timed
+region), the distinct-sample rate (distinct answers among a prompt's ``n``, divided by ``n``, averaged over
+prompts; with ``n = 1`` it is 1), and for the dLLM its TPF. The engines alternate ``--repeats`` times (this
+machine's speed drifts: compare within a repeat, give the spread). Writes ``<name>.md`` / ``.json`` into
+``--out``. On this CPU a step's time grows with the rows it forwards (AR: one per sequence; a dLLM: its block's
+canvases) and a tiny model's step is largely host work: the ratios are this CPU's, not a GPU projection.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
-def _run(llm, prompts, n, temperature, stats=None):
+def _run(llm, prompts, n, temperature, concurrency=0, stats=None):
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=32, temperature=temperature, n=n)
+    waves = [prompts[i: i + concurrency] for i in range(0, len(prompts), concurrency)] if concurrency else [prompts]
     t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = [o for w in waves for o in llm.generate([{"prompt_token_ids": p} for p in w], params, use_tqdm=False)]
     dt = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     distinct = sum(len({tuple(c.token_ids) for c in o.outputs}) / n for o in outs) / len(outs)
@@ -54,6 +57,7 @@ def _child_ids(out, stats):
 def main() -> None:
     from vllm import LLM
 
+    from benchmarks.engines import method_knobs
     from psd_plugin import DEFAULT_AR, DEFAULT_DLLM
     from psd_plugin.evaluate import encode, load
     from psd_plugin.train.tasks import TASKS, load_heldout
@@ -64,7 +68,8 @@ def main() -> None:
     ap.add_argument("--ar", type=Path, default=DEFAULT_AR)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--temperatures", default="1.0", help="comma-separated; 0 is greedy")
+    ap.add_argument("--concurrency", default="0", help="comma-separated wave sizes; 0: every prompt at once")
     ap.add_argument("--methods", default="psd,confidence")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
@@ -78,31 +83,42 @@ def main() -> None:
     common = dict(dtype="float32", seed=0, max_model_len=512, max_num_seqs=256)
     engines = {"AR": LLM(model=str(args.ar), **common)}
     for m in args.methods.split(","):
-        engines[m] = LLM(model=str(args.model), speculative_config={"method": "psd", "decoding": m}, **common)
-    results: dict[str, list] = {k: [] for k in engines}
+        knobs = {"method": "psd", "decoding": m, **method_knobs(m, args.model, "vllm")}
+        engines[m] = LLM(model=str(args.model), speculative_config=knobs, **common)
+    temps = [float(t) for t in args.temperatures.split(",")]
+    concs = [int(c) for c in args.concurrency.split(",")]
+    cases = [(t, c) for t in temps for c in concs]
+    results: dict[str, dict] = {k: {f"{t:g}/{c}": [] for t, c in cases} for k in engines}
     for name, llm in engines.items():  # warm-up
-        _run(llm, prompts[:2], 2, args.temperature)
+        _run(llm, prompts[:2], 2, max(temps))
     for rep in range(args.repeats):
-        for name, llm in engines.items():
-            row = _run(llm, prompts, args.n, args.temperature, None if name == "AR" else compat.request_stats)
-            results[name].append(row)
-            print(f"repeat {rep} {name:<11} {row['tokens_per_s']:7.1f} tok/s  distinct {row['distinct']:.3f}"
-                  + (f"  TPF {row['tpf']:.2f}" if "tpf" in row else ""), flush=True)
+        for t, c in cases:
+            for name, llm in engines.items():
+                row = _run(llm, prompts, args.n, t, c, None if name == "AR" else compat.request_stats)
+                results[name][f"{t:g}/{c}"].append(row)
+                print(f"repeat {rep} T {t:g} c {c or len(prompts)} {name:<15} {row['tokens_per_s']:7.1f} tok/s  "
+                      f"distinct {row['distinct']:.3f}" + (f"  TPF {row['tpf']:.2f}" if "tpf" in row else ""),
+                      flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model.name, "ar": args.ar.name, "prompts": len(prompts), "n": args.n,
-            "temperature": args.temperature, "repeats": args.repeats}
+            "temperatures": temps, "concurrency": concs, "repeats": args.repeats}
     (args.out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    lines = [f"{len(prompts)} held-out prompts x n = {args.n}, T = {args.temperature:g}, max_tokens 32, unseeded, "
-             f"float32, vLLM in one process on this CPU ({args.repeats} alternating repeats: min-max); dLLM "
-             f"{meta['model']}, AR {meta['ar']}. Host-bound tiny models: tokens/s ratios, not absolute speeds.", "",
-             "| engine | tokens/s | vs AR (same repeat) | distinct samples | TPF |", "|---|---|---|---|---|"]
-    for name, runs in results.items():
-        tps = [r["tokens_per_s"] for r in runs]
-        ratio = [r["tokens_per_s"] / a["tokens_per_s"] for r, a in zip(runs, results["AR"])]
-        tpf = [r["tpf"] for r in runs if "tpf" in r]
-        lines.append(f"| {name} | {min(tps):.0f}-{max(tps):.0f} | {min(ratio):.2f}-{max(ratio):.2f}x | "
-                     f"{sum(r['distinct'] for r in runs) / len(runs):.3f} | "
-                     f"{(f'{min(tpf):.2f}-{max(tpf):.2f}' if tpf else '-')} |")
+    lines = [f"{len(prompts)} held-out prompts x n = {args.n}, max_tokens 32, unseeded, float32, vLLM in one "
+             f"process on this CPU ({args.repeats} alternating repeats: min-max); dLLM {meta['model']}, AR "
+             f"{meta['ar']}; c: prompts per `generate` call (waves). This CPU's step time grows with the rows a "
+             "step forwards and a tiny model's step is largely host work: ratios on this CPU, not a GPU projection.",
+             "", "| T | c | engine | tokens/s | vs AR (same repeat) | distinct samples | TPF |",
+             "|---|---|---|---|---|---|---|"]
+    for t, c in cases:
+        key = f"{t:g}/{c}"
+        for name in engines:
+            runs, ar = results[name][key], results["AR"][key]
+            tps = [r["tokens_per_s"] for r in runs]
+            ratio = [r["tokens_per_s"] / a["tokens_per_s"] for r, a in zip(runs, ar)]
+            tpf = [r["tpf"] for r in runs if "tpf" in r]
+            lines.append(f"| {t:g} | {c or len(prompts)} | {name} | {min(tps):.0f}-{max(tps):.0f} | "
+                         f"{min(ratio):.2f}-{max(ratio):.2f}x | {sum(r['distinct'] for r in runs) / len(runs):.3f} | "
+                         f"{(f'{min(tpf):.2f}-{max(tpf):.2f}' if tpf else '-')} |")
     (args.out / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
