@@ -74,7 +74,7 @@ def main():
                 ok = 0
                 for r in res:
                     try:
-                        v = json.loads(tok.decode(r.token_ids, skip_special_tokens=True), strict=False)
+                        v = json.loads(tok.decode(r.token_ids, skip_special_tokens=True))
                         ok += r.finish_reason == "stop" and set(v) == {"answer"} and len(v["answer"]) <= 48
                     except ValueError:
                         pass

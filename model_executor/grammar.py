@@ -36,6 +36,7 @@ after the request's committed answer tokens; a step's checks advance it and roll
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import torch
@@ -61,8 +62,8 @@ def build_grammar(kind: str, value, any_whitespace: bool = True):
         if kind in ("json", "json_object"):
             schema = value if kind == "json" else {"type": "object"}
             schema = schema if isinstance(schema, str) else json.dumps(schema)
-            return xgr.Grammar.from_json_schema(schema, any_whitespace=any_whitespace,
-                                                separators=None if any_whitespace else (",", ":"))
+            return _json_strings_escaped(xgr.Grammar.from_json_schema(
+                schema, any_whitespace=any_whitespace, separators=None if any_whitespace else (",", ":")))
         if kind == "regex":
             return xgr.Grammar.from_regex(value)
         if kind == "choice":
@@ -75,6 +76,20 @@ def build_grammar(kind: str, value, any_whitespace: bool = True):
         return xgr.Grammar.from_lark(text)
     except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
         raise ValueError(f"structured output {kind}: {e}") from None
+
+
+# xgrammar (0.2.8) writes the characters of a length-bounded JSON string (``minLength`` / ``maxLength``) as
+# ``[^"\\\r\n]``: raw control characters pass, which RFC 8259 forbids in a string (Python's ``json.loads`` rejects
+# them); its unbounded strings exclude them. Sampled answers of a small model draw such bytes.
+_BOUNDED_STRING_CHARS = re.compile(r'^(\w+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+
+
+def _json_strings_escaped(grammar):
+    """``grammar`` (from a JSON schema) with every length-bounded string's characters outside U+0000-U+001F, as
+    xgrammar's unbounded strings already are (above); the grammar itself when it has none."""
+    text = str(grammar)
+    fixed = _BOUNDED_STRING_CHARS.sub(lambda m: m.group(1) + r' ::= (([^\0-\x1f\"\\]))', text)
+    return grammar if fixed == text else _xgr().Grammar.from_ebnf(fixed)
 
 
 _COMPILERS: dict[int, tuple] = {}  # id(tokenizer info) -> (info, its compiler)

@@ -314,4 +314,4 @@ def test_structured_outputs_on_two_ranks(heldout_prompts):
         compat.shutdown(llm)
     for i, (o, r) in enumerate(zip(outs, ref)):
         assert list(o.outputs[0].token_ids) == r.token_ids, f"prompt {i} ({cons[i][0]})"
-    json.loads(outs[0].outputs[0].text, strict=False)
+    json.loads(outs[0].outputs[0].text)
