@@ -1,6 +1,7 @@
 """Decoding methods on the embedded model: exactness where the papers promise it (float64), and unit rules."""
 
 import pytest
+import numpy as np
 import torch
 
 from model_executor.decoding import DraftDAG, make_decoder
@@ -428,6 +429,29 @@ def test_a_draw_is_a_function_of_seed_position_and_step():
     want = torch.minimum(p.max(-1).values, ((z.gather(1, hot.tokens[:, None])[:, 0] - z.max(-1).values) / T).exp())
     assert torch.allclose(hot.conf.double(), want)
     assert (hot.tokens != z.argmax(-1)).any()  # not the argmax everywhere: it drew
+
+
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32, torch.bfloat16))
+def test_a_step_with_drawn_rows_keeps_the_greedy_rows_greedy(dtype):
+    """A step mixing greedy and sampled requests: the greedy rows get exactly the top-1 and confidence of a step
+    without draws (their pass skips the drawn rows, which only the draw computes), the drawn rows their draws."""
+    from model_executor.decoding import Sampling, predict_rows
+    from model_executor.decoding.sampling import row_draws
+
+    g = torch.Generator().manual_seed(4)
+    L, V = 8, 60
+    logits = (torch.randn(3 * L, V, generator=g, dtype=torch.float64) * 2).to(dtype)
+    ones = np.ones(L, dtype=bool)
+    # rows [L, 2L) drawn (the second request), the others greedy
+    jobs = [(Sampling(0.9, seed=5), 30, [L], [1], L, ones)]
+    mixed = predict_rows(logits.clone(), draws=row_draws(jobs, None))
+    greedy = predict_rows(logits.clone())
+    drawn = predict_rows(logits[L: 2 * L].clone(), draws=row_draws([(Sampling(0.9, seed=5), 30, [0], [1], L, ones)],
+                                                                    None))
+    for part in (slice(0, L), slice(2 * L, 3 * L)):
+        assert torch.equal(mixed.tokens[part], greedy.tokens[part]) and torch.equal(mixed.conf[part], greedy.conf[part])
+    assert torch.equal(mixed.tokens[L: 2 * L], drawn.tokens) and torch.equal(mixed.conf[L: 2 * L], drawn.conf)
+    assert not torch.equal(mixed.tokens[L: 2 * L], greedy.tokens[L: 2 * L])  # it drew
 
 
 def test_filter_rows_is_the_scalar_filter_per_row():

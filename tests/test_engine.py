@@ -189,6 +189,39 @@ def test_penalties_follow_vllms_rules_on_the_tokens_committed_so_far(engine64, m
                           method="psd")
 
 
+def test_rules_apply_vllms_formulas_and_keep_their_uploads():
+    """``LogitsRules.apply`` against vLLM's formulas written out (repetition on the prompt and the answer so far,
+    frequency and presence on the answer, bias, allowed, banned, min_tokens), with one rules object shared by two
+    requests of different prompts, applied alternately (the prompt's token set is kept per prompt, not per rules
+    object); the constant tensors are built once per device, not every step."""
+    from model_executor.decoding import LogitsRules
+
+    V, g = 40, torch.Generator().manual_seed(0)
+    rules = LogitsRules(repetition_penalty=1.7, frequency_penalty=0.3, presence_penalty=0.5, logit_bias={3: 2.5},
+                        allowed_token_ids=tuple(range(0, 40, 2)), banned_token_ids=(6,), min_tokens=2,
+                        stop_token_ids=(4,))
+    histories = [(torch.tensor([1, 5, 7]), torch.tensor([2, 2, 9])), (torch.tensor([11, 12]), torch.tensor([5]))]
+    offsets = torch.tensor([0, 1, 2])
+    for h in (0, 1, 0, 1):
+        prompt, out = histories[h]
+        x = torch.randn(3, V, generator=g, dtype=torch.float64)
+        want = x.clone()
+        counts = torch.bincount(out, minlength=V).double()
+        seen = counts > 0
+        seen[prompt] = True
+        want = torch.where(seen, torch.where(want > 0, want / 1.7, want * 1.7), want)
+        want -= 0.3 * counts + 0.5 * (counts > 0).double()
+        keep = torch.zeros(V, dtype=torch.bool)
+        keep[0::2] = True
+        want[:, ~keep] = float("-inf")
+        want[:, 6] = float("-inf")
+        want[:, 3] += 2.5
+        want[:2, 4] = float("-inf")  # answer offsets 0 and 1 < min_tokens
+        rules.apply(x, offsets, (prompt, out))
+        assert torch.equal(x, want), h
+    assert rules.on(torch.device("cpu"), V) is rules.on(torch.device("cpu"), V)
+
+
 @pytest.mark.parametrize("method, top_k", [("static", 0), ("static", 3), ("psd", 0), ("freedave", 3), ("lopa", 0),
                                            ("joint_threshold", 0)])
 def test_first_sampled_token_follows_the_models_softmax(tiny_checkpoints, method, top_k):

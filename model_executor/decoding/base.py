@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import math
 
+import numpy as np
 import torch
 
 from .sampling import RowDraws, Sampling, draw_rows, row_draws
@@ -128,9 +129,18 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.T
     tokens = logits.new_empty((M,), dtype=torch.long)
     conf = logits.new_empty((M,), dtype=cdt)
     chunk = max(1, work_bytes(logits.device) // max(1, V * torch.finfo(cdt).bits // 8))
-    work = logits.new_empty((min(chunk, M), V), dtype=cdt)  # reused: no fresh pages
-    for a in range(0, M, chunk):
-        x = logits[a: a + chunk]
+    # the greedy top-1 of the rows not drawn (a drawn row's tokens and confidences are its draw's)
+    greedy = None  # every row
+    if draws is not None and len(draws):
+        drawn = np.zeros(M, dtype=bool)
+        drawn[draws.rows] = True
+        if drawn.any():
+            greedy = torch.from_numpy(np.flatnonzero(~drawn)).to(logits.device, non_blocking=True)
+    n = M if greedy is None else greedy.numel()
+    work = logits.new_empty((min(chunk, n), V), dtype=cdt)  # reused: no fresh pages
+    for a in range(0, n, chunk):
+        rows = slice(a, a + chunk) if greedy is None else greedy[a: a + chunk]
+        x = logits[rows]
         best, idx = x.max(-1)
         w = work[: x.shape[0]]
         if cdt == logits.dtype:
@@ -138,7 +148,7 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.T
         else:  # upcast first: the difference of two bfloat16 logits is not a bfloat16
             w.copy_(x).sub_(best[:, None].to(cdt))
         z = w.exp_().sum(-1)  # >= 1: the max contributes exp(0)
-        tokens[a: a + chunk], conf[a: a + chunk] = idx, 1.0 / z
+        tokens[rows], conf[rows] = idx, 1.0 / z
     if draws is not None and len(draws):
         draw_rows(logits, draws, tokens, conf, work_bytes(logits.device))
     # one copy to the host: [2, M] float64 (ids < 2**53 are exact); on a CPU a copy of the host tensor

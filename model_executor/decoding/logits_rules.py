@@ -54,35 +54,69 @@ class LogitsRules:
         return bool(self.logit_bias or self.allowed_token_ids is not None or self.banned_token_ids
                     or (self.min_tokens > 0 and self.stop_token_ids) or self.penalized)
 
+    def on(self, device: torch.device, V: int) -> dict[str, torch.Tensor]:
+        """The rules' constant tensors on ``device`` for a ``V``-token vocabulary: built and uploaded once per
+        request (the rules are immutable), not once per step. On a GPU an upload from a Python list is a
+        blocking copy; a step then only moves what changed (the committed answer, for the penalties)."""
+        cache = self.__dict__.setdefault("_device_tensors", {})  # frozen dataclass: a private cache slot
+        key = (str(device), V)
+        if key not in cache:
+            host: dict[str, torch.Tensor] = {}
+            if self.allowed_token_ids is not None:
+                host["keep"] = torch.zeros(V, dtype=torch.bool)
+                host["keep"][list(self.allowed_token_ids)] = True
+            if self.banned_token_ids:
+                host["banned"] = torch.tensor(self.banned_token_ids, dtype=torch.long)
+            if self.logit_bias:
+                host["bias_ids"] = torch.tensor(list(self.logit_bias), dtype=torch.long)
+                host["bias"] = torch.tensor(list(self.logit_bias.values()), dtype=torch.float64)
+            if self.min_tokens > 0 and self.stop_token_ids:
+                host["stop"] = torch.tensor(self.stop_token_ids, dtype=torch.long)
+            cache[key] = {k: v.to(device, non_blocking=True) for k, v in host.items()}
+        return cache[key]
+
     def apply(self, logits: torch.Tensor, answer_offsets: torch.Tensor,
               history: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """``logits [n, V]``: rows of a request's canvases, row ``j`` predicting the answer's token
         ``answer_offsets[j]`` (0 = the first answer token; host). ``history = (prompt ids, answer ids committed so
         far)`` for the penalties. In place."""
         V = logits.shape[-1]
+        const = self.on(logits.device, V)
         if self.penalized:
-            prompt, output = (t.to(logits.device) for t in history)
-            counts = torch.bincount(output, minlength=V)[:V].to(logits.dtype)
+            prompt, output = history
+            # the answer so far goes up as ids (a few, without waiting) and is counted there (index_add_: a
+            # bincount's output size is its data's maximum, which the host would wait for)
+            counts = _counts(output, V, logits.device).to(logits.dtype)
             if self.repetition_penalty != 1.0:
-                seen = counts > 0
-                seen[prompt] = True
+                # the prompt's tokens, once per prompt (keyed by its ids: rules may be shared between requests)
+                prompt_seen = self.__dict__.setdefault("_prompt_seen", {})
+                key = (str(logits.device), V, prompt.numpy().tobytes())
+                if key not in prompt_seen:
+                    if len(prompt_seen) >= 8:
+                        prompt_seen.pop(next(iter(prompt_seen)))
+                    prompt_seen[key] = _counts(prompt, V, logits.device) > 0
+                seen = (counts > 0) | prompt_seen[key]
                 p = self.repetition_penalty
                 logits.copy_(torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits))
             if self.frequency_penalty or self.presence_penalty:
                 logits -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0).to(logits.dtype)
-        if self.allowed_token_ids is not None:
-            keep = torch.zeros(V, dtype=torch.bool, device=logits.device)
-            keep[list(self.allowed_token_ids)] = True
-            logits.masked_fill_(~keep, float("-inf"))
-        if self.banned_token_ids:
-            logits[..., list(self.banned_token_ids)] = float("-inf")
-        if self.logit_bias:
-            ids = torch.tensor(list(self.logit_bias), device=logits.device)
-            logits[..., ids] += torch.tensor(list(self.logit_bias.values()), dtype=logits.dtype, device=logits.device)
-        if self.min_tokens > 0 and self.stop_token_ids:
-            early = (answer_offsets < self.min_tokens).nonzero().to(logits.device)  # [E, 1]
+        if "keep" in const:
+            logits.masked_fill_(~const["keep"], float("-inf"))
+        if "banned" in const:
+            logits.index_fill_(-1, const["banned"], float("-inf"))
+        if "bias_ids" in const:
+            logits[..., const["bias_ids"]] += const["bias"].to(logits.dtype)
+        if "stop" in const:
+            early = torch.from_numpy((answer_offsets < self.min_tokens).numpy().nonzero()[0])  # host offsets
             if early.numel():
-                logits[early, torch.tensor(self.stop_token_ids, device=logits.device)] = float("-inf")
+                logits[early.to(logits.device, non_blocking=True)[:, None], const["stop"]] = float("-inf")
+
+
+def _counts(ids: torch.Tensor, V: int, device: torch.device) -> torch.Tensor:
+    """``[V]`` float32 occurrences of the host ``ids`` (tokens below ``V``), counted on ``device``."""
+    ids = ids.to(device, non_blocking=True)
+    return torch.zeros(V, dtype=torch.float32, device=device).index_add_(
+        0, ids, torch.ones(ids.numel(), dtype=torch.float32, device=device))
 
 
 def apply_rules(logits: torch.Tensor, items: list[tuple], at: torch.Tensor | None = None,
