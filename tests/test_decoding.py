@@ -454,6 +454,20 @@ def test_a_step_with_drawn_rows_keeps_the_greedy_rows_greedy(dtype):
     assert not torch.equal(mixed.tokens[L: 2 * L], greedy.tokens[L: 2 * L])  # it drew
 
 
+def test_the_draws_in_place_hash_is_splitmix64():
+    """The draw's per-token hash runs in place (``_mix_``, a cached ``token * golden``); its bits are SplitMix64's
+    written out functionally (``_mix``), for every token range and row key, so a draw is the same on every
+    device and in every version of the pass."""
+    from model_executor.decoding.sampling import _GOLDEN, _mix, _srl, row_keys, uniforms
+
+    keys = row_keys(torch.tensor([0, 7, -3, 2 ** 40]), torch.tensor([0, 5, 99, 1]), torch.tensor([0, 1, 2, 63]))
+    for token0, n in ((0, 50), (13, 7), (0, 1)):
+        v = torch.arange(token0, token0 + n, dtype=torch.int64)
+        want = (_srl(_mix(keys[:, None] ^ (v * _GOLDEN)), 11).to(torch.float64) + 0.5) * 2.0 ** -53
+        assert torch.equal(uniforms(keys, token0, n), want), (token0, n)
+        assert torch.equal(uniforms(keys, token0, n), want)  # again: the cached token keys are not written
+
+
 def test_filter_rows_is_the_scalar_filter_per_row():
     """The batched top-k / top-p / min-p of the step's draws keeps, row by row, what the one-row filter keeps."""
     from oracles.decoders import filter_logits

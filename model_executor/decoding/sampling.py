@@ -59,11 +59,40 @@ def row_keys(seed: torch.Tensor, position: torch.Tensor, step: torch.Tensor) -> 
     return _mix(_mix(_mix(seed) ^ position) ^ step)
 
 
+_TOKEN_KEYS: dict[tuple[str, int], torch.Tensor] = {}  # (device, vocabulary end) -> token ids * golden ratio
+
+
+def _token_keys(device: torch.device, token0: int, n_tokens: int) -> torch.Tensor:
+    """``v * golden`` (wrapping int64) of tokens ``token0 ..``, kept per device: the per-token half of a draw's
+    counter, the same every step."""
+    end = token0 + n_tokens
+    key = (str(device), end)
+    if key not in _TOKEN_KEYS:
+        if len(_TOKEN_KEYS) >= 16:
+            _TOKEN_KEYS.pop(next(iter(_TOKEN_KEYS)))
+        _TOKEN_KEYS[key] = torch.arange(end, device=device, dtype=torch.int64) * _GOLDEN
+    return _TOKEN_KEYS[key][token0:]
+
+
+def _mix_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """:func:`_mix` in place on ``x``, with ``tmp`` (as ``x``) for the shifts: the same bits, without a fresh
+    ``[n, V]`` int64 tensor per operation (a draw over a 126k vocabulary was mostly allocation and memory
+    traffic)."""
+    x.add_(_GOLDEN)
+    for shift, mult in ((30, _M1), (27, _M2)):
+        torch.bitwise_right_shift(x, shift, out=tmp).bitwise_and_((1 << (64 - shift)) - 1)
+        x.bitwise_xor_(tmp).mul_(mult)
+    torch.bitwise_right_shift(x, 31, out=tmp).bitwise_and_((1 << 33) - 1)
+    return x.bitwise_xor_(tmp)
+
+
 def uniforms(keys: torch.Tensor, token0: int, n_tokens: int) -> torch.Tensor:
     """``[n, n_tokens]`` float64 in (0, 1): the uniform of tokens ``token0 ..`` for each row key, 53 bits each."""
-    v = torch.arange(token0, token0 + n_tokens, device=keys.device, dtype=torch.int64)
-    bits = _srl(_mix(keys[:, None] ^ (v * _GOLDEN)), 11)
-    return (bits.to(torch.float64) + 0.5) * (2.0 ** -53)
+    x = torch.bitwise_xor(keys[:, None], _token_keys(keys.device, token0, n_tokens))
+    tmp = torch.empty_like(x)
+    _mix_(x, tmp)
+    bits = torch.bitwise_right_shift(x, 11, out=tmp).bitwise_and_((1 << 53) - 1)
+    return bits.to(torch.float64).add_(0.5).mul_(2.0 ** -53)
 
 
 def gumbel(keys: torch.Tensor, token0: int, n_tokens: int) -> torch.Tensor:
@@ -180,7 +209,7 @@ def draw_rows(logits: torch.Tensor, draws: RowDraws, tokens: torch.Tensor, conf:
         scaled = z / temp
         if filtered:
             filter_rows(scaled, top_k[a:b], knobs[1, a:b], knobs[2, a:b])
-        tok = (scaled + gumbel(keys[a:b], 0, V)).argmax(-1)
+        tok = gumbel(keys[a:b], 0, V).add_(scaled).argmax(-1)
         z_max = z.max(-1).values
         z_tok = z.gather(1, tok[:, None])[:, 0]
         lse = torch.logsumexp(z, -1)
