@@ -384,18 +384,44 @@ def psd_attention_backend(pattern: str, block_size: int = 0) -> type[PSDAttentio
 
 
 class PSDAttention(Attention):
-    """vLLM's ``Attention`` layer on the project's backend for ``pattern``. A non-causal pattern marks the
-    layer's KV-cache spec ``non_causal``, so the engine turns off chunked prefill and prefix caching, which
-    assume a token's K/V depends only on the tokens before it."""
+    """vLLM's ``Attention`` layer on the project's backend for ``pattern``.
+
+    The KV-cache spec tells vLLM's engine whether a token's K/V depends only on the tokens before it (what prefix
+    caching and chunked prefill assume):
+
+    - ``bidirectional`` (LLaDA, Dream): a prompt's K/V depends on the canvas after it: marked ``non_causal``, so
+      the engine turns both off;
+    - ``block_causal`` (SDAR, LLaDA2): a position sees its own attention block and the ones before it, so the K/V
+      of a *complete* attention block depends only on the tokens up to its end. When the KV page holds whole
+      attention blocks (``page % block_size == 0``, vLLM's ``--block-size``) a full page of committed tokens is
+      exact whatever follows it, and vLLM may cache it and match it in later requests; a prompt chunk that ends
+      inside an attention block is recomputed from the block's start by the next chunk
+      (:class:`psd_plugin.vllm.scheduler.DLLMScheduler`). Otherwise the spec is ``non_causal``, with a warning;
+    - ``causal`` (PRESTO's AR target): vLLM's own rules."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, *, pattern: str, block_size: int = 0,
                  **kwargs):
         super().__init__(num_heads, head_size, scale, attn_backend=psd_attention_backend(pattern, block_size),
                          **kwargs)
         self.pattern = pattern
+        self.attention_block = block_size
 
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
-        if self.pattern != "causal" and isinstance(spec, FullAttentionSpec):
-            spec = replace(spec, non_causal=True)
-        return spec
+        if not isinstance(spec, FullAttentionSpec) or self.pattern == "causal":
+            return spec
+        if self.pattern == "block_causal" and spec.block_size % self.attention_block == 0:
+            return spec
+        if self.pattern == "block_causal":
+            _warn_unaligned_pages(spec.block_size, self.attention_block)
+        return replace(spec, non_causal=True)
+
+
+@functools.lru_cache
+def _warn_unaligned_pages(page: int, block: int) -> None:
+    from vllm.logger import init_logger
+
+    init_logger(__name__).warning(
+        "psd attention backend: KV pages of %d tokens cut the model's %d-token attention blocks, so a page's K/V "
+        "is not final when the page fills: prefix caching and chunked prefill are off. Serve with --block-size a "
+        "multiple of %d to have them", page, block, block)

@@ -119,13 +119,15 @@ class DecodeConfig:
         return {"psd": DraftDAG.size(k.dag_shape, k.depth), "lopa": k.branches + 1, "freedave": k.steps,
                 "spiffy": k.budget + 1}.get(self.method, 1)
 
-    def step_rows(self, prompt_len: int, max_tokens: int) -> int:
+    def step_rows(self, prompt_len: int, max_tokens: int, chunked: bool = False) -> int:
         """The most rows one step of a request forwards, over all its canvases (what it needs of a step's
         token budget); the first step of a block forwards its state canvas alone, the request's first the prompt
         too (``block``: vLLM may prefill the prompt apart; ``none``: every step is a full window). vLLM prefills
         a prompt, and re-prefills a preempted request's prompt and committed tokens, in one step (chunked
         prefill is off for non-causal layers), and a preempted request's replays run to the same point
-        (:meth:`~model_executor.dllm_request.DLLMRequest.preempted`): up to the start of the last block."""
+        (:meth:`~model_executor.dllm_request.DLLMRequest.preempted`): up to the start of the last block.
+        ``chunked``: vLLM prefills in chunks here (block-causal pages of whole attention blocks,
+        :func:`psd_plugin.vllm.config.chunks_prompts`), so a re-prefill is no single step."""
         P, M, B, s = prompt_len, max_tokens, self.block_size, self.knobs.suffix
         W = M if s is None else min(M, B + s)  # a block and the masks forwarded after it
         later = {"none": P + M, "prefix": W + 1, "dual": min(M, B) + 1,
@@ -137,7 +139,7 @@ class DecodeConfig:
         else:  # the request's first window; a later block's from the prompt's end, or from the previous block
             later_first = M if self.knobs.refresh == "answer" or s is None else min(M, 2 * B + s)
             first = max(P + W, later_first + 1)
-        refill = plan_blocks(P, M, B, self.aligned)[-1][0]  # a request preempted in its last block
+        refill = 0 if chunked else plan_blocks(P, M, B, self.aligned)[-1][0]  # preempted in its last block
         return max(first, self.max_canvases() * later, refill)
 
     def check_request(self, penalized: bool = False) -> None:

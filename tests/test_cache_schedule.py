@@ -192,7 +192,8 @@ def test_a_preempted_request_fits_a_step_again(tiny_checkpoints, family):
     """vLLM prefills a prompt, and re-prefills a preempted request's prompt and committed tokens, in one step
     (chunked prefill is off for non-causal layers), and the request's replays run to the same point; a request
     whose ``step_rows`` left that out would wait forever after a preemption, holding up the queue. Narrow
-    steps (and SDAR's block cache) forward far fewer rows than that."""
+    steps (and SDAR's block cache) forward far fewer rows than that; where vLLM chunks SDAR's prefills (pages of
+    whole attention blocks) a step is bounded by its window alone."""
     from model_executor.block_schedule import plan_blocks
     from model_executor.decode_config import DecodeKnobs, resolve
 
@@ -204,6 +205,8 @@ def test_a_preempted_request_fits_a_step_again(tiny_checkpoints, family):
         for P, M in ((200, 256), (7, 300), (45, 33)):
             last = plan_blocks(P, M, block, cfg.aligned)[-1][0]
             assert cfg.step_rows(P, M) >= last >= P, (cache, suffix, refresh, P, M)
+            if family == "sdar":  # pages of whole attention blocks: vLLM chunks a (re-)prefill; a step is the block's
+                assert cfg.step_rows(P, M, chunked=True) == 2 * block + P % block, (P, M)
 
 
 def test_narrow_steps_are_refused_where_they_do_not_apply(tiny_checkpoints):

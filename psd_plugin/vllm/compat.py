@@ -179,7 +179,8 @@ DATA_FIELDS = {
     "vllm.config:ModelConfig": ("get_num_attention_heads", "get_vocab_size", "hf_config", "dtype", "model",
                                 "max_model_len", "enable_prompt_embeds"),
     "vllm.config:VllmConfig": ("structured_outputs_config",),
-    "vllm.config:CacheConfig": ("kv_cache_layout",),  # the page layout vLLM resolved (the attention builder)  # the front end's whitespace rule for grammars
+    # the page layout vLLM resolved (the attention builder); the page size (block-causal prefix caching)
+    "vllm.config:CacheConfig": ("kv_cache_layout", "block_size"),  # the front end's whitespace rule for grammars
     # the attention backend's declared layout and layer type
     "vllm.v1.kv_cache_interface:KVCacheLayout": ("LBNHC", "LBHNC"),  # FlashInfer's pages; vLLM's CPU pages
     "vllm.v1.attention.backends.cpu_attn:CPUAttentionBackend": ("get_supported_head_sizes",),
@@ -189,8 +190,9 @@ DATA_FIELDS = {
                                          "dtype", "compilation_config"),
     "vllm.config:ParallelConfig": PARALLEL_FIELDS + ("decode_context_parallel_size", "prefill_context_parallel_size"),
     "vllm.config:CompilationConfig": (COMPILATION_CUDAGRAPH_FIELD,),
-    # the default logits budget; the step budget (a row per request kept free); PRESTO's drafting slots
-    "vllm.config:SchedulerConfig": ("max_num_batched_tokens", "max_num_seqs"),
+    # the default logits budget; the step budget (a row per request kept free); PRESTO's drafting slots;
+    # and whether vLLM chunks prompts (block-causal models: the step bound, config.chunks_prompts)
+    "vllm.config:SchedulerConfig": ("max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill"),
     "vllm.entrypoints.llm:LLM": ("llm_engine",),
     "vllm.v1.engine.llm_engine:LLMEngine": ("engine_core",),
     "vllm.v1.engine.core_client:EngineCoreClient": ("shutdown",),

@@ -182,6 +182,27 @@ def logits_budget(vllm_config) -> int:
     return own if own is not None else vllm_config.scheduler_config.max_num_batched_tokens
 
 
+def causal_blocks(vllm_config) -> int:
+    """The attention block of a block-causal model (SDAR, LLaDA2) whose KV pages hold whole attention blocks
+    (vLLM's ``--block-size`` a multiple of it), 0 otherwise. Then a full page of committed tokens is exact K/V
+    whatever follows it, so vLLM's prefix caching and chunked prefill stay on as configured
+    (:class:`attention_backends.vllm_backend.PSDAttention`), and a prompt chunk that ends inside an attention
+    block is recomputed from the block's start (:class:`.scheduler.DLLMScheduler`)."""
+    from model_executor.models.configs import ArchSpec
+
+    spec = ArchSpec.from_hf_config(vllm_config.model_config.hf_config)
+    page = vllm_config.cache_config.block_size
+    if spec.attention != "block_causal" or not spec.attention_block or not page or page % spec.attention_block:
+        return 0
+    return spec.attention_block
+
+
+def chunks_prompts(vllm_config) -> bool:
+    """Whether vLLM may prefill a prompt (or a preempted request's tokens) in several steps: chunked prefill on
+    and the model's pages whole attention blocks (:func:`causal_blocks`)."""
+    return bool(causal_blocks(vllm_config)) and bool(vllm_config.scheduler_config.enable_chunked_prefill)
+
+
 def presto_from_vllm_config(vllm_config) -> PrestoSpeculativeConfig:
     return stored_config(vllm_config, "presto", PrestoSpeculativeConfig, "{'method': 'psd', 'mode': 'presto', ...}")
 

@@ -103,6 +103,7 @@ class _Served:
     rules: LogitsRules | None = None  # the request's logit bias, allowed / banned tokens, min_tokens, penalties
     model_calls: int = 0
     recorded: bool = False
+    prefilling: bool = False  # vLLM prefills its prompt in chunks and has not finished: no canvas planned yet
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -285,11 +286,12 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._decode(logits, decoding, steps, canvas_rows, req_ids)
         outs: list[list[int]] = []
         lps: dict[int, list] = {}  # batch row -> (token, logprob, top, rank) of each emitted token
+        _, qsl, computed = compat.batch_rows(self)
         for i, rid in enumerate(req_ids):
             emit: list[int] = []
             if rid not in self.failed:
                 try:
-                    emit = self._stepped(i, rid, steps.get(i), lps)
+                    emit = self._stepped(i, rid, steps.get(i), lps, int(computed[i]) + int(qsl[i + 1] - qsl[i]))
                 except Exception as e:
                     self._fail(rid, "committing its step", e)
             outs.append([] if rid in self.failed else emit)
@@ -314,9 +316,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         for n, e in failed.items():
             self._fail(rids[n], "decoding its step", e)
 
-    def _stepped(self, i: int, rid: str, step, lps: dict) -> list[int]:
-        """Batch row ``i``'s bookkeeping after the step (its decoder took the predictions); returns the tokens it
-        emits (a completed block)."""
+    def _stepped(self, i: int, rid: str, step, lps: dict, end: int) -> list[int]:
+        """Batch row ``i``'s bookkeeping after the step (its decoder took the predictions; ``end``: where the K/V
+        it forwarded ends); returns the tokens it emits (a completed block)."""
         s = self._served(rid)
         if i in self._stepping and step.rebuild:  # the K/V is as that block's first step left it
             s.req.rebuilt()
@@ -329,15 +331,19 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 self._record(rid, s)
             return emit
         elif s.req.step is None and self.spec.attention == "block_causal" and s.req.nfe == 0:
-            # vLLM's prefill wrote exact K/V for the prompt's finished attention blocks
-            s.req.cached = s.req.prompt_len // self.spec.attention_block * self.spec.attention_block
+            # vLLM's prefill (after a prefix-cache hit, or in chunks) wrote exact K/V for the prompt's finished
+            # attention blocks once it reached the prompt's end; before that the request plans no canvas
+            s.prefilling = end < s.req.prompt_len
+            if not s.prefilling:
+                s.req.cached = s.req.prompt_len // self.spec.attention_block * self.spec.attention_block
         return []
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         """Each running request's next canvas (module docstring)."""
         req_ids, _, _ = compat.batch_rows(self)
         drafts, nexts = [], []
-        ready = [(rid, s) for rid in req_ids if rid not in self.failed and (s := self._served(rid)).req.needs_proposal]
+        ready = [(rid, s) for rid in req_ids if rid not in self.failed and (s := self._served(rid)).req.needs_proposal
+                 and not s.prefilling]
         # the canvases of every request about to step, a method at a time
         proposals = dict(zip((id(s) for _, s in ready), self._propose(ready)))
         for rid in req_ids:

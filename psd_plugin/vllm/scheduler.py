@@ -41,7 +41,7 @@ from model_executor.models.configs import ArchSpec
 from vllm.logger import init_logger
 
 from . import compat
-from .config import decode_config, from_vllm_config, logits_budget
+from .config import causal_blocks, decode_config, from_vllm_config, logits_budget
 from .grammars import GrammarCompiles
 from .next_step import NextStep, PSDDraftTokenIds
 from .validation import GRAMMAR_ARG
@@ -90,6 +90,8 @@ class DLLMScheduler(Scheduler):
         self.grammars = GrammarCompiles(self.vllm_config.model_config,
                                         from_vllm_config(self.vllm_config).grammar_compile_timeout)
         self.mask_id = ArchSpec.from_hf_config(self.vllm_config.model_config.hf_config).mask_token_id
+        # block-causal pages of whole attention blocks: a prompt chunk restarts at its attention block's start
+        self.attention_block = causal_blocks(self.vllm_config)
 
     def add_request(self, request) -> None:
         text = (request.sampling_params.extra_args or {}).get(GRAMMAR_ARG) if request.sampling_params else None
@@ -110,7 +112,13 @@ class DLLMScheduler(Scheduler):
             compat.finish_with_error(self, rid)
         budget, logits = self.max_num_scheduled_tokens, self.logits_budget
         kept, extra = [], 0
+        B = self.attention_block
         for r in self.running:
+            if B and r.num_computed_tokens < r.num_tokens and r.num_computed_tokens % B:
+                # a chunk of a (re-)prefill ended inside an attention block: that block's K/V was computed without
+                # the rest of it; the next chunk starts at the block's start and computes it whole (every step a
+                # runner plans starts at an attention block's start: this never moves one)
+                r.num_computed_tokens -= r.num_computed_tokens % B
             if r.request_id in self.failing:
                 continue  # finished with an error at this step's output (update_draft_token_ids)
             need = r.num_tokens_with_spec - r.num_computed_tokens

@@ -17,7 +17,7 @@ from vllm.exceptions import VLLMValidationError
 from model_executor.decode_config import ConfigError, DecodeConfig
 
 from . import compat
-from .config import decode_config, from_vllm_config
+from .config import chunks_prompts, decode_config, from_vllm_config
 
 _UNSUPPORTED = (  # (field, default, why): refused by PRESTO (the dLLM path takes them: take_structured_outputs)
     ("structured_outputs", None, "structured outputs are not supported by dLLM decoding"),
@@ -163,7 +163,7 @@ def check(vllm_config, cfg: DecodeConfig, params, prompt_len: int) -> None:
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) is {prompt_len + params.max_tokens}; "
             f"max_model_len is {limit}: a dLLM decodes its whole answer region in context. Lower max_tokens, or "
             "raise max_model_len", parameter="max_tokens", value=params.max_tokens)
-    tokens = cfg.step_rows(prompt_len, params.max_tokens)
+    tokens = cfg.step_rows(prompt_len, params.max_tokens, chunks_prompts(vllm_config))
     sched = vllm_config.scheduler_config
     budget = sched.max_num_batched_tokens - sched.max_num_seqs  # the scheduler keeps a row per request free
     if tokens > budget:

@@ -1,0 +1,142 @@
+"""Prefix caching and chunked prefill for the block-causal families (SDAR, LLaDA2), exact.
+
+In SDAR and LLaDA2 a position sees its own attention block and the blocks before it, so the K/V of a complete
+attention block depends only on the tokens up to its end. With KV pages of whole attention blocks
+(``--block-size`` a multiple of the model's block) vLLM's prefix cache and chunked prefill stay on
+(:class:`attention_backends.vllm_backend.PSDAttention`): a full page of committed tokens (prompt or answer) is
+final K/V whatever follows it, and a prompt chunk that ends inside an attention block is recomputed from the
+block's start by the next chunk (:class:`psd_plugin.vllm.scheduler.DLLMScheduler`). Each test compares against
+the same engine with the cache off (or the prompt in one step): tokens, NFE and the logprobs of what was
+committed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("in_process_vllm")]
+
+PAGE = 16
+
+
+def _llm(path, caching: bool, **kw):
+    from vllm import LLM
+
+    return LLM(model=str(path), dtype="float32", enforce_eager=True, seed=0, max_model_len=512, block_size=PAGE,
+               enable_prefix_caching=caching, disable_log_stats=False,
+               speculative_config={"method": "psd", "decoding": "psd"}, **kw)
+
+
+def _hits(llm) -> int:
+    return int(sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits"))
+
+
+def _run(llm, requests):
+    """Each request in turn (a later one finds what the earlier ones cached): per request its outputs'
+    (tokens, logprobs, NFE)."""
+    from psd_plugin.vllm import compat
+
+    got = []
+    for prompt, params in requests:
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        stats = compat.request_stats(llm)
+        nfe = [stats[k]["nfe"] for k in stats if k == out.request_id or k.endswith("_" + out.request_id)]
+        got.append(([list(c.token_ids) for c in out.outputs],
+                    [[lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)] for c in out.outputs], sorted(nfe)))
+    return got
+
+
+def _same(cold, warm):
+    for (tok_c, lp_c, nfe_c), (tok_w, lp_w, nfe_w) in zip(cold, warm):
+        assert tok_w == tok_c and nfe_w == nfe_c
+        for a, b in zip(lp_c, lp_w):
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("family", ("sdar", "llada2"))
+def test_shared_prompts_turns_and_samples_hit_the_cache_and_decode_as_cold(tiny_checkpoints, family):
+    """Requests sharing a system prompt of a whole number of pages (32) and of a page and a half plus one
+    attention block's remainder (37 / 45), a prompt holding the mask token itself, a multi-turn follow-up
+    (the first turn's prompt and answer, then more), and n = 4 seeded samples of one prompt: with vLLM's prefix
+    cache they decode exactly what they decode without it, and they did hit it."""
+    from vllm import SamplingParams
+
+    path = tiny_checkpoints[family]
+    mask = json.loads((path / "config.json").read_text())["mask_token_id"]
+    greedy = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    sampled = SamplingParams(max_tokens=24, temperature=0.9, seed=3, n=4, logprobs=1)
+    requests = []
+    for S in (32, 37 if family == "sdar" else 45):
+        system = [(11 * j) % 400 + 20 for j in range(S)]
+        requests += [(system + [100 + i, 200 + i, 300 + i][: 1 + i % 3], greedy) for i in range(3)]
+    requests.append((requests[0][0][:20] + [mask] + requests[0][0][20:], greedy))
+    requests.append((requests[1][0], sampled))
+    results = {}
+    for caching in (False, True):
+        llm = _llm(path, caching)
+        try:
+            got = _run(llm, requests)
+            # the follow-up turn: the first request's prompt and its answer, then a new message
+            first_prompt, first_answer = requests[0][0], got[0][0][0]
+            got += _run(llm, [(first_prompt + first_answer + [7, 8, 9], greedy)])
+            results[caching] = (got, _hits(llm))
+        finally:
+            del llm
+    (cold, no_hits), (warm, hits) = results[False], results[True]
+    assert no_hits == 0 and hits > 0
+    _same(cold, warm)
+    assert len({tuple(t) for t in warm[-2][0]}) > 1  # the n = 4 samples differ
+
+
+def test_chunked_prefill_equals_a_prompt_in_one_step(tiny_checkpoints):
+    """A prompt of about three token budgets, prefilled in chunks that end inside LLaDA2's 8-token attention
+    blocks (95 rows a step), decodes exactly as when its prompt fits one step; it did take several chunks."""
+    from vllm import SamplingParams
+
+    from psd_plugin.vllm import compat
+
+    prompts = [[(7 * i + 3 * j) % 400 + 20 for j in range(300 + i)] for i in range(3)]
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=1)
+    runs = {}
+    for budget in (512, 99):
+        llm = _llm(tiny_checkpoints["llada2"], False, max_num_batched_tokens=budget, max_num_seqs=4)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            stats = compat.request_stats(llm)
+            runs[budget] = ([list(o.outputs[0].token_ids) for o in outs],
+                            [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                             for o in outs],
+                            [stats[o.request_id]["nfe"] for o in outs],
+                            [stats[o.request_id]["model_calls"] for o in outs])
+        finally:
+            del llm
+    (tok, lp, nfe, _), (tok_c, lp_c, nfe_c, calls_c) = runs[512], runs[99]
+    assert tok_c == tok and nfe_c == nfe
+    for a, b in zip(lp, lp_c):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
+    assert all(c >= n + 2 for c, n in zip(calls_c, nfe_c)), (calls_c, nfe_c)  # the prompt took >= 3 chunks
+
+
+def test_pages_that_cut_attention_blocks_keep_both_off(tmp_path, tokenizer_dir):
+    """An SDAR model with 32-token attention blocks on 16-token pages: a full page is not final K/V, so prefix
+    caching (and chunked prefill) are off, with a warning naming ``--block-size``; nothing is looked up."""
+    from vllm import SamplingParams
+
+    from model_executor.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("sdar", tmp_path / "sdar32", tokenizer_dir, seed=3, block_size=32)
+    llm = _llm(path, True)
+    try:
+        system = [(5 * j) % 300 + 20 for j in range(40)]
+        for i in range(2):
+            out = llm.generate([{"prompt_token_ids": system + [50 + i]}], SamplingParams(max_tokens=16, temperature=0),
+                               use_tqdm=False)
+            assert out[0].outputs[0].token_ids
+        assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
+        assert _hits(llm) == 0
+    finally:
+        del llm
