@@ -61,8 +61,9 @@ def _same(cold, warm):
 def test_shared_prompts_turns_and_samples_hit_the_cache_and_decode_as_cold(tiny_checkpoints, family):
     """Requests sharing a system prompt of a whole number of pages (32) and of a page and a half plus one
     attention block's remainder (37 / 45), a prompt holding the mask token itself, a multi-turn follow-up
-    (the first turn's prompt and answer, then more), and n = 4 seeded samples of one prompt: with vLLM's prefix
-    cache they decode exactly what they decode without it, and they did hit it."""
+    (the first turn's prompt and answer, then more), n = 4 seeded samples of one prompt, and requests sharing a
+    prompt sent in one call: with vLLM's prefix cache they decode exactly what they decode without it, and they
+    did hit it."""
     from vllm import SamplingParams
 
     path = tiny_checkpoints[family]
@@ -83,13 +84,20 @@ def test_shared_prompts_turns_and_samples_hit_the_cache_and_decode_as_cold(tiny_
             # the follow-up turn: the first request's prompt and its answer, then a new message
             first_prompt, first_answer = requests[0][0], got[0][0][0]
             got += _run(llm, [(first_prompt + first_answer + [7, 8, 9], greedy)])
+            # requests sharing a new system prompt in one call: the later ones hit pages the first one writes in
+            # the same forward (vLLM caches a page when it is scheduled)
+            system = [(17 * j) % 400 + 20 for j in range(48)]
+            outs = llm.generate([{"prompt_token_ids": system + [60 + i]} for i in range(4)], greedy, use_tqdm=False)
+            got += [([list(o.outputs[0].token_ids)], [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs,
+                                                                                     o.outputs[0].token_ids)]], [])
+                    for o in outs]
             results[caching] = (got, _hits(llm))
         finally:
             del llm
     (cold, no_hits), (warm, hits) = results[False], results[True]
     assert no_hits == 0 and hits > 0
     _same(cold, warm)
-    assert len({tuple(t) for t in warm[-2][0]}) > 1  # the n = 4 samples differ
+    assert len({tuple(t) for t in warm[-6][0]}) > 1  # the n = 4 samples differ
 
 
 def test_chunked_prefill_equals_a_prompt_in_one_step(tiny_checkpoints):

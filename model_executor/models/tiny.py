@@ -17,15 +17,16 @@ from .weights import save_checkpoint
 
 
 def tiny_config(family: str, vocab_size: int, *, mask_token_id: int, eos_token_id: int, hidden: int = 128,
-                layers: int = 2, heads: int = 2, kv_heads: int = 1, mlp: int = 256, block_size: int | None = None):
+                layers: int = 2, heads: int = 2, kv_heads: int = 1, mlp: int = 256, block_size: int | None = None,
+                max_positions: int = 512):
     if family == "llada":
         return LLaDAConfig(d_model=hidden, n_layers=layers, n_heads=heads, n_kv_heads=heads, mlp_hidden_size=mlp,
                            vocab_size=vocab_size, embedding_size=vocab_size, rope_theta=10000.0,
-                           max_sequence_length=512, mask_token_id=mask_token_id, eos_token_id=eos_token_id,
+                           max_sequence_length=max_positions, mask_token_id=mask_token_id, eos_token_id=eos_token_id,
                            pad_token_id=eos_token_id, bos_token_id=1, architectures=["LLaDAModelLM"])
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
                   num_attention_heads=heads, num_key_value_heads=kv_heads, rope_theta=10000.0,
-                  max_position_embeddings=512, mask_token_id=mask_token_id, eos_token_id=eos_token_id,
+                  max_position_embeddings=max_positions, mask_token_id=mask_token_id, eos_token_id=eos_token_id,
                   pad_token_id=eos_token_id, bos_token_id=1)
     if family == "dream":
         return DreamConfig(architectures=["DreamModel"], **common)

@@ -191,10 +191,10 @@ def causal_blocks(vllm_config) -> int:
     from model_executor.models.configs import ArchSpec
 
     spec = ArchSpec.from_hf_config(vllm_config.model_config.hf_config)
-    page = vllm_config.cache_config.block_size
-    if spec.attention != "block_causal" or not spec.attention_block or not page or page % spec.attention_block:
+    if spec.attention != "block_causal" or not spec.attention_block:
         return 0
-    return spec.attention_block
+    page = vllm_config.cache_config.block_size
+    return spec.attention_block if page and page % spec.attention_block == 0 else 0
 
 
 def chunks_prompts(vllm_config) -> bool:

@@ -131,8 +131,9 @@ def take_structured_outputs(vllm_config, cfg: DecodeConfig, params, max_bytes: i
     params.structured_outputs = None
 
 
-def check(vllm_config, cfg: DecodeConfig, params, prompt_len: int) -> None:
-    """Raise :class:`VLLMValidationError` for a request the dLLM path (decoding with ``cfg``) cannot serve."""
+def check(vllm_config, cfg: DecodeConfig, params, prompt_len: int, chunked: bool | None = None) -> None:
+    """Raise :class:`VLLMValidationError` for a request the dLLM path (decoding with ``cfg``) cannot serve.
+    ``chunked``: whether vLLM chunks this model's prefills (:func:`.config.chunks_prompts`; None: found here)."""
     penalized = next((name for name, default, _ in _PENALTIES if getattr(params, name, default) != default), None)
     try:
         cfg.check_request(penalized is not None)
@@ -163,7 +164,8 @@ def check(vllm_config, cfg: DecodeConfig, params, prompt_len: int) -> None:
             f"prompt ({prompt_len} tokens) + max_tokens ({params.max_tokens}) is {prompt_len + params.max_tokens}; "
             f"max_model_len is {limit}: a dLLM decodes its whole answer region in context. Lower max_tokens, or "
             "raise max_model_len", parameter="max_tokens", value=params.max_tokens)
-    tokens = cfg.step_rows(prompt_len, params.max_tokens, chunks_prompts(vllm_config))
+    tokens = cfg.step_rows(prompt_len, params.max_tokens,
+                           chunks_prompts(vllm_config) if chunked is None else chunked)
     sched = vllm_config.scheduler_config
     budget = sched.max_num_batched_tokens - sched.max_num_seqs  # the scheduler keeps a row per request free
     if tokens > budget:
@@ -214,9 +216,11 @@ def install() -> None:
                     got = self.__dict__.get("_psd_configs")
                     if got is None:  # resolved once per front end
                         got = self.__dict__["_psd_configs"] = (decode_config(self.vllm_config),
-                                                               from_vllm_config(self.vllm_config))
-                    cfg, spec = got
-                    check(self.vllm_config, cfg, request.sampling_params, len(request.prompt_token_ids or ()))
+                                                               from_vllm_config(self.vllm_config),
+                                                               chunks_prompts(self.vllm_config))
+                    cfg, spec, chunked = got
+                    check(self.vllm_config, cfg, request.sampling_params, len(request.prompt_token_ids or ()),
+                          chunked)
                     take_structured_outputs(self.vllm_config, cfg, request.sampling_params, spec.max_grammar_bytes,
                                             spec.json_whitespace)
                 elif "presto" in extra:
