@@ -130,16 +130,19 @@ def test_chunked_prefill_equals_a_prompt_in_one_step(tiny_checkpoints):
 
 
 def test_pages_that_cut_attention_blocks_keep_both_off(tmp_path, tokenizer_dir):
-    """An SDAR model with 32-token attention blocks on 16-token pages: a full page is not final K/V, so prefix
-    caching (and chunked prefill) are off, with a warning naming ``--block-size``; nothing is looked up."""
-    from vllm import SamplingParams
+    """An SDAR model whose 256-token attention blocks vLLM's default CPU page (128 tokens) cuts: a full page is
+    not final K/V, so prefix caching (and chunked prefill) are off, with a warning naming ``--block-size``, and
+    nothing is looked up; a page asked for explicitly that cuts the blocks is refused, naming the field, unless
+    prefix caching is off."""
+    from vllm import LLM, SamplingParams
 
     from model_executor.models.tiny import make_tiny_checkpoint
 
-    path = make_tiny_checkpoint("sdar", tmp_path / "sdar32", tokenizer_dir, seed=3, block_size=32)
-    llm = _llm(path, True)
+    path = make_tiny_checkpoint("sdar", tmp_path / "sdar256", tokenizer_dir, seed=3, block_size=256)
+    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+              disable_log_stats=False, speculative_config={"method": "psd", "decoding": "psd"})
     try:
-        system = [(5 * j) % 300 + 20 for j in range(40)]
+        system = [(5 * j) % 300 + 20 for j in range(140)]
         for i in range(2):
             out = llm.generate([{"prompt_token_ids": system + [50 + i]}], SamplingParams(max_tokens=16, temperature=0),
                                use_tqdm=False)
@@ -148,3 +151,6 @@ def test_pages_that_cut_attention_blocks_keep_both_off(tmp_path, tokenizer_dir):
         assert _hits(llm) == 0
     finally:
         del llm
+    with pytest.raises(ValueError, match=r"block_size 16: a KV page of this sdar model must hold whole 32-token "
+                                         r"attention blocks .*allowed: a multiple of 32, or prefix caching off"):
+        _llm(make_tiny_checkpoint("sdar", tmp_path / "sdar32", tokenizer_dir, seed=3, block_size=32), True)

@@ -353,8 +353,15 @@ def translate(engine_args, target_model_config, target_parallel_config) -> None:
     resolved = resolve(cfg, hf, target_model_config.model)
     from model_executor.models.configs import ArchSpec
 
+    arch = ArchSpec.from_hf_config(hf)
+    page, B = engine_args.block_size, arch.attention_block
+    if arch.attention == "block_causal" and page is not None and B and page % B \
+            and engine_args.enable_prefix_caching is not False:
+        raise ConfigError(f"block_size {page}: a KV page of this {arch.family} model must hold whole {B}-token "
+                          "attention blocks for prefix caching (a page that cuts a block is not final K/V when it "
+                          f"fills); allowed: a multiple of {B}, or prefix caching off (--no-enable-prefix-caching)")
     platform = platform_settings(engine_args, target_model_config, target_parallel_config, "psd",
-                                 moe=ArchSpec.from_hf_config(hf).moe is not None)
+                                 moe=arch.moe is not None)
     one_step = resolved.max_canvases() * resolved.block_size
     if cfg.max_logits_rows is not None and cfg.max_logits_rows < one_step:
         raise ConfigError(f"speculative_config.max_logits_rows {cfg.max_logits_rows}: one step of a request computes "
