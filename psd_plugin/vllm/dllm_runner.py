@@ -278,7 +278,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             self.step_time["forward_seconds"] += time.perf_counter() - self._forward_t0
             self._forward_t0 = None
         self._publish(None)
-        req_ids, _, _ = compat.batch_rows(self)
+        req_ids, qsl, computed = compat.batch_rows(self)
         canvas_rows = {i: self.batch.canvas_rows[i] for i in self._stepping}
         steps = {i: s.req.step for i, s in self._stepping.items()}
         logits = logits[: int(self._kept.sum())]  # past them: vLLM's one row when the step keeps none
@@ -286,7 +286,6 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._decode(logits, decoding, steps, canvas_rows, req_ids)
         outs: list[list[int]] = []
         lps: dict[int, list] = {}  # batch row -> (token, logprob, top, rank) of each emitted token
-        _, qsl, computed = compat.batch_rows(self)
         for i, rid in enumerate(req_ids):
             emit: list[int] = []
             if rid not in self.failed:
