@@ -98,8 +98,18 @@ def test_two_ranks_with_replicated_kv_heads_and_experts(tiny_checkpoints, random
     """The random checkpoints have 2 query heads and 1 KV head: each rank holds one query head and a replica
     of the KV head; LLaDA2's experts are sharded. The layouts: Dream's shifted logits (with its dual cache),
     SDAR's and LLaDA2's block-causal attention with the exact block cache, extra canvases (PSD, LoPA,
-    FreeDave, Spiffy)."""
-    _check_parity(tiny_checkpoints[family], random_prompts, method, cache=cache, llm_kw=TP)
+    FreeDave, Spiffy). SDAR and LLaDA2 run with vLLM's prefix cache on pages of 16 tokens (whole attention
+    blocks), two prompts sharing three of them: the second hits the pages the first writes, on both ranks."""
+    if family not in ("sdar", "llada2"):
+        return _check_parity(tiny_checkpoints[family], random_prompts, method, cache=cache, llm_kw=TP)
+    shared = [(11 * j) % 400 + 20 for j in range(48)]
+
+    def hit(llm):
+        assert sum(m.value for m in llm.get_metrics() if m.name == "vllm:prefix_cache_hits") > 0
+
+    _check_parity(tiny_checkpoints[family], random_prompts + [shared + [7], shared + [8, 9]], method, cache=cache,
+                  llm_kw={**TP, "block_size": 16, "enable_prefix_caching": True, "disable_log_stats": False},
+                  inspect=hit)  # the hit's prefill of the rest of its prompt carries its first canvas
 
 
 def test_presto_on_two_ranks_is_the_targets_greedy_decoding(heldout_prompts):

@@ -108,7 +108,8 @@ def _graph(path):
     return _GRAPHS[path]
 
 
-def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True, merged=True, llm_kw=None, **more):
+def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True, merged=True, llm_kw=None, inspect=None,
+                  **more):
     knobs = {**_knobs(path, method), **more}
     if cache is not None:
         knobs["cache"] = cache
@@ -123,6 +124,8 @@ def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True, 
     llm = _llm(path, eager=eager, llm_kw=llm_kw, decoding=method, **knobs)
     try:
         tokens, nfe = _generate(llm, prompts, max_tokens, merged=merged)
+        if inspect is not None:  # the caller's checks of the engine (its metrics...)
+            inspect(llm)
     finally:
         del llm
     for i, (t, n, r) in enumerate(zip(tokens, nfe, ref)):

@@ -233,6 +233,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         s.model_calls += 1
         drafts = compat.scheduled_drafts(scheduler_output, rid)
         if s.req.phase == "first" and s.req.step is None and drafts:
+            B = self.spec.attention_block
+            if start and B and s.req.schedule.mode == "block" and start % B == 0 and start < s.req.prompt_len:
+                s.req.cached = start  # a prefix-cache hit of whole attention blocks: the block cache reads it
             self._plan(s, propose_all([s.req.dec])[0])  # the first canvas, with the prompt (DLLMScheduler)
         st = s.req.step
         if st is not None and start == st.w0 and n == st.num_scheduled and drafts == st.drafts:

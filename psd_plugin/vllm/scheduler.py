@@ -21,9 +21,11 @@ everything from there is recomputed in the forward that reads it, so no stale dr
 - a request's first canvas rides with its prompt: when vLLM admits a request and prefills its whole prompt
   in this step, the masks of its first window (``[P, w1)``, :meth:`~model_executor.block_schedule.CacheSchedule.first_window_end`)
   are appended to it as draft tokens, with KV slots, when the step's budget has room. The prompt prefill is
-  then the request's first decoding forward (every first window starts at position 0, so a prompt-only
-  prefill would be recomputed by it anyway). A request asking for prompt logprobs (of the prompt alone), one
-  whose prompt is chunked, or one that does not fit keeps vLLM's plain prefill; its first canvas follows;
+  then the request's first decoding forward (a first window starts at position 0, so a prompt-only prefill
+  would be recomputed by it anyway; under the block cache of SDAR / LLaDA2 it starts where a prefix-cache hit
+  of whole attention blocks ends, so a hit's prefill of the rest of its prompt carries the first canvas too).
+  A request asking for prompt logprobs (of the prompt alone), one whose prompt is chunked, one whose hit the
+  first window would recompute, or one that does not fit keeps vLLM's plain prefill; its first canvas follows;
 - spec-decode metrics in dLLM terms (as vLLM's own diffusion logging reads them): one *draft* = one decoding
   forward of a request, its *draft tokens* = the block's positions, *accepted tokens* = the tokens it
   committed; so ``vllm:spec_decode_num_accepted_tokens / vllm:spec_decode_num_drafts`` is TPF.
@@ -144,12 +146,15 @@ class DLLMScheduler(Scheduler):
         """Append each newly admitted request's first canvas to its prompt prefill (module docstring), while the
         step's token budget has ``room`` and its logits budget ``logits`` rows (a block's)."""
         cfg = self.cfg
+        # a prefix-cache hit of whole attention blocks starts the first window of the block cache (SDAR, LLaDA2):
+        # the rest of the prompt and the first canvas are one forward; another cache's first window starts at 0
+        hit_starts_window = bool(self.attention_block) and cfg.schedule.mode == "block"
         for new in compat.new_requests(out):
             r = self.requests[new.req_id]
             sp = r.sampling_params
-            if new.num_computed_tokens or r.num_computed_tokens != r.num_tokens or sp is None \
-                    or sp.prompt_logprobs is not None:
-                continue  # a prefix-cache hit, a chunked prompt, or prompt logprobs: vLLM's plain prefill
+            if (new.num_computed_tokens and not hit_starts_window) or r.num_computed_tokens != r.num_tokens \
+                    or sp is None or sp.prompt_logprobs is not None:
+                continue  # a hit another window recomputes, a chunked prompt, prompt logprobs: vLLM's plain prefill
             P = r.num_tokens
             n = cfg.schedule.first_window_end(P, sp.max_tokens, cfg.block_size, cfg.aligned) - P
             if 0 < n <= room and cfg.block_size <= logits \
