@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .block_schedule import CacheSchedule, plan_blocks
@@ -103,9 +104,9 @@ class DLLMStep:
     def block_len(self) -> int:
         return self.b1 - self.b0
 
-    @property
+    @cached_property
     def num_logits_rows(self) -> int:
-        """Rows of this step whose logits are computed (:attr:`kept`)."""
+        """Rows of this step whose logits are computed (:attr:`kept`; fixed once planned)."""
         return 0 if self.kept is None else int(self.kept.sum())
 
     @property
@@ -246,15 +247,17 @@ class DLLMRequest:
         if w0 > self.cached:
             raise RuntimeError(f"window starts at {w0} but only {self.cached} positions are cached")
         keep = sch.cached_after((b0, b1), w0, fresh=self.fresh, cached=self.cached)
-        rows = self.tokens[w0:w1].repeat(len(canvases), 1)
-        block = torch.stack(canvases)
-        rows[:, b0 - w0: b1 - w0] = block
+        # host arrays (numpy views of the host tensors: a step's few small ops cost microseconds each in torch)
+        rows = np.repeat(self.tokens.numpy()[None, w0:w1], len(canvases), axis=0)
+        for k, c in enumerate(canvases):
+            rows[k, b0 - w0: b1 - w0] = c.numpy()
+        block = rows[:, b0 - w0: b1 - w0]
         # the rows a decoder reads: the positions each canvas leaves masked (no prediction is read elsewhere; a draw
         # is keyed by its position, so drawing the masked ones alone is the draw of the block), every row for a
         # decoder that reads filled positions too (edits, calibration)
-        kept = torch.ones_like(block, dtype=torch.bool) if self.dec.reads_all_rows else block == self.mask_id
-        return DLLMStep(w0, w1, b0, b1, rows, keep, sch.shift, sch.kept_suffix((b0, b1), self.total), proposal,
-                        kept.flatten())
+        kept = np.ones(block.shape, dtype=bool) if self.dec.reads_all_rows else block == self.mask_id
+        return DLLMStep(w0, w1, b0, b1, torch.from_numpy(rows), keep, sch.shift, sch.kept_suffix((b0, b1), self.total),
+                        proposal, torch.from_numpy(kept.reshape(-1)))
 
     def first_step(self, j: int) -> DLLMStep:
         """Block ``j``'s first step again, as it was then: the block and every position after it masks, the
