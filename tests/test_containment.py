@@ -3,7 +3,8 @@
 - A client cannot reach the plugin's internals: ``extra_args`` keys the plugin reserves (a client's
   ``vllm_xargs``) are refused with a 400-class error naming them, in both modes; ``prompt_embeds`` too.
 - A failure that belongs to one request (its decoder's update or proposal raises, its logits are not finite,
-  its grammar or its bookkeeping raises) finishes that request with finish reason ``error`` (the OpenAI server
+  its grammar or its bookkeeping raises, or its planned steps are never scheduled as planned, which would spin
+  the engine) finishes that request with finish reason ``error`` (the OpenAI server
   answers that client with an error); every other request of the same batch decodes exactly what it decodes
   alone, and the engine serves the failed prompt correctly afterwards.
 - PRESTO: a drafting failure costs no request (they step without a tree: the target's own tokens); a tree walk
@@ -147,7 +148,28 @@ def _stepped_raises(monkeypatch):
     monkeypatch.setattr(DLLMRequest, "stepped", stepped)
 
 
-@pytest.mark.parametrize("where", ["update", "update_part_way", "propose", "nan_logits", "stepped"])
+def _plan_never_scheduled(monkeypatch):
+    """The poisoned request's steps after its first claim one row more than vLLM schedules for them: the plan and
+    vLLM's schedule disagree for good (a plugin bug), so each step is cut and the request would spin forever."""
+    from model_executor.dllm_request import DLLMRequest, DLLMStep
+
+    class OffByOne(DLLMStep):
+        @property
+        def num_scheduled(self) -> int:
+            return super().num_scheduled + 1
+
+    original = DLLMRequest.plan
+
+    def plan(self, proposal):
+        st = original(self, proposal)
+        if getattr(self.dec, "poison", False) and self.nfe >= 1:
+            st.__class__ = OffByOne
+        return st
+
+    monkeypatch.setattr(DLLMRequest, "plan", plan)
+
+
+@pytest.mark.parametrize("where", ["update", "update_part_way", "propose", "nan_logits", "stepped", "never_scheduled"])
 def test_a_failing_request_fails_alone(monkeypatch, psd_llm, prompts, solo, where):
     from model_executor.decoding import PSDDecoder
 
@@ -162,6 +184,8 @@ def test_a_failing_request_fails_alone(monkeypatch, psd_llm, prompts, solo, wher
             _raise_for_poisoned(m, PSDDecoder, "propose_batch")
         elif where == "nan_logits":
             _nan_for_poisoned(m)
+        elif where == "never_scheduled":
+            _plan_never_scheduled(m)
         else:
             _stepped_raises(m)
         got = _run(psd_llm, prompts)

@@ -55,6 +55,10 @@ from .validation import GRAMMAR_ARG
 logger = init_logger(__name__)
 
 NO_REWIND = 1 << 62  # recompute_from of a request with nothing more to forward
+# steps in a row a request's planned step may be scheduled otherwise (a cut step decodes nothing; the scheduler
+# is all-or-nothing, so a cut is rare and never repeats): past this the plan and vLLM's schedule disagree for good,
+# and the request fails rather than spin the engine
+MAX_CUTS = 8
 
 
 def _logprobs_tensors(lps: dict[int, list], want: dict[int, int], width: int, rows: int):
@@ -104,6 +108,7 @@ class _Served:
     model_calls: int = 0
     recorded: bool = False
     prefilling: bool = False  # vLLM prefills its prompt in chunks and has not finished: no canvas planned yet
+    cuts: int = 0  # consecutive steps vLLM scheduled it otherwise than planned (more than MAX_CUTS: it fails)
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -240,10 +245,16 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         st = s.req.step
         if st is not None and start == st.w0 and n == st.num_scheduled and drafts == st.drafts:
             self._stepping[i] = s
+            s.cuts = 0
             return st
         # a prefill (a re-prefill after a preemption too), or a step vLLM cut short: its rows decode nothing
         if st is not None and not resumed:
             self.step_time["cut_steps"] += 1
+            s.cuts += 1
+            if s.cuts > MAX_CUTS:  # the plan and vLLM's schedule disagree for good: the request would spin
+                raise RuntimeError(
+                    f"vLLM scheduled {n} rows from position {start} with {len(drafts)} drafts, {s.cuts} steps in a "
+                    f"row, where the request planned {st.num_scheduled} rows from {st.w0} with {len(st.drafts)}")
         return Rows(n, start)
 
     def _build(self, entries: list, req_ids: list[str]) -> StepBatch:
