@@ -112,6 +112,14 @@ def test_two_ranks_with_replicated_kv_heads_and_experts(tiny_checkpoints, random
                   inspect=hit)  # the hit's prefill of the rest of its prompt carries its first canvas
 
 
+def test_llada2_with_expert_parallelism_equals_the_reference(tiny_checkpoints, random_prompts):
+    """LLaDA2 with vLLM's expert parallelism over two ranks (each rank two of the four experts, whole; vLLM's
+    all-reduce sums the ranks' shares): the reference engine's tokens and forwards, with drafts (PSD). On a CPU
+    the experts' global ids are mapped to each rank's own first (``compat.cpu_experts_map_ids``): without it
+    vLLM 0.32's CPU kernel reads past the rank's weights and the worker dies."""
+    _check_parity(tiny_checkpoints["llada2"], random_prompts, "psd", llm_kw={**TP, "enable_expert_parallel": True})
+
+
 def test_presto_on_two_ranks_is_the_targets_greedy_decoding(heldout_prompts):
     """PRESTO: the AR target sharded over the ranks; the drafter is placed once per rank (each rank drafts
     the same trees from the same tokens, so no tree is sent between ranks)."""

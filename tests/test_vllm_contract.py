@@ -218,6 +218,18 @@ def test_front_end_patches_and_worker_swap_targets_exist():
     assert "resumed_req_ids" in inspect.getsource(importlib.import_module("vllm.v1.core.sched.output"))
 
 
+def test_cpu_experts_still_take_the_expert_map_in_their_signature():
+    """``compat.cpu_experts_map_ids`` maps ids in front of vLLM's CPU experts' ``apply``, whose positional
+    arguments it names; when vLLM's kernel reads the map itself the wrapper should go."""
+    module, cls, method = compat.CPU_MOE_EXPERTS
+    fn = getattr(getattr(importlib.import_module(module), cls), method)
+    params = list(inspect.signature(fn).parameters)
+    assert params[:10] == ["self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids", "activation",
+                           "global_num_experts", "expert_map"], params
+    assert "expert_map" not in inspect.getsource(fn).split('"""')[-1].split("cpu_fused_moe(")[-1], \
+        "vLLM's CPU experts now pass the expert map to the kernel: drop compat.cpu_experts_map_ids"
+
+
 def test_after_register_the_front_end_is_wrapped():
     import psd_plugin
 

