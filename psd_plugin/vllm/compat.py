@@ -62,7 +62,7 @@ RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups"
                      "device", "input_ids", "positions", "max_num_tokens", "kv_cache_config", "model", "vllm_config")
 INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators",
                           "block_table")
-WORKER_ATTRIBUTES = ("model_runner",)
+WORKER_ATTRIBUTES = ("model_runner", "parallel_config")
 SCHEDULER_ATTRIBUTES = ("running", "requests", "max_num_scheduled_tokens", "max_num_running_reqs", "max_num_active_reqs",
                         "num_sampled_tokens_per_step", "num_spec_tokens", "log_stats", "kv_cache_manager",
                         "vllm_config", "grammar_compile_error_reqs")
