@@ -87,6 +87,13 @@ class CacheSchedule:
             return a0 if w0 < a0 else cached
         return 0
 
+    def written_prefix(self, n: int) -> int:
+        """Of ``n`` leading positions whose K/V the serving engine wrote before a request's first step (a
+        prefix-cache hit, or a plain prefill of the prompt), the prefix that step may read rather than forward:
+        under ``block`` the whole attention blocks (a position sees its own block and those before it, so their
+        K/V is final); under the other modes none (a bidirectional prompt's K/V depends on the canvas after it)."""
+        return n // self.attention_block * self.attention_block if self.mode == "block" else 0
+
     def kept_suffix(self, block: tuple[int, int], total: int) -> tuple[int, int]:
         """``[s0, s1)``: the positions after the block whose K/V ``dual`` keeps from the block's first step (the
         masks after it, as they were then) for the block's later steps; empty for the other modes."""

@@ -221,6 +221,12 @@ class DLLMRequest:
             self.resume = self.step
         self.step, self.replays, self.cached = None, chain, 0
 
+    def prefix_written(self, n: int) -> None:
+        """The engine wrote the K/V of the first ``n`` positions before this request's first step (a prefix-cache
+        hit, or vLLM's plain prefill of the prompt): its first window starts after what of it the schedule may
+        read (:meth:`~model_executor.block_schedule.CacheSchedule.written_prefix`)."""
+        self.cached = self.schedule.written_prefix(min(n, self.prompt_len))
+
     def plan_rebuild(self) -> DLLMStep:
         """Plan the next replay (:meth:`first_step` of the next block in :attr:`replays`); its logits are not
         for the decoder, it counts in no NFE."""

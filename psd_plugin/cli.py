@@ -84,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--examples", type=int, default=3000)
     n.add_argument("--n", type=int, default=3, help="n-gram order")
     n.add_argument("--out", type=Path, required=True)
+    q = sub.add_parser("quantize", help="a dLLM checkpoint quantized by compressed-tensors (W8A8, W4A16), in its "
+                       "family's names, for vLLM (small models and tests; real ones: llm-compressor)")
+    q.add_argument("model", type=Path, help="a float checkpoint directory")
+    q.add_argument("out", type=Path)
+    q.add_argument("--scheme", default="W8A8", help="W8A8 | W4A16 | W4A16_ASYM (compressed-tensors' presets)")
+    q.add_argument("--group-size", type=int, default=None, help="W4A16: input features per scale (preset 128)")
+    q.add_argument("--ignore", action="append", default=[], help="a checkpoint module kept in float (a name, or "
+                   "re:<regex>); repeatable")
     return ap
 
 
@@ -429,6 +437,16 @@ def cmd_ngram(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from model_executor.models.quantization import quantize_checkpoint
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise UsageError(f"{args.out}: exists and is not empty")
+    out = quantize_checkpoint(args.model, args.out, args.scheme, group_size=args.group_size, ignore=args.ignore)
+    print(f"{out}: {args.scheme} (compressed-tensors); serve it with dtype bfloat16 on a CPU")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -444,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"generate": cmd_generate, "eval": cmd_eval, "demo": cmd_demo, "calibrate": cmd_calibrate,
-                "ngram": cmd_ngram}[args.verb](args)
+                "ngram": cmd_ngram, "quantize": cmd_quantize}[args.verb](args)
     except (UsageError, ConfigError, CheckpointError, ValueError, FileNotFoundError, _ClientError) as e:
         print(f"psd {args.verb}: error: {e}", file=sys.stderr)
         return 2

@@ -96,6 +96,9 @@ def test_eval_json_reproduces_the_model_card():
      "calibrated with block_size 8, this run uses 16"),
     (["calibrate", "--out", "/tmp/g.json", "--lookahead", "0"], "--lookahead must be > 0 (got 0)"),
     (["ngram", "--out", "/tmp/n.json", "--n", "0"], "--n and --examples must be >= 1"),
+    (["quantize", str(DEFAULT_DLLM), "/tmp/psd-never-q", "--scheme", "W3"], "scheme 'W3'; allowed: W8A8, W4A16"),
+    (["quantize", str(DEFAULT_DLLM), "/tmp/psd-never-q", "--scheme", "W4A16", "--group-size", "48"],
+     "group_size 48: model.transformer.blocks.0.attn_out has 256 input features, not a multiple of it"),
 ])
 def test_bad_input_is_one_line_error(capsys, args, needle):
     """In process, as ``psd`` runs it (``sys.exit(main())``): exit status 2, one line on stderr starting with the
@@ -150,3 +153,21 @@ def test_calibrate_command(tmp_path, capsys):
     # the graph is a real one: Spiffy with it decodes static's tokens in fewer forwards
     assert [row["token_ids"] for row in spiffy] == [row["token_ids"] for row in static]
     assert sum(row["nfe"] for row in spiffy) < sum(row["nfe"] for row in static)
+
+
+def test_quantize_command(tmp_path, capsys):
+    """``psd quantize`` writes a compressed-tensors checkpoint the reference engine reads (vLLM's side:
+    tests/test_quantization.py)."""
+    from model_executor.models.quantization import quantization_config
+    from model_executor.models.reference import ReferenceDLLM
+    from psd_plugin.cli import main
+
+    out = tmp_path / "q"
+    assert main(["quantize", str(DEFAULT_DLLM), str(out), "--scheme", "W4A16", "--group-size", "64",
+                 "--ignore", "re:.*ff_out"]) == 0
+    q = quantization_config(out)
+    assert q["format"] == "pack-quantized" and q["ignore"] == ["lm_head", "re:.*ff_out"]
+    assert (out / "tokenizer.json").exists()
+    ReferenceDLLM.from_pretrained(out)
+    assert main(["quantize", str(DEFAULT_DLLM), str(out)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err

@@ -120,6 +120,16 @@ def test_llada2_with_expert_parallelism_equals_the_reference(tiny_checkpoints, r
     _check_parity(tiny_checkpoints["llada2"], random_prompts, "psd", llm_kw={**TP, "enable_expert_parallel": True})
 
 
+@pytest.mark.parametrize("scheme", ("W8A8", "W4A16"))
+def test_quantized_checkpoint_on_two_ranks(tmp_path, scheme):
+    """A quantized dream-tiny sharded over two ranks (each its share of the int8 / int4 weights and their scales,
+    the groups of 32 split with the inputs of the row-parallel layers) decodes as one rank does against the
+    reference engine on the dequantized weights (the criterion of tests/test_quantization.py)."""
+    from test_quantization import quantized_dream_decodes_as_the_reference_engine
+
+    quantized_dream_decodes_as_the_reference_engine(tmp_path, scheme, llm_kw=TP)
+
+
 def test_presto_on_two_ranks_is_the_targets_greedy_decoding(heldout_prompts):
     """PRESTO: the AR target sharded over the ranks; the drafter is placed once per rank (each rank drafts
     the same trees from the same tokens, so no tree is sent between ranks)."""
@@ -178,28 +188,31 @@ def _serve(*args):
     return start(["--max-model-len", "512", "--dtype", "float32", "--enforce-eager", *args], env=RANKS_ENV)
 
 
-async def _streams(url, prompts, max_tokens=32):
+async def _streams(url, prompts, max_tokens=32, model="llada-tiny"):
     import aiohttp
 
     from test_reliability import _stream
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
-        return await asyncio.gather(*(_stream(s, url, "llada-tiny", p, max_tokens) for p in prompts),
+        return await asyncio.gather(*(_stream(s, url, model, p, max_tokens) for p in prompts),
                                     return_exceptions=True)
 
 
-def _served_as_alone(prompts, srv=None, *server_args):
-    """Every prompt streamed at once to ``srv`` (else a server started with ``server_args``, then stopped): each
-    output equals the prompt decoded alone by the reference engine, none lost, and a server started here stops
-    cleanly."""
+def _served_as_alone(prompts, srv=None, *server_args, model=None):
+    """Every prompt streamed at once to ``srv`` (else a server of ``model``, default the embedded dLLM, started
+    with ``server_args``, then stopped): each output equals the prompt decoded alone by the reference engine,
+    none lost, and a server started here stops cleanly."""
     from model_executor.engine import ReferenceEngine
 
-    engine = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
-    alone = [engine.generate([p], max_tokens=32, method="psd")[0].token_ids for p in prompts]
+    engine = ReferenceEngine.from_pretrained(model or DEFAULT_DLLM)
+    block = engine.spec.attention_block or 8
+    alone = [engine.generate([p], max_tokens=32, method="psd", block_size=block)[0].token_ids for p in prompts]
     own = srv is None
+    if own and model is not None:
+        server_args = ("--model", str(model), "--served-model-name", "dllm", *server_args)
     srv = _serve(*server_args) if own else srv
     try:
-        got = asyncio.run(_streams(srv.url, prompts))
+        got = asyncio.run(_streams(srv.url, prompts, model="dllm" if model is not None else "llada-tiny"))
     finally:
         if own:
             assert srv.stop() == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"
@@ -231,6 +244,14 @@ def test_two_rank_server_under_32_concurrent_streams(heldout_prompts, tp_server)
 @pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="data parallelism: PSD_TP_MATRIX=1 (CI time)")
 def test_two_data_parallel_ranks_answer_as_one(heldout_prompts):
     _served_as_alone(heldout_prompts, None, "--data-parallel-size", "2", "--max-num-seqs", "8")
+
+
+def test_llada2_with_two_data_parallel_ranks_answers_as_one(tiny_checkpoints, random_prompts):
+    """LLaDA2 with vLLM's MoE data parallelism: two engine ranks, each its own requests, in lockstep through the
+    expert layers (the ranks agree on each forward's rows, the plugin's extra canvas rows included: the runner
+    sizes vLLM's cross-rank padding on every row); every request equal to the reference engine alone."""
+    _served_as_alone(random_prompts * 2, None, "--data-parallel-size", "2", "--max-num-seqs", "4",
+                     model=tiny_checkpoints["llada2"])
 
 
 KILLED_WORKER_EXIT_S = 60  # the bound docs/configuration.md states

@@ -230,6 +230,48 @@ def test_cpu_experts_still_take_the_expert_map_in_their_signature():
         "vLLM's CPU experts now pass the expert map to the kernel: drop compat.cpu_experts_map_ids"
 
 
+def test_cpu_communicator_still_lacks_variable_size_collectives():
+    """``compat.cpu_variable_collectives`` fills in what vLLM 0.32's CPU communicator leaves to its base class
+    (which raises); when vLLM implements them on the CPU the plugin's should go."""
+    import importlib
+
+    module, cls, names = compat.CPU_COMMUNICATOR
+    klass = getattr(importlib.import_module(module), cls)
+    for name in names:
+        fn = getattr(klass, name)
+        if getattr(fn, "__psd_wrapped__", False):  # installed earlier in this process (a CPU worker under DP)
+            continue
+        assert name not in vars(klass), f"vLLM's {cls} implements {name} now: drop compat.cpu_variable_collectives"
+        with pytest.raises(NotImplementedError):
+            fn(None, None)
+
+
+def test_quantization_configs_hold_layer_names_where_compat_says(tmp_path):
+    """``compat.rename_quantized_layers`` rewrites these attributes of each method's config; vLLM matches them
+    against each layer's prefix (a renamed or restructured attribute would leave the checkpoint's names there)."""
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    from model_executor.models.quantization import quantize_checkpoint
+
+    assert set(compat.QUANT_LAYER_NAMES) == {"compressed-tensors", "fp8"}
+    from psd_plugin import DEMO_DLLM
+
+    q = quantize_checkpoint(DEMO_DLLM, tmp_path / "q", "W8A8", ignore=["model.layers.0.mlp.down_proj"])
+    import json
+
+    configs = {"compressed-tensors": json.loads((q / "config.json").read_text())["quantization_config"],
+               "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]}}
+    for method, attrs in compat.QUANT_LAYER_NAMES.items():
+        cfg = get_quantization_config(method).from_config(configs[method])
+        assert cfg.get_name() == method
+        for attr in attrs:
+            assert isinstance(getattr(cfg, attr), (list, dict)), f"{method}: {attr}"
+    cfg = get_quantization_config("compressed-tensors").from_config(configs["compressed-tensors"])
+    assert "model.layers.0.mlp.down_proj" in cfg.ignore and "Linear" in cfg.target_scheme_map
+    compat.rename_quantized_layers(cfg, lambda entries, field: [e.replace("mlp.down_proj", "down") for e in entries])
+    assert "model.layers.0.down" in cfg.ignore and "Linear" in cfg.target_scheme_map
+
+
 def test_after_register_the_front_end_is_wrapped():
     import psd_plugin
 

@@ -54,8 +54,10 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.utils import maybe_prefix
 
 from attention_backends.vllm_backend import PSDAttention
+from psd_plugin.vllm import compat
 
 from .configs import ArchSpec
+from .quantization import QUANT_SUFFIXES, linear_modules, vllm_layer_names, vllm_layers
 from .weights import CheckpointError, canonical_shapes, checkpoint_names
 
 
@@ -63,15 +65,16 @@ class DLLMDecoderLayer(nn.Module):
     def __init__(self, spec: ArchSpec, vllm_config: VllmConfig, index: int, prefix: str):
         super().__init__()
         h, d = spec.hidden_size, spec.head_dim
+        quant = vllm_config.quant_config  # the projections and experts; never the router, embedding or LM head
         self.head_dim, self.qk_norm = d, spec.qk_norm
         self.attn_norm = RMSNorm(h, eps=spec.rms_norm_eps)
         self.qkv = QKVParallelLinear(h, d, spec.num_heads, spec.num_kv_heads, bias=spec.qkv_bias,
-                                     prefix=f"{prefix}.qkv")
+                                     quant_config=quant, prefix=f"{prefix}.qkv")
         # this rank's share under tensor parallelism: its query heads, and its KV heads (replicated where the
         # ranks outnumber them), as QKVParallelLinear splits them and vLLM's Llama passes them on
         heads, kv_heads = self.qkv.num_heads, self.qkv.num_kv_heads
         self.q_size, self.kv_size = heads * d, kv_heads * d
-        self.o = RowParallelLinear(spec.num_heads * d, h, bias=False, prefix=f"{prefix}.o")
+        self.o = RowParallelLinear(spec.num_heads * d, h, bias=False, quant_config=quant, prefix=f"{prefix}.o")
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, eps=spec.rms_norm_eps)
             self.k_norm = RMSNorm(d, eps=spec.rms_norm_eps)
@@ -90,22 +93,24 @@ class DLLMDecoderLayer(nn.Module):
         self.is_moe = moe is not None and moe.is_moe_layer(index)
         if not self.is_moe:
             self.gate_up = MergedColumnParallelLinear(h, [spec.intermediate_size] * 2, bias=False,
-                                                      prefix=f"{prefix}.gate_up")
-            self.down = RowParallelLinear(spec.intermediate_size, h, bias=False, prefix=f"{prefix}.down")
+                                                      quant_config=quant, prefix=f"{prefix}.gate_up")
+            self.down = RowParallelLinear(spec.intermediate_size, h, bias=False, quant_config=quant,
+                                          prefix=f"{prefix}.down")
             self.act = SiluAndMul()
             return
         # LLaDA2: router logits in float32 (its code upcasts both sides), the bias steers selection only
         self.router = ReplicatedLinear(h, moe.num_experts, bias=False, params_dtype=torch.float32,
                                        prefix=f"{prefix}.router")
         self.expert_bias = nn.Parameter(torch.zeros(moe.num_experts, dtype=torch.float32), requires_grad=False)
-        self.shared = (SwiGLU(h, moe.intermediate_size * moe.num_shared, reduce_results=False,
+        self.shared = (SwiGLU(h, moe.intermediate_size * moe.num_shared, reduce_results=False, quant_config=quant,
                               prefix=f"{prefix}.shared") if moe.num_shared else None)
         self.experts = FusedMoEFactory(
             num_experts=moe.num_experts, top_k=moe.top_k, hidden_size=h, intermediate_size=moe.intermediate_size,
             renormalize=moe.top_k > 1,  # LLaDA2's code renormalises the weights of several experts only
             use_grouped_topk=True, num_expert_group=moe.n_group, topk_group=moe.topk_group,
             scoring_func="sigmoid", e_score_correction_bias=self.expert_bias, routed_scaling_factor=moe.scale,
-            router_logits_dtype=torch.float32, shared_experts=self.shared, prefix=f"{prefix}.experts")
+            router_logits_dtype=torch.float32, shared_experts=self.shared, quant_config=quant,
+            prefix=f"{prefix}.experts")
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv(self.attn_norm(x))
@@ -132,11 +137,12 @@ class DLLMDecoderLayer(nn.Module):
 class SwiGLU(nn.Module):
     """LLaDA2's shared experts (``down(silu(gate(x)) * up(x))``), run by vLLM's MoE layer beside the routed ones."""
 
-    def __init__(self, hidden: int, width: int, reduce_results: bool, prefix: str):
+    def __init__(self, hidden: int, width: int, reduce_results: bool, quant_config, prefix: str):
         super().__init__()
-        self.gate_up = MergedColumnParallelLinear(hidden, [width] * 2, bias=False, prefix=f"{prefix}.gate_up")
+        self.gate_up = MergedColumnParallelLinear(hidden, [width] * 2, bias=False, quant_config=quant_config,
+                                                  prefix=f"{prefix}.gate_up")
         self.down = RowParallelLinear(width, hidden, bias=False, reduce_results=reduce_results,
-                                      prefix=f"{prefix}.down")
+                                      quant_config=quant_config, prefix=f"{prefix}.down")
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -171,6 +177,9 @@ class DLLMForVLLM(nn.Module):
         super().__init__()
         self.spec = spec = self.arch_spec(vllm_config.model_config.hf_config)
         self.config = vllm_config.model_config.hf_config
+        # a quantized checkpoint's config names its layers by checkpoint names: the layers here are named canonically
+        compat.rename_quantized_layers(vllm_config.quant_config,
+                                       lambda entries, field: vllm_layer_names(spec, entries, field))
         self.model = DLLMDecoder(vllm_config=vllm_config, spec=spec, prefix=maybe_prefix(prefix, "model"))
         if spec.tie_embeddings:
             self.lm_head = self.model.embed
@@ -198,31 +207,39 @@ class DLLMForVLLM(nn.Module):
     _EXPERT = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # names vLLM's MoE layer loads
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load real checkpoint tensors; a missing, unexpected or misshaped tensor raises, naming it."""
+        """Load real checkpoint tensors; a missing, unexpected or misshaped tensor raises, naming it. A quantized
+        layer's tensors (``weight_scale``, ``weight_packed``, ...: :data:`.quantization.QUANT_SUFFIXES`) go to the
+        parameters of the same names that vLLM's quantization method made for the layer."""
         names = checkpoint_names(self.spec)
         shapes = canonical_shapes(self.spec)
         params = dict(self.named_parameters())
         seen: set[str] = set()
         loaded: set[str] = set()
+        stored: dict[str, set[str]] = {}  # checkpoint module -> the tensors it stores (weight, weight_scale, ...)
         for name, tensor in weights:
-            if name not in names:
+            module, _, qleaf = name.rpartition(".")
+            quantized = qleaf in QUANT_SUFFIXES
+            key = module + ".weight" if quantized else name  # the float weight it stands for
+            if key not in names:
                 raise CheckpointError(f"checkpoint: unexpected tensor {name!r} not used by a {self.spec.family} "
                                       "model with this config")
-            canon = names[name]
-            if tuple(tensor.shape) != shapes[canon]:
+            canon = names[key]
+            if not quantized and tuple(tensor.shape) != shapes[canon]:
                 raise CheckpointError(f"checkpoint: tensor {name!r} has shape {list(tensor.shape)}, "
                                       f"expected {list(shapes[canon])}")
-            seen.add(name)
+            if not quantized or qleaf == "weight_packed":  # a packed weight replaces the weight
+                seen.add(key)
+            stored.setdefault(module, set()).add(qleaf)
             is_bias = canon.endswith(".bias")
             base = canon.removesuffix(".bias")
             leaf = base.rsplit(".", 1)[-1]
-            suffix = ".bias" if is_bias else ".weight"
+            suffix = ".bias" if is_bias else f".{qleaf}" if quantized else ".weight"
             owner = "model." if base.startswith("layers.") or base in ("norm", "embed") else ""  # in the compiled module
             layer, _, rest = base.removeprefix("layers.").partition(".")
             if rest.startswith("experts."):  # LLaDA2 expert e's gate/up/down -> vLLM's stacked expert weights
                 _, e, part = rest.split(".")
                 runner = self.model.layers[int(layer)].experts
-                for p in runner.load_weights([(f"{e}.{self._EXPERT[part]}.weight", tensor)]):
+                for p in runner.load_weights([(f"{e}.{self._EXPERT[part]}{suffix}", tensor)]):
                     loaded.add(f"model.layers.{layer}.experts.{p}")
                 continue
             if rest == "router" and is_bias:  # LLaDA2's expert bias (selection only)
@@ -230,20 +247,45 @@ class DLLMForVLLM(nn.Module):
                 default_weight_loader(params[pname], tensor)
                 loaded.add(pname)
                 continue
-            if base.startswith("layers.") and leaf in self._STACKED:
-                target, shard = self._STACKED[leaf]
-                pname = owner + base[: -len(leaf)] + target + suffix
-                params[pname].weight_loader(params[pname], tensor, shard)
+            stacked = base.startswith("layers.") and leaf in self._STACKED
+            target, shard = self._STACKED[leaf] if stacked else (leaf, None)
+            pname = owner + base[: -len(leaf)] + target + suffix
+            param = params.get(pname)
+            if param is None:  # a quantized tensor the layer's quantization method does not store
+                raise CheckpointError(f"checkpoint: tensor {name!r}: vLLM's quantization method for layer "
+                                      f"{pname.rsplit('.', 1)[0]} has no parameter {qleaf!r} (does the checkpoint's "
+                                      "quantization_config describe this layer?)")
+            if stacked:
+                param.weight_loader(param, tensor, shard)
             else:
-                pname = owner + base + suffix
-                param = params[pname]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             loaded.add(pname)
+        self._check_quantized(stored, params, loaded)
         missing = sorted(set(names) - seen)
         if missing:
             raise CheckpointError(f"checkpoint: missing tensor {missing[0]!r} (shape {list(shapes[names[missing[0]]])})"
                                   + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
         return loaded
+
+
+    def _check_quantized(self, stored: dict[str, set[str]], params: dict, loaded: set[str]) -> None:
+        """A quantized layer's tensors are all there: the modules one vLLM layer holds store the same tensors (a
+        scale missing from ``k_proj`` alone would leave its share of the fused layer's scale unset), and every
+        quantization parameter vLLM made was loaded."""
+        by_canon = {c: m for m, c in linear_modules(self.spec).items()}
+        for layer, parts in vllm_layers(self.spec).items():
+            sets = {by_canon[p]: stored.get(by_canon[p], set()) for p in parts}
+            first = next(iter(sets))
+            for module, have in sets.items():
+                if have != sets[first]:
+                    gap = sorted(sets[first] ^ have)[0]
+                    where = module if gap in sets[first] else first
+                    raise CheckpointError(f"checkpoint: missing tensor '{where}.{gap}' (the other modules of "
+                                          f"{layer} store it)")
+        unset = sorted(p for p in params if p not in loaded and p.endswith(QUANT_SUFFIXES))
+        if unset:
+            raise CheckpointError(f"checkpoint: nothing loaded into {unset[0]!r}, a parameter of vLLM's quantization "
+                                  f"method (the checkpoint lacks that layer's {unset[0].rsplit('.', 1)[-1]!r})")
 
 
 class LLaDAModelLM(DLLMForVLLM):

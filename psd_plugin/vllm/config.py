@@ -234,20 +234,20 @@ def _pin_v1_runner() -> None:
 def _check_parallelism(parallel_config, model: str, moe: bool) -> None:
     """Tensor parallelism runs as vLLM runs it (each rank its share of the heads and experts, the decoders on
     the gathered logits, the step's layout compared across ranks every step). Refused, on every platform:
-    pipeline parallelism (the model classes keep every layer on each rank), and, for a mixture-of-experts model
-    (LLaDA2), data parallelism (its ranks run the MoE layers in lockstep on token counts that leave out the
-    plugin's extra canvas rows) and, off the CPU, expert parallelism (not run on a GPU yet). On a CPU expert
-    parallelism runs with the experts' ids mapped to each rank's own (:func:`.compat.cpu_experts_map_ids`: vLLM
-    0.32's CPU kernel ignores the map and crashed a worker)."""
+    pipeline parallelism (the model classes keep every layer on each rank). For a mixture-of-experts model
+    (LLaDA2), expert parallelism and data parallelism run on CPUs (the ranks size vLLM's cross-rank padding on
+    every row of a step, extra canvases included: :meth:`.runner.PSDRunnerMixin._determine_batch_execution_and_padding`;
+    vLLM 0.32's CPU kernels need two mends there: :func:`.compat.cpu_experts_map_ids`,
+    :func:`.compat.cpu_variable_collectives`) and are refused on GPUs until a GPU run."""
     if parallel_config.pipeline_parallel_size > 1:
         raise ConfigError(f"pipeline_parallel_size {parallel_config.pipeline_parallel_size}: psd-plugin's model "
                           "classes run every layer on each rank; allowed: 1 (use tensor_parallel_size to spread "
                           "a model over devices)")
-    if moe and parallel_config.data_parallel_size > 1:
+    if moe and parallel_config.data_parallel_size > 1 and compat.platform() != "cpu":
         raise ConfigError(f"data_parallel_size {parallel_config.data_parallel_size}: {model} is a "
-                          "mixture-of-experts model, whose data-parallel ranks run in lockstep on token counts "
-                          "that leave out psd-plugin's extra canvas rows; allowed: 1 (run separate servers "
-                          "instead, or tensor_parallel_size)")
+                          "mixture-of-experts model, and its data parallelism (ranks in lockstep through the "
+                          "experts) with psd-plugin is verified on CPUs only (no GPU run yet); allowed: 1 (run "
+                          "separate servers instead, or tensor_parallel_size)")
     if moe and parallel_config.enable_expert_parallel and compat.platform() != "cpu":
         raise ConfigError(f"enable_expert_parallel: {model} is a mixture-of-experts model, and expert parallelism "
                           "with psd-plugin is verified on CPUs only (no GPU run yet); leave it off: "
@@ -275,6 +275,31 @@ def _gpu_settings(engine_args, model_config) -> dict:
     return {"cudagraph_mode": mode, "dtype": str(model_config.dtype).removeprefix("torch.")}
 
 
+def _check_quantization(engine_args, model_config, platform: str) -> None:
+    """A quantized checkpoint (or ``quantization=``) by a method the model classes name their layers for
+    (:data:`.compat.QUANT_LAYER_NAMES`). On a CPU, vLLM 0.32's int8 and int4 kernels take bfloat16 or float16
+    activations: ``dtype="auto"`` becomes bfloat16 there, and float32 is refused (it fails in the first
+    forward, inside the kernel, otherwise)."""
+    method = model_config.quantization
+    if method is None:
+        return
+    if method not in compat.QUANT_LAYER_NAMES:
+        raise ConfigError(f"quantization {method!r}: psd-plugin's model classes load allowed: "
+                          f"{', '.join(compat.QUANT_LAYER_NAMES)} (llm-compressor writes compressed-tensors "
+                          "checkpoints)")
+    import torch
+
+    if platform != "cpu" or model_config.dtype != torch.float32:
+        return
+    if engine_args.dtype not in ("auto", None):
+        raise ConfigError(f"dtype {engine_args.dtype!r}: vLLM's CPU kernels for {method} weights take bfloat16 or "
+                          "float16 activations; allowed: bfloat16, float16 (or auto: bfloat16)")
+    engine_args.dtype = "bfloat16"
+    model_config.dtype = torch.bfloat16
+    logger.info("psd-plugin on cpu: a %s checkpoint runs in bfloat16 (vLLM's CPU kernels for it take bfloat16 or "
+                "float16); set dtype to choose", method)
+
+
 def platform_settings(engine_args, model_config, parallel_config, mode: str, moe: bool) -> str:
     """What the platform needs before vLLM builds its config (module docstring, 4.); returns the platform."""
     platform = compat.platform()
@@ -285,6 +310,7 @@ def platform_settings(engine_args, model_config, parallel_config, mode: str, moe
                           "leave --enable-prompt-embeds off")
     _pin_v1_runner()
     _check_parallelism(parallel_config, model_config.model, moe)
+    _check_quantization(engine_args, model_config, platform)
     path = "dLLM decoding path" if mode == "psd" else "PRESTO path"
     if platform == "cpu":
         if compat.AOT_COMPILE_ENV not in os.environ:  # the engine processes inherit it

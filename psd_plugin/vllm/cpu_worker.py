@@ -26,6 +26,8 @@ class _PSDCPUWorker(PSDWorkerMixin, CPUWorker):
     def init_device(self):
         if self.parallel_config.enable_expert_parallel:
             compat.cpu_experts_map_ids()  # vLLM 0.32's CPU experts ignore the expert map (compat.CPU_MOE_EXPERTS)
+        if self.parallel_config.data_parallel_size > 1:
+            compat.cpu_variable_collectives()  # MoE data parallelism's gathers (compat.CPU_COMMUNICATOR)
         with compat.cpu_worker_builds(self.runner_cls):
             super().init_device()
         self.check_runner()  # e.g. Model Runner V2, which the swap misses

@@ -238,9 +238,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         s.model_calls += 1
         drafts = compat.scheduled_drafts(scheduler_output, rid)
         if s.req.phase == "first" and s.req.step is None and drafts:
-            B = self.spec.attention_block
-            if start and B and s.req.schedule.mode == "block" and start % B == 0 and start < s.req.prompt_len:
-                s.req.cached = start  # a prefix-cache hit of whole attention blocks: the block cache reads it
+            s.req.prefix_written(start)  # a prefix-cache hit: the block cache reads its whole attention blocks
             self._plan(s, propose_all([s.req.dec])[0])  # the first canvas, with the prompt (DLLMScheduler)
         st = s.req.step
         if st is not None and start == st.w0 and n == st.num_scheduled and drafts == st.drafts:
@@ -348,7 +346,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             # attention blocks once it reached the prompt's end; before that the request plans no canvas
             s.prefilling = end < s.req.prompt_len
             if not s.prefilling:
-                s.req.cached = s.req.prompt_len // self.spec.attention_block * self.spec.attention_block
+                s.req.prefix_written(s.req.prompt_len)
         return []
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):

@@ -22,7 +22,8 @@ from .config import PSDSpeculativeConfig
 
 class VLLMEngine:
     def __init__(self, path, dtype: str = "auto", **llm_kwargs):
-        """``dtype`` "auto": float32 on CPU (the reference engine's exactness), bfloat16 on CUDA."""
+        """``dtype`` "auto": float32 on CPU (the reference engine's exactness; a quantized checkpoint bfloat16, what
+        vLLM's CPU kernels for it take), bfloat16 on CUDA."""
         from model_executor.models.configs import ArchSpec, register_configs
         from model_executor.models.reference import read_config
 
@@ -31,7 +32,10 @@ class VLLMEngine:
         register_configs()
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         self.path = str(path)
-        self.dtype = dtype if dtype != "auto" else "float32" if compat.platform_is_cpu() else GPU_DTYPE
+        from model_executor.models.quantization import quantization_config
+
+        cpu = "bfloat16" if quantization_config(path) else "float32"
+        self.dtype = dtype if dtype != "auto" else cpu if compat.platform_is_cpu() else GPU_DTYPE
         self.spec = ArchSpec.from_hf_config(read_config(path))
         # vLLM's defaults otherwise: on CPU the model's decoder layers are compiled (``enforce_eager=True`` to skip)
         self.llm_kwargs = {"max_model_len": min(self.spec.max_position, 4096), **llm_kwargs}

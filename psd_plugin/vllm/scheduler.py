@@ -146,13 +146,13 @@ class DLLMScheduler(Scheduler):
         """Append each newly admitted request's first canvas to its prompt prefill (module docstring), while the
         step's token budget has ``room`` and its logits budget ``logits`` rows (a block's)."""
         cfg = self.cfg
-        # a prefix-cache hit of whole attention blocks starts the first window of the block cache (SDAR, LLaDA2):
-        # the rest of the prompt and the first canvas are one forward; another cache's first window starts at 0
-        hit_starts_window = bool(self.attention_block) and cfg.schedule.mode == "block"
         for new in compat.new_requests(out):
             r = self.requests[new.req_id]
             sp = r.sampling_params
-            if (new.num_computed_tokens and not hit_starts_window) or r.num_computed_tokens != r.num_tokens \
+            # a prefix-cache hit the first window starts after (the block cache's whole attention blocks: the rest
+            # of the prompt and the first canvas are one forward); another cache's first window starts at 0
+            hit = new.num_computed_tokens
+            if (hit and cfg.schedule.written_prefix(hit) != hit) or r.num_computed_tokens != r.num_tokens \
                     or sp is None or sp.prompt_logprobs is not None:
                 continue  # a hit another window recomputes, a chunked prompt, prompt logprobs: vLLM's plain prefill
             P = r.num_tokens
