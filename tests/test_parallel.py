@@ -241,7 +241,6 @@ def test_two_rank_server_under_32_concurrent_streams(heldout_prompts, tp_server)
     _served_as_alone((heldout_prompts * 3)[:32], tp_server())
 
 
-@pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="data parallelism: PSD_TP_MATRIX=1 (CI time)")
 def test_two_data_parallel_ranks_answer_as_one(heldout_prompts):
     _served_as_alone(heldout_prompts, None, "--data-parallel-size", "2", "--max-num-seqs", "8")
 
