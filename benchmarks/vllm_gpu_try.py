@@ -21,6 +21,8 @@ printing one line ``PASS|FAIL|SKIP stage: ...`` with the exception and the file:
     reference engine (tokens and NFE); runs after 6, and reports run by run if the budget cuts it
   8 (``--presto`` alone, ar-tiny and drafter-tiny in the tree) PRESTO, beam B=32 and linear, eager float32,
     against the reference PRESTO engine on the device (tokens)
+  11 (``--stages quantized_bfloat16``) quantized checkpoints: compressed-tensors W8A8 and W4A16 and vLLM's online
+    FP8, bfloat16, PSD dual cache, against the reference engine on the same weights (``stage_quantized``)
   9, 10 (``--timing``, after stage 5's bfloat16 run) timings through vLLM: the dLLM's methods against AR of the
     same shape, eager and PIECEWISE, 1 and 16 requests; then LLaDA-8B's and Llama-3-8B's shapes with dummy
     weights (benchmarks/vllm_gpu_timing.py; OUT/vllm_timing_{tiny,8b}.md)
@@ -281,6 +283,63 @@ def stage_methods(device: str, res: dict) -> dict:
     return res
 
 
+def stage_quantized(device: str, res: dict) -> dict:
+    """Stage 11 (``--stages quantized_bfloat16``): quantized checkpoints through vLLM's quantization on the device,
+    bfloat16, PSD with the dual cache: the model quantized by compressed-tensors (``psd quantize``: W8A8, W4A16 in
+    groups of 128) and vLLM's online FP8 (``quantization="fp8"`` on the float checkpoint; GPU only: vLLM's CPU FP8
+    kernels need AMX), each against the reference engine on the weights it stands for (the dequantized ones; for
+    FP8 the float ones), bfloat16, on the device. PASS: all prompts but one token-equal and the total NFE within 2
+    (on the CPU, tests/test_quantization.py: 13 of 14 for each scheme)."""
+    import tempfile
+
+    import torch
+    from model_executor.engine import ReferenceEngine
+    from model_executor.models.quantization import quantize_checkpoint
+    from psd_plugin.evaluate import encode, load
+    from psd_plugin.train.tasks import load_heldout
+    from vllm import LLM, SamplingParams
+
+    from psd_plugin.vllm import compat
+
+    model_dir = dllm()
+    _, tok = load(model_dir)
+    prompts = [encode(tok, r["prompt"]) for r in load_heldout()[::151][:N_PROMPTS]]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
+    tmp = Path(tempfile.mkdtemp())
+    for name, scheme, group in (("w8a8", "W8A8", None), ("w4a16", "W4A16", 128), ("fp8", None, None)):
+        stage = f"11_quantized_{name}"
+        if scheme is None and device == "cpu":
+            res[stage] = line("SKIP", stage, "vLLM's CPU FP8 kernels need AMX")
+            continue
+
+        def run(stage=stage, scheme=scheme, group=group):
+            path = quantize_checkpoint(model_dir, tmp / stage, scheme, group_size=group) if scheme else model_dir
+            eng = ReferenceEngine.from_pretrained(path, dtype=torch.bfloat16, device=device)
+            ref = eng.generate(prompts, max_tokens=MAX_TOKENS, block_size=eng.spec.attention_block or 8,
+                               method="psd", cache="dual")
+            t0 = time.perf_counter()
+            llm = LLM(model=str(path), speculative_config={"method": "psd", "decoding": "psd", "cache": "dual"},
+                      enforce_eager=True, dtype="bfloat16", seed=0, max_model_len=512,
+                      **({"quantization": "fp8"} if scheme is None else {}),
+                      **({"gpu_memory_utilization": 0.04} if device != "cpu" else {}))
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            stats = compat.request_stats(llm)
+            tokens = [list(o.outputs[0].token_ids) for o in outs]
+            nfe = [stats[o.request_id]["nfe"] for o in outs]
+            same = sum(a == r.token_ids for a, r in zip(tokens, ref))
+            ok = same >= len(prompts) - 1 and abs(sum(nfe) - sum(r.nfe for r in ref)) <= 2
+            res[stage] = line("PASS" if ok else "FAIL", stage,
+                              f"{same}/{len(prompts)} prompts token-equal to the reference on the same weights, NFE "
+                              f"vLLM {sum(nfe)} vs reference {sum(r.nfe for r in ref)}; "
+                              f"{time.perf_counter() - t0:.1f} s with the build")
+            res[stage[3:]] = {"tokens": tokens, "nfe": nfe, "reference_tokens": [r.token_ids for r in ref],
+                              "reference_nfe": [r.nfe for r in ref]}
+            compat.shutdown(llm)
+
+        one_llm(res, stage, device, run)
+    return res
+
+
 def stage_presto(device: str, res: dict) -> dict:
     """Stage 8: PRESTO through ``LLM.generate`` (ar-tiny target, drafter-tiny, eager float32), beam and linear
     trees, each against the reference PRESTO engine on the same device (tokens), with the tokens per target
@@ -393,6 +452,8 @@ def child(args) -> None:
             stage_methods(args.device, res)
         elif args.stage == "presto_float32":
             stage_presto(args.device, res)
+        elif args.stage == "quantized_bfloat16":
+            stage_quantized(args.device, res)
         elif args.stage.startswith("timing_"):
             stage_timings(args.device, res, args.stage.split("_", 1)[1], args.out)
         else:
@@ -409,7 +470,7 @@ def child(args) -> None:
 
 # ------------------------------------------------------------------------------------------------- orchestrator
 CAPS = {"eager_float32": 100, "eager_bfloat16": 70, "timing_tiny": 330, "timing_8b": 300, "compiled_float32": 120,
-        "methods_float32": 300, "presto_float32": 300}  # each stage's time limit (s), within the budget
+        "methods_float32": 300, "presto_float32": 300, "quantized_bfloat16": 200}  # each stage's limit (s)
 
 
 def main() -> None:
