@@ -327,7 +327,7 @@ def platform_settings(engine_args, model_config, parallel_config, mode: str, moe
                    "(eager, float32), for PSD in bfloat16 (FlashInfer) and with torch.compile + PIECEWISE CUDA "
                    "graphs (float32); Dream with PSD (eager, float32 and bfloat16); PRESTO (beam, linear; eager "
                    "float32) equal to the reference PRESTO engine. Not yet run on a GPU: SDAR, LLaDA2, tensor "
-                   "parallelism, serving; compare such outputs with the reference engine (`psd generate --engine "
+                   "parallelism, quantized checkpoints, serving; compare such outputs with the reference engine (`psd generate --engine "
                    "reference`)", platform, path, gpu["dtype"], graphs,
                    ", PRESTO's drafter" if mode == "presto" else "")
     return platform
