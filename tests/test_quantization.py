@@ -259,3 +259,16 @@ def test_vllm_names_a_missing_quantized_tensor(quantized, tmp_path, capfd, drop)
     out = str(e.value) + capfd.readouterr().err
     layer = "model.layers.0.down.weight_scale"
     assert f"missing tensor '{drop}'" in out or (layer in out and "nothing loaded" in out), out[-2000:]
+
+
+@pytest.mark.engine
+@pytest.mark.usefixtures("in_process_vllm")
+def test_llada2_with_quantized_experts_is_refused_on_a_cpu(tiny_checkpoints, tmp_path):
+    """Quantized routed experts have no CPU kernel for LLaDA2's routing in vLLM 0.32: refused before the engine
+    starts, naming the field and the fix (vLLM's own error comes from deep inside the model's load)."""
+    pytest.importorskip("vllm")
+    from vllm import LLM
+
+    path = quantize_checkpoint(tiny_checkpoints["llada2"], tmp_path / "q", "W8A8")  # experts quantized too
+    with pytest.raises(Exception, match=r"quantization_config.ignore: the routed experts .* keep them in float"):
+        LLM(model=str(path), enforce_eager=True, max_model_len=256, speculative_config={"method": "psd"})

@@ -287,6 +287,8 @@ def _check_quantization(engine_args, model_config, platform: str) -> None:
         raise ConfigError(f"quantization {method!r}: psd-plugin's model classes load allowed: "
                           f"{', '.join(compat.QUANT_LAYER_NAMES)} (llm-compressor writes compressed-tensors "
                           "checkpoints)")
+    if platform == "cpu":
+        _cpu_experts_stay_float(model_config)
     import torch
 
     if platform != "cpu" or model_config.dtype != torch.float32:
@@ -298,6 +300,28 @@ def _check_quantization(engine_args, model_config, platform: str) -> None:
     model_config.dtype = torch.bfloat16
     logger.info("psd-plugin on cpu: a %s checkpoint runs in bfloat16 (vLLM's CPU kernels for it take bfloat16 or "
                 "float16); set dtype to choose", method)
+
+
+def _cpu_experts_stay_float(model_config) -> None:
+    """A compressed-tensors checkpoint of a mixture-of-experts model (LLaDA2) whose routed experts are quantized:
+    vLLM 0.32 has no CPU kernel for int8 / int4 experts with LLaDA2's grouped sigmoid routing (it stops the
+    engine at load); refused here naming the field and the fix."""
+    from model_executor.models.configs import ArchSpec
+    from model_executor.models.quantization import vllm_layer_names, vllm_layers
+
+    qcfg = getattr(model_config.hf_config, "quantization_config", None)
+    if not isinstance(qcfg, dict) or qcfg.get("quant_method") != "compressed-tensors":
+        return
+    spec = ArchSpec.from_hf_config(model_config.hf_config)
+    if spec.moe is None:
+        return
+    ignored = set(vllm_layer_names(spec, list(qcfg.get("ignore") or []), "ignore"))
+    experts = [layer for layer in vllm_layers(spec) if ".experts." in layer]
+    if any(layer not in ignored for layer in experts):
+        raise ConfigError("quantization_config.ignore: the routed experts of this mixture-of-experts checkpoint "
+                          "are quantized, and vLLM 0.32 has no CPU kernel for quantized experts with its grouped "
+                          "sigmoid routing; on a CPU keep them in float (quantize with ignore "
+                          "'re:.*mlp\\.experts\\..*': `psd quantize --ignore`), or serve it on a GPU")
 
 
 def platform_settings(engine_args, model_config, parallel_config, mode: str, moe: bool) -> str:
