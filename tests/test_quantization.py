@@ -21,7 +21,7 @@ from model_executor.models.reference import ReferenceDLLM, read_config
 from model_executor.models.weights import CheckpointError
 
 FAMILIES = ("llada", "dream", "sdar", "llada2")
-SCHEMES = ("W8A8", "W4A16")
+SCHEMES = ("W8A8", "W4A16", "FP8_DYNAMIC")
 # LLaDA2's routed experts stay in float on a CPU: vLLM 0.32 has no CPU kernel for int8 or int4 experts with
 # LLaDA2's grouped sigmoid routing (its int4 CPU experts route by softmax top-k only)
 EXPERTS = r"re:.*mlp\.experts\..*"
@@ -54,7 +54,8 @@ def test_a_quantized_checkpoint_keeps_its_familys_names(tiny_checkpoints, quanti
     layers = [m for m in linear_modules(spec) if not (family == "llada2" and ".mlp.experts." in m)]
     assert layers and (len(layers) < len(linear_modules(spec))) == (family == "llada2")
     stored = {"W8A8": {"weight": torch.int8, "weight_scale": None},
-              "W4A16": {"weight_packed": torch.int32, "weight_scale": None, "weight_shape": None}}[scheme]
+              "W4A16": {"weight_packed": torch.int32, "weight_scale": None, "weight_shape": None},
+              "FP8_DYNAMIC": {"weight": torch.float8_e4m3fn, "weight_scale": None}}[scheme]
     want = {k for k in src if k.removesuffix(".weight") not in layers} | {f"{m}.{s}" for m in layers for s in stored}
     assert set(dst) == want
     for m in layers:
@@ -66,7 +67,7 @@ def test_a_quantized_checkpoint_keeps_its_familys_names(tiny_checkpoints, quanti
             assert torch.equal(src[k], dst[k]), k
     q = quantization_config(quantized[family, scheme])
     assert q["quant_method"] == "compressed-tensors"
-    assert q["format"] == {"W8A8": "int-quantized", "W4A16": "pack-quantized"}[scheme]
+    assert q["format"] == {"W8A8": "int-quantized", "W4A16": "pack-quantized", "FP8_DYNAMIC": "float-quantized"}[scheme]
     assert q["ignore"] == ["lm_head"] + ([EXPERTS] if family == "llada2" else [])
 
 
@@ -74,7 +75,8 @@ def test_a_quantized_checkpoint_keeps_its_familys_names(tiny_checkpoints, quanti
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_dequantized_weights_are_within_half_a_step(tiny_checkpoints, quantized, family, scheme):
     """What the reference engine runs: each weight rounded to its channel's (W8A8) or group's (W4A16) grid,
-    so within half a quantization step of the float weight (and not equal to it: it was quantized)."""
+    so within half a quantization step of the float weight (FP8: of its float8 neighbours), and not equal to it:
+    it was quantized."""
     path = quantized[family, scheme]
     spec = ArchSpec.from_hf_config(read_config(path))
     src, dst = _tensors(tiny_checkpoints[family]), _tensors(path)
@@ -87,6 +89,8 @@ def test_dequantized_weights_are_within_half_a_step(tiny_checkpoints, quantized,
             continue
         scale = dst[m + ".weight_scale"]
         step = scale.repeat_interleave(w.shape[1] // scale.shape[1], dim=1)
+        if scheme == "FP8_DYNAMIC":  # e4m3: 3 mantissa bits, half a step is 2**-4 of the value (2**-9 of the
+            step = 2 * ((w / step).abs() * 2.0**-4 + 2.0**-9) * step  # scale below the normal range)
         assert ((w - d).abs() <= step / 2 * (1 + 1e-5) + 1e-7).all(), m
         assert not torch.equal(w, d), m
     # and the reference model built from the quantized checkpoint holds exactly those weights
@@ -137,8 +141,9 @@ def test_quantized_class_matches_reference_on_dequantized_weights(quantized, fam
     """vLLM's quantized kernels (bfloat16 activations; W8A8 also quantizes them, per token) against the float32
     reference on the weights the checkpoint stands for, every row of every prompt. The bounds are those of
     bfloat16 itself: the float checkpoints in bfloat16 give the same top-1 on every row and a mean row-max
-    |logprob| difference of 0.01-0.02 (LLaDA2 0.06: a bfloat16 router picks another expert now and then);
-    measured here: top-1 on 96-100% of rows, mean row-max 0.01-0.09."""
+    |logprob| difference of 0.01-0.02 (LLaDA2 0.06 and 94% top-1: a bfloat16 router picks another expert now
+    and then); measured here: top-1 on 96-100% of rows (LLaDA2 in FP8, whose activations are quantized too:
+    89%), mean row-max 0.01-0.10."""
     pytest.importorskip("vllm")
     from test_vllm_models import PROMPTS, _engine_rows
 
@@ -153,7 +158,7 @@ def test_quantized_class_matches_reference_on_dequantized_weights(quantized, fam
         agree += (got.argmax(-1) == want.argmax(-1)).tolist()
         worst += (got - want).abs().max(-1).values.tolist()
     top1, mean_worst = sum(agree) / len(agree), sum(worst) / len(worst)
-    assert top1 >= 0.9 and mean_worst < 0.15, f"{family} {scheme}: top-1 {top1:.3f}, mean row-max {mean_worst:.3f}"
+    assert top1 >= 0.85 and mean_worst < 0.15, f"{family} {scheme}: top-1 {top1:.3f}, mean row-max {mean_worst:.3f}"
 
 
 def quantized_dream_decodes_as_the_reference_engine(tmp_path, scheme, llm_kw=None):
@@ -218,14 +223,20 @@ def test_only_methods_the_model_classes_name_layers_for(monkeypatch):
     from model_executor.decode_config import ConfigError
     from psd_plugin.vllm.config import _check_quantization
 
-    mc = SimpleNamespace(quantization="awq", dtype=torch.bfloat16)
+    def config(method, dtype):
+        return SimpleNamespace(quantization=method, dtype=dtype, hf_config=SimpleNamespace())
+
+    mc = config("awq", torch.bfloat16)
     with pytest.raises(ConfigError, match="quantization 'awq': .* allowed: compressed-tensors, fp8"):
         _check_quantization(SimpleNamespace(dtype="auto"), mc, "cpu")
-    mc = SimpleNamespace(quantization="compressed-tensors", dtype=torch.float32)
+    with pytest.raises(ConfigError, match="quantization 'fp8': vLLM-CPU .* allowed on a CPU: compressed-tensors"):
+        _check_quantization(SimpleNamespace(dtype="auto"), config("fp8", torch.bfloat16), "cpu")
+    _check_quantization(SimpleNamespace(dtype="auto"), config("fp8", torch.bfloat16), "cuda")
+    mc = config("compressed-tensors", torch.float32)
     args = SimpleNamespace(dtype="auto")
     _check_quantization(args, mc, "cpu")
     assert (args.dtype, mc.dtype) == ("bfloat16", torch.bfloat16)
-    mc = SimpleNamespace(quantization="compressed-tensors", dtype=torch.float32)
+    mc = config("compressed-tensors", torch.float32)
     _check_quantization(SimpleNamespace(dtype="auto"), mc, "cuda")  # a GPU's kernels take float32 where they can
     assert mc.dtype == torch.float32
 

