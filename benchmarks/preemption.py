@@ -49,11 +49,11 @@ def run(model: Path, spec: dict, prompts: list[list[int]], max_tokens: int, page
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     try:
         llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm-up
-        before = dict(llm.collective_rpc("psd_stats")[0]["step_time"])
+        before = dict(compat.psd_stats(llm)["step_time"])
         t0 = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         wall = time.perf_counter() - t0
-        after = llm.collective_rpc("psd_stats")[0]["step_time"]
+        after = compat.psd_stats(llm)["step_time"]
         stats = compat.request_stats(llm)
     finally:
         compat.shutdown(llm)

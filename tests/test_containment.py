@@ -169,11 +169,17 @@ def _plan_never_scheduled(monkeypatch):
     monkeypatch.setattr(DLLMRequest, "plan", plan)
 
 
+def _stats(llm) -> dict:
+    from psd_plugin.vllm import compat
+
+    return compat.psd_stats(llm)
+
+
 @pytest.mark.parametrize("where", ["update", "update_part_way", "propose", "nan_logits", "stepped", "never_scheduled"])
 def test_a_failing_request_fails_alone(monkeypatch, psd_llm, prompts, solo, where):
     from model_executor.decoding import PSDDecoder
 
-    before = psd_llm.collective_rpc("psd_stats")[0]["totals"]["failed"]
+    before = _stats(psd_llm)["totals"]["failed"]
     with monkeypatch.context() as m:
         _poison_by_prompt(m, prompts[POISON])
         if where == "update":
@@ -194,7 +200,7 @@ def test_a_failing_request_fails_alone(monkeypatch, psd_llm, prompts, solo, wher
             assert g[0] == "error", f"the poisoned request finished with {g}"
         else:
             assert g == alone, f"{where}: request {i} beside a failing one: {g} != alone {alone}"
-    assert psd_llm.collective_rpc("psd_stats")[0]["totals"]["failed"] == before + 1
+    assert _stats(psd_llm)["totals"]["failed"] == before + 1
     # the engine lives, and the failed prompt decodes normally once the failure is gone
     assert _run(psd_llm, [prompts[POISON]]) == [solo[POISON]]
 

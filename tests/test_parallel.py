@@ -253,24 +253,95 @@ def test_llada2_with_two_data_parallel_ranks_answers_as_one(tiny_checkpoints, ra
                      model=tiny_checkpoints["llada2"])
 
 
+# ------------------------------------------------------------------------------------ pipeline stages
+PP = {"pipeline_parallel_size": 2}
+# every family; a drafting and a lossless method; the prefix, dual and block caches (SDAR / LLaDA2 with a prefix
+# hit on whole attention blocks); PSD_TP_MATRIX=1 runs every method on every family
+PP_CASES = ([(f, m, c) for f in ("llada", "dream") for c in ("prefix", "dual") for m in METHODS]
+            + [(f, m, None) for f in ("sdar", "llada2") for m in METHODS]
+            if os.environ.get("PSD_TP_MATRIX") else
+            [("llada", "psd", "prefix"), ("dream", "freedave", "dual"), ("sdar", "lopa", None),
+             ("llada2", "spiffy", None)])
+
+
+@pytest.mark.parametrize("family, method, cache", PP_CASES)
+def test_two_pipeline_stages_equal_the_reference(tiny_checkpoints, random_prompts, family, method, cache):
+    """Two pipeline stages (vLLM's layer ranges: 3 + 3 of the random checkpoints' layers, the embedding on the
+    first, norm and LM head on the last): the reference engine's tokens and forwards. Only the last stage has
+    logits, decodes and plans; the first lays out each step from the plan the scheduler ships with the schedule
+    (the first canvas from the prompt, as the last plans it), and the last checks the shipped plan is its own.
+    vLLM keeps two steps in flight (its batch queue): a request's next step waits for its last one's output.
+    SDAR and LLaDA2 with vLLM's prefix cache on pages of 16 tokens, two prompts sharing three of them."""
+    prompts, kw = random_prompts, dict(PP)
+    if family in ("sdar", "llada2"):
+        shared = [(11 * j) % 400 + 20 for j in range(48)]
+        prompts = random_prompts + [shared + [7], shared + [8, 9]]
+        kw.update(block_size=16, enable_prefix_caching=True)
+    _check_parity(tiny_checkpoints[family], prompts, method, cache=cache, llm_kw=kw)
+
+
+def test_preemption_under_two_pipeline_stages_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts,
+                                                            random_prompts):
+    """vLLM preempts and resumes requests (a KV cache of 8 usable pages) while another step is in flight: a
+    preempted request's drafts from its last step are dropped, it re-prefills, its blocks' first steps are
+    replayed (dual cache) and its next step is planned again; outputs stay the reference engine's, greedy and
+    seeded sampled alike."""
+    from test_vllm_decoding import preemption_keeps_outputs
+
+    preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, "llada", "dual", PP)
+
+
+def test_two_tensor_ranks_by_two_pipeline_stages_equal_the_reference(monkeypatch, tiny_checkpoints, random_prompts):
+    """Four ranks (TP 2 x PP 2; on this 2-core machine two ranks share each core): each stage's two ranks hold
+    their share of its layers' heads, compare their step's layout every step, and lay out the plans the last
+    stage's ranks decode on the gathered logits; tokens and forwards are the reference engine's."""
+    from vllm import envs
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1|0|1")
+    envs.disable_envs_cache()
+    try:
+        _check_parity(tiny_checkpoints["llada"], random_prompts, "psd", cache="prefix", llm_kw={**TP, **PP})
+    finally:
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", RANKS_ENV["VLLM_CPU_OMP_THREADS_BIND"])
+        envs.disable_envs_cache()  # the next engine reads the two-rank binding again
+
+
+def test_two_pipeline_stages_serve_concurrent_streams_as_alone(heldout_prompts):
+    """A 2-stage server under 14 concurrent streams: vLLM keeps two steps in flight (its batch queue), so the
+    requests run as two alternating groups, each request's next step scheduled once its last one's output is
+    back; each output equals the prompt decoded alone by the reference engine."""
+    _served_as_alone(heldout_prompts, None, "--pipeline-parallel-size", "2", "--max-num-seqs", "8")
+
+
 KILLED_WORKER_EXIT_S = 60  # the bound docs/configuration.md states
 
 
 def test_a_killed_worker_fails_the_requests_and_the_server_exits(heldout_prompts, tp_server):
     """A worker process dies (SIGKILL) while requests run: they fail with an error (not a hang) and the server
     exits within :data:`KILLED_WORKER_EXIT_S` seconds."""
+    _killed_worker_ends_the_server(tp_server(), heldout_prompts, -1)
+
+
+def test_a_killed_pipeline_stage_fails_the_requests_and_the_server_exits(heldout_prompts):
+    """The same with two pipeline stages, the first stage's worker killed (the last stage then waits on hidden
+    states that never come): the requests fail and the server exits within the bound."""
+    _killed_worker_ends_the_server(_serve("--pipeline-parallel-size", "2", "--max-num-seqs", "16"), heldout_prompts,
+                                   0)
+
+
+def _killed_worker_ends_the_server(srv, prompts, victim: int) -> None:
     import psutil
 
-    srv = tp_server()
     try:
         workers = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
                    if "VllmWorker" in " ".join(p.cmdline()) or "Worker" in p.name()]
         assert workers, [(p.pid, p.name(), p.cmdline()[:3]) for p in psutil.Process(srv.proc.pid).children(True)]
+        workers.sort(key=lambda p: " ".join(p.cmdline()))  # by title: Worker_PP0 / Worker_TP0 before ..._1
 
         async def run():
-            pending = asyncio.ensure_future(_streams(srv.url, heldout_prompts * 4, max_tokens=256))
+            pending = asyncio.ensure_future(_streams(srv.url, prompts * 4, max_tokens=256))
             await asyncio.sleep(2)
-            os.kill(workers[-1].pid, signal.SIGKILL)
+            os.kill(workers[victim].pid, signal.SIGKILL)
             return await pending
         t0 = time.monotonic()
         got = asyncio.run(run())

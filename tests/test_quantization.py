@@ -8,6 +8,7 @@ is compared: vLLM's quantized logits against the reference on the dequantized we
 tokens through vLLM against the reference engine on the same weights.
 """
 
+import os
 import json
 import shutil
 
@@ -195,9 +196,13 @@ def quantized_dream_decodes_as_the_reference_engine(tmp_path, scheme, llm_kw=Non
 
 @pytest.mark.engine
 @pytest.mark.usefixtures("in_process_vllm")
-@pytest.mark.parametrize("scheme", SCHEMES)
+# FP8_DYNAMIC's decode runs vLLM's PyTorch FP8 emulation on a CPU (about 2 minutes): opt-in with
+# PSD_FULL_MATRIX=1; its logits test above runs in CI
+@pytest.mark.parametrize("scheme", SCHEMES if os.environ.get("PSD_FULL_MATRIX") else
+                         tuple(s for s in SCHEMES if s != "FP8_DYNAMIC"))
 def test_quantized_dream_decodes_as_the_reference_engine(tmp_path, scheme):
-    """Measured: 13 of 14 requests token-equal for each scheme; one request a step more, one a step less."""
+    """Measured: 13 of 14 requests token-equal for each scheme (FP8_DYNAMIC too, opt-in); one request a step
+    more, one a step less."""
     pytest.importorskip("vllm")
     quantized_dream_decodes_as_the_reference_engine(tmp_path, scheme)
 

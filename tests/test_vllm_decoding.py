@@ -57,6 +57,13 @@ def _llm(path, eager=True, llm_kw=None, **spec):
                speculative_config={"method": "psd", **spec}, **(llm_kw or {}))
 
 
+def _psd_stats(llm) -> dict:
+    """The runner's figures (of the rank that decodes)."""
+    from psd_plugin.vllm import compat
+
+    return compat.psd_stats(llm)
+
+
 def _request_stats(llm) -> dict:
     """The runner's figures per request, keyed by the request id."""
     from psd_plugin.vllm import compat
@@ -155,7 +162,7 @@ def test_a_blocks_later_steps_run_on_its_attention_plan(heldout_prompts):
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=32, temperature=0,
                                                                           ignore_eos=True), use_tqdm=False)[0]
         nfe = _request_stats(llm)[out.request_id]["nfe"]
-        reused = llm.collective_rpc("psd_stats")[0]["step_time"]["plans_reused"]
+        reused = _psd_stats(llm)["step_time"]["plans_reused"]
     finally:
         del llm
     ref = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
@@ -264,7 +271,7 @@ def test_model_inputs_are_vllms_persistent_buffers(monkeypatch, heldout_prompts)
     seen = []
     forward = DLLMDecoder.forward
 
-    def spy(self, input_ids, positions, inputs_embeds=None):
+    def spy(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         batch = current_step()
         if batch is not None:
             n, T = batch.num_rows, batch.num_scheduled
@@ -272,7 +279,7 @@ def test_model_inputs_are_vllms_persistent_buffers(monkeypatch, heldout_prompts)
             if batch.extra_ids is not None:
                 assert torch.equal(input_ids[T:n].long().cpu(), batch.extra_ids)
             seen.append((input_ids.data_ptr(), positions.data_ptr(), batch.num_extra > 0))
-        return forward(self, input_ids, positions, inputs_embeds)
+        return forward(self, input_ids, positions, intermediate_tensors, inputs_embeds)
 
     monkeypatch.setattr(DLLMDecoder, "forward", spy)
     _check_parity(DEFAULT_DLLM, heldout_prompts[:6], "psd", cache="prefix")
@@ -515,6 +522,11 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
     reference's, greedy and seeded sampled requests alike (under the dual cache the resumed block's first step
     restores the kept suffix too; a draw is a function of seed, position and step, so a resumed request draws
     what it would have)."""
+    preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, family, cache)
+
+
+def preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, family, cache,
+                             llm_kw=None):
     from vllm import LLM, SamplingParams
 
     from psd_plugin.vllm.scheduler import DLLMScheduler
@@ -530,7 +542,7 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
     greedy, sampled = engine.generate(prompts[::2], **kw), engine.generate(prompts[1::2], **kw, temperature=0.8, seed=0)
     ref = [r for pair in zip(greedy, sampled) for r in pair] + greedy[len(sampled):]
     llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
-              num_gpu_blocks_override=9,
+              num_gpu_blocks_override=9, **(llm_kw or {}),
               speculative_config={"method": "psd", "decoding": "psd", "cache": cache})
     try:
         params = [SamplingParams(max_tokens=32, temperature=0) if i % 2 == 0 else
@@ -597,7 +609,7 @@ def test_preemption_in_a_blocks_later_steps_keeps_outputs(monkeypatch, tiny_chec
             engine.add_request(f"high{i}", {"prompt_token_ids": p}, params, priority=0)
         while engine.has_unfinished_requests():
             step()
-        counts = llm.collective_rpc("psd_stats")[0]["step_time"]
+        counts = _psd_stats(llm)["step_time"]
     finally:
         llm = engine = None  # a failed assertion keeps this frame: release the engine now
     assert replays, "no request was preempted in the middle of a block"

@@ -178,7 +178,8 @@ def test_make_model_runner_builds_the_mixin_over_the_v1_gpu_runner(registered, m
     monkeypatch.setattr(GPUModelRunner, "__init__", gpu_runner_init)
     worker = object.__new__(DLLMGPUWorker)
     worker.vllm_config = SimpleNamespace(additional_config=args.additional_config, model_config=model_config,
-                                         scheduler_config=SimpleNamespace(max_num_batched_tokens=2048))
+                                         scheduler_config=SimpleNamespace(max_num_batched_tokens=2048),
+                                         parallel_config=SimpleNamespace(pipeline_parallel_size=1))
     worker.device, worker.use_v2_model_runner = "cuda:0", False
     runner = worker._make_model_runner()
     assert isinstance(runner, DLLMRunnerMixin) and isinstance(runner, GPUModelRunner)
@@ -270,18 +271,23 @@ def test_vllm_engine_dtype_default(monkeypatch):
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
 @pytest.mark.parametrize("family, engine_kw, match", [
     ("llada2", {"data_parallel_size": 2}, "data_parallel_size 2: .* mixture-of-experts.*CPUs only.*allowed: 1"),
-    ("llada", {"pipeline_parallel_size": 2}, "pipeline_parallel_size 2: .*allowed: 1"),
-    ("llada2", {"pipeline_parallel_size": 2}, "pipeline_parallel_size 2: .*allowed: 1"),
+    ("llada", {"pipeline_parallel_size": 2}, "pipeline_parallel_size 2: .*CPUs only.*allowed: 1"),
+    ("llada2", {"pipeline_parallel_size": 2}, "pipeline_parallel_size 2: .*CPUs only.*allowed: 1"),
     ("llada2", {"enable_expert_parallel": True}, "enable_expert_parallel: .* mixture-of-experts.*leave it off"),
 ])
 def test_unsupported_parallelism_is_refused(registered, monkeypatch, tiny_checkpoints, platform, family, engine_kw,
                                             match):
-    if platform == "cpu" and family == "llada2" and "pipeline_parallel_size" not in engine_kw:
-        # expert and data parallelism: verified on CPUs (test_parallel.py)
+    if platform == "cpu":
+        # expert, data and pipeline parallelism: verified on CPUs (test_parallel.py)
         _translate(monkeypatch, tiny_checkpoints[family], platform, **engine_kw)
         return
     with pytest.raises(ConfigError, match=match):
         _translate(monkeypatch, tiny_checkpoints[family], platform, **engine_kw)
+
+
+def test_presto_refuses_pipeline_parallelism(registered, monkeypatch):
+    with pytest.raises(ConfigError, match="pipeline_parallel_size 2: PRESTO.*allowed: 1"):
+        _translate(monkeypatch, DEFAULT_AR, "cpu", spec={"method": "psd", "mode": "presto"}, pipeline_parallel_size=2)
 
 
 def test_dense_data_parallelism_is_allowed(registered, monkeypatch):

@@ -42,6 +42,7 @@ from torch import nn
 
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
+from vllm.distributed import get_pp_group
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -51,7 +52,10 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.utils import maybe_prefix
+from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.utils import (PPMissingLayer, make_empty_intermediate_tensors_factory, make_layers,
+                                              maybe_prefix)
+from vllm.sequence import IntermediateTensors
 
 from attention_backends.vllm_backend import PSDAttention
 from psd_plugin.vllm import compat
@@ -149,29 +153,48 @@ class SwiGLU(nn.Module):
         return self.down(self.act(self.gate_up(x)[0]))[0]
 
 
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "intermediate_tensors": 0,
+                                         "inputs_embeds": 0})
 class DLLMDecoder(nn.Module):
     """The embedding, the decoder layers and the final norm: the part vLLM compiles (its CPU default: one
     Dynamo trace, Inductor, guards dropped), with the attention an opaque op. Its inputs are every row of the
-    step, extra draft rows included, in vLLM's persistent buffers (module docstring)."""
+    step, extra draft rows included, in vLLM's persistent buffers (module docstring).
+
+    Under pipeline parallelism each stage holds vLLM's share of the layers (``make_layers``: the others are
+    placeholders), the embedding on the first stage and the norm on the last; a stage hands the next one its
+    hidden states of every row (``IntermediateTensors``, one tensor: the layers add their residual
+    themselves)."""
 
     def __init__(self, *, vllm_config: VllmConfig, spec: ArchSpec, prefix: str = ""):
         super().__init__()
-        self.embed = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, prefix=maybe_prefix(prefix, "embed"))
-        self.layers = nn.ModuleList(DLLMDecoderLayer(spec, vllm_config, i, prefix=maybe_prefix(prefix, f"layers.{i}"))
-                                    for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps)
+        pp = get_pp_group()
+        self.embed = (VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, prefix=maybe_prefix(prefix, "embed"))
+                      if pp.is_first_rank else PPMissingLayer())
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            spec.num_layers, lambda prefix: DLLMDecoderLayer(spec, vllm_config, int(prefix.rsplit(".", 1)[1]), prefix),
+            prefix=maybe_prefix(prefix, "layers"))
+        self.norm = RMSNorm(spec.hidden_size, eps=spec.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(["hidden_states"],
+                                                                                      spec.hidden_size)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
-        for layer in self.layers:
+                intermediate_tensors: IntermediateTensors | None = None,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor | IntermediateTensors:
+        pp = get_pp_group()
+        if pp.is_first_rank:
+            x = inputs_embeds if inputs_embeds is not None else self.embed(input_ids)
+        else:
+            x = intermediate_tensors["hidden_states"]
+        for layer in self.layers[self.start_layer: self.end_layer]:
             x = layer(positions, x)
+        if not pp.is_last_rank:
+            return IntermediateTensors({"hidden_states": x})
         return self.norm(x)
 
 
-class DLLMForVLLM(nn.Module):
-    """A dLLM in vLLM: embedding, decoder layers over the paged KV cache, final norm, LM head."""
+class DLLMForVLLM(nn.Module, SupportsPP):
+    """A dLLM in vLLM: embedding, decoder layers over the paged KV cache, final norm, LM head (the LM head on the
+    last pipeline stage only; tied to the embedding, that stage loads it from the embedding's tensor)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -181,11 +204,15 @@ class DLLMForVLLM(nn.Module):
         compat.rename_quantized_layers(vllm_config.quant_config,
                                        lambda entries, field: vllm_layer_names(spec, entries, field))
         self.model = DLLMDecoder(vllm_config=vllm_config, spec=spec, prefix=maybe_prefix(prefix, "model"))
-        if spec.tie_embeddings:
+        pp = get_pp_group()
+        if not pp.is_last_rank:
+            self.lm_head = PPMissingLayer()
+        elif spec.tie_embeddings and pp.is_first_rank:
             self.lm_head = self.model.embed
         else:
             self.lm_head = ParallelLMHead(spec.vocab_size, spec.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(spec.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
     @staticmethod
     def arch_spec(hf_config) -> ArchSpec:
@@ -194,10 +221,12 @@ class DLLMForVLLM(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed(input_ids)
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
-                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
-        """Hidden states of every row of the step (module docstring)."""
-        return self.model(input_ids, positions, inputs_embeds)
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                intermediate_tensors: IntermediateTensors | None = None, inputs_embeds: torch.Tensor | None = None,
+                **kwargs) -> torch.Tensor | IntermediateTensors:
+        """Hidden states of every row of the step (module docstring); a stage before the last returns them as
+        ``IntermediateTensors`` for the next stage."""
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
@@ -236,6 +265,11 @@ class DLLMForVLLM(nn.Module):
             suffix = ".bias" if is_bias else f".{qleaf}" if quantized else ".weight"
             owner = "model." if base.startswith("layers.") or base in ("norm", "embed") else ""  # in the compiled module
             layer, _, rest = base.removeprefix("layers.").partition(".")
+            if not self._on_this_stage(base, layer):  # another pipeline stage's tensor
+                if base == "embed" and self.spec.tie_embeddings and isinstance(self.lm_head, ParallelLMHead):
+                    getattr(self.lm_head.weight, "weight_loader", default_weight_loader)(self.lm_head.weight, tensor)
+                    loaded.add("lm_head.weight")  # the last stage's LM head, tied to the first stage's embedding
+                continue
             if rest.startswith("experts."):  # LLaDA2 expert e's gate/up/down -> vLLM's stacked expert weights
                 _, e, part = rest.split(".")
                 runner = self.model.layers[int(layer)].experts
@@ -267,6 +301,14 @@ class DLLMForVLLM(nn.Module):
                                   + (f" and {len(missing) - 1} more" if len(missing) > 1 else ""))
         return loaded
 
+    def _on_this_stage(self, base: str, layer: str) -> bool:
+        """Whether the canonical module ``base`` (``layer``: its layer index, for a decoder layer's) lives on this
+        pipeline stage: its layers (vLLM's ``get_pp_indices``), the embedding on the first, norm and LM head on
+        the last."""
+        if base.startswith("layers."):
+            return self.model.start_layer <= int(layer) < self.model.end_layer
+        module = {"embed": self.model.embed, "norm": self.model.norm, "lm_head": self.lm_head}.get(base)
+        return not isinstance(module, PPMissingLayer)
 
     def _check_quantized(self, stored: dict[str, set[str]], params: dict, loaded: set[str]) -> None:
         """A quantized layer's tensors are all there: the modules one vLLM layer holds store the same tensors (a

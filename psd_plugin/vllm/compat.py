@@ -53,13 +53,16 @@ SCHEDULER_HOOKS = {
     "add_request": ("self", "request"),
     "shutdown": ("self",),
     "update_draft_token_ids": ("self", "draft_token_ids"),
+    # a step's drafts wait for that step's output (vLLM's batch queue under pipeline parallelism)
+    "update_from_output": ("self", "scheduler_output", "model_runner_output"),
     "make_spec_decoding_stats": ("self", "spec_decoding_stats", "num_draft_tokens", "num_accepted_tokens",
                                  "num_invalid_spec_tokens", "request_id"),
 }
 
 # Attributes read or set on a live runner / scheduler / input batch.
 RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups", "model_config", "scheduler_config",
-                     "device", "input_ids", "positions", "max_num_tokens", "kv_cache_config", "model", "vllm_config")
+                     "device", "input_ids", "positions", "max_num_tokens", "kv_cache_config", "model", "vllm_config",
+                     "drafter", "intermediate_tensors")
 INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators",
                           "block_table")
 WORKER_ATTRIBUTES = ("model_runner", "parallel_config")
@@ -148,7 +151,7 @@ DATA_FIELDS = {
                                 "is_finished", "num_tokens", "num_in_flight_tokens", "sampling_params", "status",
                                 "structured_output_request"),
     # a request held while its grammar compiles (hold_for_grammar): vLLM's scheduler skips it in this status
-    "vllm.v1.request:RequestStatus": ("WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "WAITING"),
+    "vllm.v1.request:RequestStatus": ("WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "WAITING", "RUNNING"),
     "vllm.v1.core.sched.output:SchedulerOutput": ("scheduled_spec_decode_tokens", "scheduled_cached_reqs",
                                                   "scheduled_new_reqs", "num_scheduled_tokens",
                                                   "total_num_scheduled_tokens"),
@@ -361,6 +364,50 @@ def metadata_builders(runner) -> Iterator:
 
 
 # --------------------------------------------------------------------------------------------- scheduler
+def last_pipeline_stage() -> bool:
+    """Whether this process is on the last pipeline stage, which computes the logits, runs the decoders and
+    plans every request's next step (the others forward the steps it plans: :func:`ship_plans`)."""
+    from vllm.distributed import get_pp_group
+
+    return get_pp_group().is_last_rank
+
+
+def ensure_drafter(runner, make) -> None:
+    """vLLM 0.32's V1 runner builds its spec-decode ``drafter`` on the last pipeline stage only, and reads
+    ``runner.drafter`` on every stage (the CPU runner loads it, the KV cache binding reads its layers): the
+    stages before the last get ``make()`` (the plugin's placeholder proposer) too."""
+    if not hasattr(runner, "drafter"):
+        runner.drafter = make()
+
+
+def ensure_intermediate_buffers(runner) -> None:
+    """vLLM 0.32's V1 runner makes a later pipeline stage's persistent buffers of the hidden states it receives
+    (``runner.intermediate_tensors``) in its warm-up forward, which a CPU engine skips when eager
+    (``enforce_eager``): the first step then fails; made here as vLLM makes them, once."""
+    if getattr(runner, "intermediate_tensors", None) is None:
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+
+
+PLANS_ATTR = "psd_plans"  # the attribute the scheduler adds to vLLM's SchedulerOutput (a dataclass, pickled whole)
+
+
+def ship_plans(scheduler_output, plans: dict) -> None:
+    """Send ``plans`` (request id -> the step the last pipeline stage planned for it) to every worker with the
+    schedule: vLLM broadcasts its ``SchedulerOutput`` to all of them, an attribute added to it travels along."""
+    setattr(scheduler_output, PLANS_ATTR, plans)
+
+
+def shipped_plans(scheduler_output) -> dict:
+    """What :func:`ship_plans` attached to this step's schedule (empty without pipeline parallelism)."""
+    return getattr(scheduler_output, PLANS_ATTR, None) or {}
+
+
+def scheduled_req_ids(scheduler_output) -> list[str]:
+    """The requests a schedule (or a step's output of it) covers."""
+    return list(scheduler_output.num_scheduled_tokens)
+
+
 def scheduled_drafts(scheduler_output, req_id: str) -> list[int]:
     return list(scheduler_output.scheduled_spec_decode_tokens.get(req_id) or [])
 
@@ -407,6 +454,13 @@ def hold_for_grammar(request) -> None:
 
     assert request.structured_output_request is None, "a dLLM request's constraint is the plugin's grammar"
     request.status = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+
+
+def is_running(request) -> bool:
+    """Whether vLLM's scheduler holds ``request`` as running (not waiting, preempted or finished)."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.RUNNING
 
 
 def release_from_grammar_hold(request) -> None:
@@ -627,10 +681,17 @@ def external_request_id(internal: str) -> str:
     return internal.rsplit("-", 1)[0]
 
 
+def psd_stats(llm) -> dict:
+    """The dLLM runner's figures (the ``psd_stats`` worker RPC) of the first rank that decodes: rank 0, or under
+    pipeline parallelism the last stage's first rank (the other stages decode nothing)."""
+    every = llm.collective_rpc("psd_stats")
+    return next((s for s in every if s.get("decodes", True)), every[0])
+
+
 def request_stats(llm) -> dict:
-    """The dLLM runner's figures per request (the ``psd_stats`` worker RPC, rank 0), keyed by the caller's
-    request id (``RequestOutput.request_id``)."""
-    return {external_request_id(k): v for k, v in llm.collective_rpc("psd_stats")[0]["requests"].items()}
+    """The dLLM runner's figures per request (:func:`psd_stats`), keyed by the caller's request id
+    (``RequestOutput.request_id``)."""
+    return {external_request_id(k): v for k, v in psd_stats(llm)["requests"].items()}
 
 
 def shutdown(llm) -> None:

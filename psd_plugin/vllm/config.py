@@ -231,18 +231,23 @@ def _pin_v1_runner() -> None:
     os.environ.setdefault(compat.V2_RUNNER_ENV, "0")
 
 
-def _check_parallelism(parallel_config, model: str, moe: bool) -> None:
+def _check_parallelism(parallel_config, model: str, moe: bool, mode: str = "psd") -> None:
     """Tensor parallelism runs as vLLM runs it (each rank its share of the heads and experts, the decoders on
-    the gathered logits, the step's layout compared across ranks every step). Refused, on every platform:
-    pipeline parallelism (the model classes keep every layer on each rank). For a mixture-of-experts model
+    the gathered logits, the step's layout compared across ranks every step). Pipeline parallelism splits the
+    layers by vLLM's ranges; the last stage decodes and plans, the others lay out the steps it plans, which the
+    scheduler ships with the schedule (docs/vllm-adapter.md); refused for PRESTO (its drafter and tree steps do
+    not ship), and on GPUs until a GPU run. For a mixture-of-experts model
     (LLaDA2), expert parallelism and data parallelism run on CPUs (the ranks size vLLM's cross-rank padding on
     every row of a step, extra canvases included: :meth:`.runner.PSDRunnerMixin._determine_batch_execution_and_padding`;
     vLLM 0.32's CPU kernels need two mends there: :func:`.compat.cpu_experts_map_ids`,
     :func:`.compat.cpu_variable_collectives`) and are refused on GPUs until a GPU run."""
-    if parallel_config.pipeline_parallel_size > 1:
-        raise ConfigError(f"pipeline_parallel_size {parallel_config.pipeline_parallel_size}: psd-plugin's model "
-                          "classes run every layer on each rank; allowed: 1 (use tensor_parallel_size to spread "
-                          "a model over devices)")
+    pp = parallel_config.pipeline_parallel_size
+    if pp > 1 and mode == "presto":
+        raise ConfigError(f"pipeline_parallel_size {pp}: PRESTO's tree steps run on one pipeline stage only; "
+                          "allowed: 1 (use tensor_parallel_size to spread the target over devices)")
+    if pp > 1 and compat.platform() != "cpu":
+        raise ConfigError(f"pipeline_parallel_size {pp}: psd-plugin's pipeline parallelism is verified on CPUs only "
+                          "(no GPU run yet); allowed: 1 (use tensor_parallel_size to spread a model over devices)")
     if moe and parallel_config.data_parallel_size > 1 and compat.platform() != "cpu":
         raise ConfigError(f"data_parallel_size {parallel_config.data_parallel_size}: {model} is a "
                           "mixture-of-experts model, and its data parallelism (ranks in lockstep through the "
@@ -338,7 +343,7 @@ def platform_settings(engine_args, model_config, parallel_config, mode: str, moe
                           "and PRESTO's drafter read them, and its rows are token ids in vLLM's input buffers); "
                           "leave --enable-prompt-embeds off")
     _pin_v1_runner()
-    _check_parallelism(parallel_config, model_config.model, moe)
+    _check_parallelism(parallel_config, model_config.model, moe, mode)
     _check_quantization(engine_args, model_config, platform)
     path = "dLLM decoding path" if mode == "psd" else "PRESTO path"
     if platform == "cpu":

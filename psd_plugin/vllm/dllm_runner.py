@@ -31,6 +31,7 @@ stay those of an uninterrupted run under every ``refresh`` and ``suffix``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -84,6 +85,21 @@ def _logprobs_tensors(lps: dict[int, list], want: dict[int, int], width: int, ro
     return LogprobsTensors(logprob_token_ids=ids, logprobs=vals, selected_token_ranks=ranks)
 
 
+def same_step(a, b) -> bool:
+    """Whether two planned steps lay out the same forward (geometry, every canvas's ids, the logits rows)."""
+    return (a.w0, a.w1, a.b0, a.b1, a.keep, a.shift, tuple(a.suffix), a.committed) == \
+        (b.w0, b.w1, b.b0, b.b1, b.keep, b.shift, tuple(b.suffix), b.committed) and \
+        all(_same(getattr(a, f), getattr(b, f)) for f in ("tokens", "kept", "tail"))
+
+
+def _same(x, y) -> bool:
+    return x is None and y is None or x is not None and y is not None and torch.equal(x, y)
+
+
+def _describe(st) -> str:
+    return "nothing" if st is None else f"rows [{st.w0}, {st.w1}) x {st.num_canvases} for block [{st.b0}, {st.b1})"
+
+
 def request_rules(sp) -> LogitsRules | None:
     """The :class:`LogitsRules` of a request's sampling params (None when it asks for none): ``logit_bias``,
     ``allowed_token_ids``, ``bad_words`` (one token each; the front end refuses longer ones) and
@@ -118,6 +134,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def __init__(self, vllm_config, device):
         super().__init__(vllm_config, device)
         self.cfg = decode_config(vllm_config)
+        # pipeline parallelism: only the last stage has logits, decodes and plans; the others lay out the steps
+        # it plans, which reach them with the schedule (NextStep.plan, shipped by the scheduler)
+        self.pp_size = vllm_config.parallel_config.pipeline_parallel_size
+        self.decodes = self.pp_size == 1 or compat.last_pipeline_stage()
         self.logits_budget = logits_budget(vllm_config)  # the scheduler keeps every step within it
         self.spec = ArchSpec.from_hf_config(vllm_config.model_config.hf_config)
         self.served: dict[str, _Served] = {}
@@ -151,8 +171,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             # generation config whose EOS differs): the request then ends where vLLM ends it
             eos = self.spec.eos_token_id
             ignore_eos = sp.ignore_eos or eos not in sp.all_stop_token_ids
+            grammar = self._grammar(sp) if self.decodes else None  # a stage that does not decode needs none
             req = DLLMRequest(prompt, sp.max_tokens, self.cfg.block_size, make, mask, eos, aligned=self.cfg.aligned,
-                              ignore_eos=ignore_eos, grammar=self._grammar(sp), schedule=self.cfg.schedule)
+                              ignore_eos=ignore_eos, grammar=grammar, schedule=self.cfg.schedule)
             s = self.served[req_id] = _Served(req, rules=request_rules(sp))
         return s
 
@@ -212,12 +233,13 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                     self._fail(rid, "resuming after a preemption", e)
                 self.step_time["resumed"] += 1
         entries, self._stepping = [], {}
+        plans = compat.shipped_plans(scheduler_output)
         for i, rid in enumerate(req_ids):
             n, start = int(qsl[i + 1]) - int(qsl[i]), int(computed[i])
             entry = Rows(n, start)  # rows that decode nothing (a failed request's too)
             if rid not in self.failed:
                 try:
-                    entry = self._entry(i, rid, n, start, scheduler_output, rid in resumed)
+                    entry = self._entry(i, rid, n, start, scheduler_output, rid in resumed, plans.get(rid))
                 except Exception as e:
                     self._fail(rid, "planning its step", e)
             entries.append(entry)
@@ -231,17 +253,23 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         idx = self._upload("logits_rows", idx.to(logits_indices.dtype), logits_indices.device)
         return idx, spec_meta, max_sampled
 
-    def _entry(self, i: int, rid: str, n: int, start: int, scheduler_output, resumed: bool):
+    def _entry(self, i: int, rid: str, n: int, start: int, scheduler_output, resumed: bool, shipped=None):
         """Batch row ``i``'s entry of the step: the request's planned step when vLLM scheduled it as planned
-        (then it is stepping in this forward), else plain rows."""
+        (then it is stepping in this forward), else plain rows. ``shipped``: under pipeline parallelism, the step
+        the last stage planned for it (:meth:`_stage_step`)."""
         s = self._served(rid)
         s.model_calls += 1
         drafts = compat.scheduled_drafts(scheduler_output, rid)
-        if s.req.phase == "first" and s.req.step is None and drafts:
+        first = s.req.phase == "first" and s.req.step is None and drafts
+        if first:
             s.req.prefix_written(start)  # a prefix-cache hit: the block cache reads its whole attention blocks
             self._plan(s, propose_all([s.req.dec])[0])  # the first canvas, with the prompt (DLLMScheduler)
-        st = s.req.step
+        st = s.req.step if self.decodes else self._stage_step(s, shipped)
         if st is not None and start == st.w0 and n == st.num_scheduled and drafts == st.drafts:
+            if self.decodes and self.pp_size > 1 and not (same_step(st, shipped) if shipped is not None else first):
+                # the stages before this one lay out the shipped plan (or, for a first canvas, plan it as here)
+                raise RuntimeError("pipeline stages disagree on the request's step: the last stage planned "
+                                   f"{_describe(st)}, the schedule carries {_describe(shipped)}")
             self._stepping[i] = s
             s.cuts = 0
             return st
@@ -254,6 +282,14 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                     f"vLLM scheduled {n} rows from position {start} with {len(drafts)} drafts, {s.cuts} steps in a "
                     f"row, where the request planned {st.num_scheduled} rows from {st.w0} with {len(st.drafts)}")
         return Rows(n, start)
+
+    def _stage_step(self, s: _Served, shipped):
+        """A stage before the last decodes nothing: a request's step is what the last stage planned and the
+        schedule carries (``shipped``), or its first canvas, which every stage plans alike from the prompt
+        (:meth:`_entry`)."""
+        if shipped is not None:
+            return shipped
+        return s.req.step if s.req.phase == "first" else None
 
     def _build(self, entries: list, req_ids: list[str]) -> StepBatch:
         """The step's layout; where it cannot be built, the entries that cannot be laid out even alone are
@@ -366,8 +402,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                     self._fail(rid, "planning its next step", e)
             st = None if rid in self.failed else st
             drafts.append(list(st.drafts) if st else [])
-            # planned: a replay past a narrow window has rows but no drafts
-            nexts.append(NextStep(st.w0, (st.num_canvases - 1) * st.seg_len, st.num_logits_rows, True) if st
+            # planned: a replay past a narrow window has rows but no drafts; under pipeline parallelism the step
+            # itself travels to the other stages (without its proposal, which only this stage's decoder reads)
+            plan = dataclasses.replace(st, proposal=None) if st and self.pp_size > 1 else None
+            nexts.append(NextStep(st.w0, (st.num_canvases - 1) * st.seg_len, st.num_logits_rows, True, plan) if st
                          else NextStep(NO_REWIND))
         self.set_next_drafts(req_ids, drafts, nexts)
         return drafts
@@ -420,6 +458,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         t = dict(self.totals)
         t["tpf"] = t["tokens"] / max(1, t["nfe"])
         t["failed"] = self.failures
+        # decodes: this rank runs the decoders (under pipeline parallelism the last stage's ranks alone do)
         # plans_reused: steps whose attention ran on the previous step's plan (the same layout over the same pages)
         reused = sum(getattr(b, "reused", 0) for b in compat.metadata_builders(self))
-        return {"totals": t, "requests": dict(self.finished), "step_time": {**self.step_time, "plans_reused": reused}}
+        return {"totals": t, "requests": dict(self.finished), "step_time": {**self.step_time, "plans_reused": reused},
+                "decodes": self.decodes}

@@ -59,7 +59,7 @@ class VLLMEngine:
 
     def step_time(self) -> dict:
         """The runner's step counter and model-forward seconds so far (``{}`` before the first request)."""
-        return self._llm.collective_rpc("psd_stats")[0]["step_time"] if self._llm is not None else {}
+        return compat.psd_stats(self._llm)["step_time"] if self._llm is not None else {}
 
     def generate(self, prompts: list[list[int]], *, max_tokens: int = 32, block_size: int = 8,
                  method: str = "psd", cache: str | None = None, seed: int = 0, temperature: float = 0.0,

@@ -16,6 +16,9 @@ class NextStep:
     extra_rows: int = 0  # rows the step adds beyond its scheduled tokens (a dLLM's further canvases)
     logits_rows: int = 0  # rows of logits the step computes
     planned: bool = False  # a step is planned (drafts, or a replay with none): never cut, it waits whole
+    # under pipeline parallelism: the planned step itself (a DLLMStep without its proposal), which the scheduler
+    # ships to the stages before the last (they lay out the step from it; only the last stage decodes)
+    plan: object = None
 
 
 @dataclass

@@ -29,6 +29,7 @@ from attention_backends.vllm_backend import PSDMetadataBuilder
 from model_executor.dllm_request import engine_fault
 
 from . import compat
+from .config import RunnerProposer
 from .next_step import NextStep, PSDDraftTokenIds
 
 logger = init_logger(__name__)
@@ -49,6 +50,8 @@ class PSDRunnerMixin:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # a pipeline stage before the last has no drafter (vLLM reads it on every stage): the same placeholder
+        compat.ensure_drafter(self, lambda: RunnerProposer(getattr(self, "vllm_config", None)))
         self._staging: dict[str, torch.Tensor] = {}  # pinned host buffers of ``_upload`` (on a GPU)
         self._tp_group = False  # the tensor-parallel host group (None: one rank); looked up at the first step
         # requests that failed here (request id -> why), until vLLM removes them: they forward nothing more, and
@@ -144,6 +147,8 @@ class PSDRunnerMixin:
         :class:`~model_executor.dllm_request.DLLMStep`), and every row's position (a tree node's is its depth;
         an extra canvas repeats its window's), so the model reads nothing but those buffers. Rows past them
         (padding) keep position 0 and are inert: no K/V write (no slot), no logits row, a zero attention output."""
+        if intermediate_tensors is not None:  # a pipeline stage after the first
+            compat.ensure_intermediate_buffers(self)
         out = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
         batch = current_step()
         if batch is not None:
@@ -177,8 +182,17 @@ class PSDRunnerMixin:
 
     def set_next_drafts(self, req_ids: list[str], drafts: list[list[int]], next_steps: list[NextStep]) -> None:
         """What :meth:`take_draft_token_ids` hands the scheduler after this step: per request of ``req_ids`` its
-        draft tokens and :class:`NextStep`, and the failures it has not been told of yet."""
-        self._next_drafts = PSDDraftTokenIds(list(req_ids), drafts, next_steps, self._new_failures())
+        draft tokens and :class:`NextStep`, and the failures it has not been told of yet; merged with what an
+        earlier step left untaken (under pipeline parallelism vLLM keeps several steps in flight)."""
+        new = PSDDraftTokenIds(list(req_ids), list(drafts), list(next_steps), self._new_failures())
+        old = self._next_drafts
+        if old is not None:  # not taken yet (vLLM's batch queue): the other requests' latest plans stay
+            mine = set(new.req_ids)
+            keep = [i for i, r in enumerate(old.req_ids) if r not in mine]
+            new = PSDDraftTokenIds([old.req_ids[i] for i in keep] + new.req_ids,
+                                   [old.draft_token_ids[i] for i in keep] + new.draft_token_ids,
+                                   [old.next_steps[i] for i in keep] + new.next_steps, old.failed + new.failed)
+        self._next_drafts = new
 
     def take_draft_token_ids(self):
         out, self._next_drafts = self._next_drafts, None

@@ -53,12 +53,17 @@ logger = init_logger(__name__)
 UNPLANNED = NextStep(0)  # a request the runner has planned nothing for yet
 
 
-def apply_draft_updates(scheduler: Scheduler, draft_token_ids: PSDDraftTokenIds) -> None:
+def apply_draft_updates(scheduler: Scheduler, draft_token_ids: PSDDraftTokenIds, deferred: dict | None = None
+                        ) -> None:
     """Set each running request's drafts and roll ``num_computed_tokens`` back to its
     :attr:`~.runner.NextStep.recompute_from` (module docstring); then finish the requests the runner failed:
     they are scheduled no more (``scheduler.failing``) and vLLM finishes them with an error at the next step's
     output (finish reason ``error``: the client gets vLLM's error response), freeing their KV pages; the other
-    requests are not touched."""
+    requests are not touched.
+
+    ``deferred`` (request id -> its update): a request whose step is still in flight (its output not yet turned
+    into engine outputs: vLLM's batch queue under pipeline parallelism asks for the drafts first) gets its
+    update there instead, applied after that output (:meth:`DLLMScheduler.update_from_output`)."""
     if not isinstance(draft_token_ids, PSDDraftTokenIds):
         raise TypeError(f"psd-plugin: the runner handed the scheduler a {type(draft_token_ids).__name__}, not "
                         "PSDDraftTokenIds (a worker without the plugin's runner?)")
@@ -67,13 +72,21 @@ def apply_draft_updates(scheduler: Scheduler, draft_token_ids: PSDDraftTokenIds)
         r = scheduler.requests.get(req_id)
         if r is None or r.is_finished():
             continue
-        r.spec_token_ids = list(drafts)
-        r.num_computed_tokens = min(r.num_computed_tokens, nxt.recompute_from)
+        if deferred is not None and scheduler.in_flight.get(req_id):
+            deferred[req_id] = (drafts, nxt)
+            continue
+        set_next(r, drafts, nxt)
     for req_id in draft_token_ids.failed:
         r = scheduler.requests.get(req_id)
         if r is not None and not r.is_finished():
             scheduler.failing.add(req_id)
             compat.finish_with_error(scheduler, req_id)
+
+
+def set_next(r, drafts: list[int], nxt: NextStep) -> None:
+    """Request ``r``'s next drafts, and ``num_computed_tokens`` rolled back to where its next forward starts."""
+    r.spec_token_ids = list(drafts)
+    r.num_computed_tokens = min(r.num_computed_tokens, nxt.recompute_from)
 
 
 class DLLMScheduler(Scheduler):
@@ -94,6 +107,11 @@ class DLLMScheduler(Scheduler):
         self.mask_id = ArchSpec.from_hf_config(self.vllm_config.model_config.hf_config).mask_token_id
         # block-causal pages of whole attention blocks: a prompt chunk restarts at its attention block's start
         self.attention_block = causal_blocks(self.vllm_config)
+        # pipeline parallelism: the steps the last stage plans travel to the other stages with the schedule;
+        # vLLM keeps several steps in flight, so a request's next step waits for its last one's output
+        self.pipeline = self.vllm_config.parallel_config.pipeline_parallel_size > 1
+        self.in_flight: dict[str, int] = {}  # request -> its scheduled steps whose output is not processed yet
+        self.deferred: dict[str, tuple] = {}  # request -> its drafts and NextStep, applied after that output
 
     def add_request(self, request) -> None:
         text = (request.sampling_params.extra_args or {}).get(GRAMMAR_ARG) if request.sampling_params else None
@@ -107,6 +125,8 @@ class DLLMScheduler(Scheduler):
 
     def schedule(self, throttle_prefills: bool = False):
         self.next_steps = {k: v for k, v in self.next_steps.items() if k in self.requests}
+        self.in_flight = {k: v for k, v in self.in_flight.items() if k in self.requests}
+        self.deferred = {k: v for k, v in self.deferred.items() if k in self.requests}
         self.failing &= self.requests.keys()
         for rid, why in self.grammars.poll(self.requests):
             logger.error("psd-plugin: request %s fails: %s", rid, why)
@@ -124,6 +144,9 @@ class DLLMScheduler(Scheduler):
             if r.request_id in self.failing:
                 continue  # finished with an error at this step's output (update_draft_token_ids)
             need = r.num_tokens_with_spec - r.num_computed_tokens
+            if need <= 0:  # nothing to forward (its step is in flight): vLLM passes it by, it takes no budget
+                kept.append(r)
+                continue
             nxt = self.next_steps.get(r.request_id, UNPLANNED)
             more = nxt.extra_rows
             if nxt.planned and (need + more > budget or nxt.logits_rows > logits):
@@ -138,6 +161,11 @@ class DLLMScheduler(Scheduler):
             with compat.scheduling_only(self, kept, max(1, self.max_num_scheduled_tokens - extra)):
                 out = super().schedule(throttle_prefills)
         self._first_canvases(out, self.max_num_scheduled_tokens - extra - out.total_num_scheduled_tokens, logits)
+        for rid in compat.scheduled_req_ids(out):
+            self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+        if self.pipeline:  # the planned steps, for the stages that lay them out without decoding
+            compat.ship_plans(out, {rid: nxt.plan for rid in compat.scheduled_req_ids(out)
+                                    if (nxt := self.next_steps.get(rid)) is not None and nxt.plan is not None})
         if not out.total_num_scheduled_tokens:  # nothing to run: rather than an empty step, wait for a grammar
             self.grammars.wait(0.01)
         return out
@@ -172,8 +200,22 @@ class DLLMScheduler(Scheduler):
                                           num_accepted_tokens=min(num_accepted_tokens, self.num_spec_tokens))
         return spec_decoding_stats
 
+    def update_from_output(self, scheduler_output, model_runner_output):
+        out = super().update_from_output(scheduler_output, model_runner_output)
+        for rid in compat.scheduled_req_ids(scheduler_output):
+            left = self.in_flight.get(rid, 0) - 1
+            if left > 0:
+                self.in_flight[rid] = left
+                continue
+            self.in_flight.pop(rid, None)
+            # (a request preempted meanwhile re-prefills first; its runner plans its next step again)
+            if (update := self.deferred.pop(rid, None)) is not None and (r := self.requests.get(rid)) is not None \
+                    and compat.is_running(r):
+                set_next(r, *update)
+        return out
+
     def update_draft_token_ids(self, draft_token_ids: PSDDraftTokenIds) -> None:
-        apply_draft_updates(self, draft_token_ids)
+        apply_draft_updates(self, draft_token_ids, self.deferred)
         self.next_steps.update((rid, nxt) for rid, nxt in zip(draft_token_ids.req_ids, draft_token_ids.next_steps)
                                if rid in self.requests)
 
