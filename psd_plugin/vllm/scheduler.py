@@ -125,8 +125,9 @@ class DLLMScheduler(Scheduler):
 
     def schedule(self, throttle_prefills: bool = False):
         self.next_steps = {k: v for k, v in self.next_steps.items() if k in self.requests}
-        self.in_flight = {k: v for k, v in self.in_flight.items() if k in self.requests}
-        self.deferred = {k: v for k, v in self.deferred.items() if k in self.requests}
+        if self.pipeline:
+            self.in_flight = {k: v for k, v in self.in_flight.items() if k in self.requests}
+            self.deferred = {k: v for k, v in self.deferred.items() if k in self.requests}
         self.failing &= self.requests.keys()
         for rid, why in self.grammars.poll(self.requests):
             logger.error("psd-plugin: request %s fails: %s", rid, why)
@@ -161,10 +162,12 @@ class DLLMScheduler(Scheduler):
             with compat.scheduling_only(self, kept, max(1, self.max_num_scheduled_tokens - extra)):
                 out = super().schedule(throttle_prefills)
         self._first_canvases(out, self.max_num_scheduled_tokens - extra - out.total_num_scheduled_tokens, logits)
-        for rid in compat.scheduled_req_ids(out):
-            self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
-        if self.pipeline:  # the planned steps, for the stages that lay them out without decoding
-            compat.ship_plans(out, {rid: nxt.plan for rid in compat.scheduled_req_ids(out)
+        if self.pipeline:  # (one step at a time otherwise: its output is processed before its drafts arrive)
+            scheduled = compat.scheduled_req_ids(out)
+            for rid in scheduled:
+                self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+            # the planned steps, for the stages that lay them out without decoding
+            compat.ship_plans(out, {rid: nxt.plan for rid in scheduled
                                     if (nxt := self.next_steps.get(rid)) is not None and nxt.plan is not None})
         if not out.total_num_scheduled_tokens:  # nothing to run: rather than an empty step, wait for a grammar
             self.grammars.wait(0.01)
@@ -202,6 +205,8 @@ class DLLMScheduler(Scheduler):
 
     def update_from_output(self, scheduler_output, model_runner_output):
         out = super().update_from_output(scheduler_output, model_runner_output)
+        if not self.in_flight:
+            return out
         for rid in compat.scheduled_req_ids(scheduler_output):
             left = self.in_flight.get(rid, 0) - 1
             if left > 0:
