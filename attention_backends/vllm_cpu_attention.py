@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .step_batch import StepBatch
@@ -93,23 +94,24 @@ def kernel_rows(batch: StepBatch, pattern: str) -> KernelRows | None:
     kind = batch.kind or pattern
     if kind not in ("bidirectional", "causal"):
         return None
-    n = batch.scheduled_lens
-    R = n.numel()
-    starts = batch.qo_indptr[:-1]
+    # host arrays in numpy: a few microseconds where a dozen small torch ops take tens
+    n = batch.scheduled_lens.numpy()
+    R = n.size
+    starts = batch.qo_indptr.numpy()[:-1]
     # the first segment of each request (plan order) is its scheduled rows
-    seg = batch.seg_indptr
-    first_end = seg[torch.searchsorted(seg, starts, right=True).clamp(max=seg.numel() - 1)]
-    if R and not bool((first_end - starts == n).all()):
+    seg = batch.seg_indptr.numpy()
+    first_end = seg[np.minimum(np.searchsorted(seg, starts, side="right"), seg.size - 1)]
+    if R and not (first_end - starts == n).all():
         return None
-    seq = batch.prefix_lens + n
+    seq = batch.prefix_lens.numpy() + n
     if batch.suffix_lens is not None:
-        has = batch.suffix_lens > 0
-        if bool(has.any()) and (kind == "causal" or not bool((batch.suffix_starts[has] == seq[has]).all())):
+        suf, has = batch.suffix_lens.numpy(), batch.suffix_lens.numpy() > 0
+        if has.any() and (kind == "causal" or not (batch.suffix_starts.numpy()[has] == seq[has]).all()):
             return None
-        seq = seq + batch.suffix_lens
-    qsl = torch.zeros(R + 1, dtype=torch.int32)
-    torch.cumsum(n, 0, out=qsl[1:])
-    return KernelRows(qsl, seq.to(torch.int32), kind == "causal")
+        seq = seq + suf
+    qsl = np.zeros(R + 1, dtype=np.int32)
+    qsl[1:] = np.cumsum(n)
+    return KernelRows(torch.from_numpy(qsl), torch.from_numpy(seq.astype(np.int32)), kind == "causal")
 
 
 @dataclass

@@ -17,6 +17,10 @@ the step's wall time (``LLMEngine.step``: schedule, execute, sample, propose, th
 end's output processing). *device* stages are the model's forward and its logits, the only work a GPU would do;
 everything else is *host* time, which on a GPU the device waits on unless it overlaps. Per-request costs (the
 front end's input processing at ``add_request``) are kept apart: they are paid once per request, not per step.
+*Engine-core host* time leaves out the front end's output processing too (detokenizing and building each
+request's output: per emitted token, so a dLLM step that emits a block pays it for every token of it): served
+(``vllm serve``, or ``LLM`` with vLLM's default multiprocessing) it runs in the front end's process, beside the
+engine core's next step, not before it.
 
 Figures are wall-clock on this CPU: the forward is synchronous here, so host and device times add; a GPU would
 need the forward timed with events (``benchmarks/vllm_gpu_timing.py``). Host ms per step is compared with AR's
@@ -78,6 +82,7 @@ STAGES = [
     ("psd_plugin.vllm.dllm_runner", None, "propose_all", "plugin: proposal", "host"),
 ]
 KIND = {stage: kind for *_, stage, kind in STAGES}
+FRONT_OUTPUT = "front end: output processing"  # per emitted token, in the front end's process when served
 
 
 class StageClock:
@@ -202,8 +207,11 @@ def measure(clock: StageClock, generate, prompts: list[list[int]], c: int, waves
     per_step = {s: 1e3 * v / steps for s, v in sec.items() if KIND.get(s) != "front"}
     device = sum(v for s, v in per_step.items() if KIND[s] == "device")
     step_ms = sum(per_step.values())
+    # the engine core's host time: served (``vllm serve``, or ``LLM`` with vLLM's default multiprocessing) the
+    # front end's output processing runs in another process, beside the engine core's next step
+    core = step_ms - device - per_step.get(FRONT_OUTPUT, 0.0)
     return {"concurrency": c, "requests": requests, "steps": steps, "tokens": tokens, "wall_s": wall,
-            "step_ms": step_ms, "device_ms": device, "host_ms": step_ms - device,
+            "step_ms": step_ms, "device_ms": device, "host_ms": step_ms - device, "core_host_ms": core,
             "front_ms_per_request": 1e3 * sum(v for s, v in sec.items() if KIND.get(s) == "front") / requests,
             "stages_ms": per_step, "tokens_per_step": tokens / steps}
 
@@ -253,13 +261,15 @@ def merge(paths: list[str], out: Path, name: str) -> None:
     trees = list(dict.fromkeys(r["tree"] for r in rows))
     keys = sorted({(r["method"], r["cache"] or "", r["concurrency"]) for r in rows},
                   key=lambda k: (k[0] != "ar", k[0], k[1], k[2]))
-    head = "| method | cache | c | " + " | ".join(f"{t}: host ms | {t}: host / AR" for t in trees) + " |"
-    lines = [head, "|---|---|---|" + "---|---|" * len(trees)]
+    head = "| method | cache | c | " + " | ".join(f"{t}: host ms | {t}: host / AR | {t}: engine-core host / AR"
+                                                 for t in trees) + " |"
+    lines = [head, "|---|---|---|" + "---|---|---|" * len(trees)]
     for m, cache, c in keys:
         cells = []
         for t in trees:
             rs = [r for r in rows if r["tree"] == t and (r["method"], r["cache"] or "", r["concurrency"]) == (m, cache, c)]
-            cells.append(f"{_spread([r['host_ms'] for r in rs])} | {_spread([r['host_vs_ar'] for r in rs])}")
+            cells.append(f"{_spread([r['host_ms'] for r in rs])} | {_spread([r['host_vs_ar'] for r in rs])} | "
+                         f"{_spread([r['core_vs_ar'] for r in rs if 'core_vs_ar' in r] or [float('nan')])}")
         lines.append(f"| {m} | {cache or '-'} | {c} | " + " | ".join(cells) + " |")
     last = [r for r in rows if r["tree"] == trees[-1]]
     text = "\n".join(lines) + "\n\n" + f"Tree {trees[-1]}:\n\n" + report(last, {k: v for k, v in traces.items()
@@ -317,6 +327,7 @@ def main() -> None:
         ar = next(a for a in rows if a["method"] == "ar" and a["repeat"] == r["repeat"]
                   and a["concurrency"] == r["concurrency"])
         r["host_vs_ar"] = r["host_ms"] / ar["host_ms"]
+        r["core_vs_ar"] = r["core_host_ms"] / ar["core_host_ms"]
     args.out.mkdir(parents=True, exist_ok=True)
     traces = {f"{m}/{c}" if c else m: t for (m, c), t in traces.items()}
     (args.out / f"{args.name}.json").write_text(json.dumps({"rows": rows, "not_timed": missing, "traces": traces,
@@ -345,12 +356,15 @@ def report(rows: list[dict], traces: dict) -> str:
     keys = sorted({(r["method"], r["cache"] or "", r["concurrency"]) for r in rows},
                   key=lambda k: (k[0] != "ar", k[0], k[1], k[2]))
     out = ["| method | cache | concurrency | steps | tokens / step | step ms | device ms | host ms | host / AR | "
-           "front end ms / request |", "|---|---|---|---|---|---|---|---|---|---|"]
+           "engine-core host ms | engine-core host / AR | front end ms / request |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for m, cache, c in keys:
         rs = [r for r in rows if (r["method"], r["cache"] or "", r["concurrency"]) == (m, cache, c)]
         out.append(f"| {m} | {cache or '-'} | {c} | {rs[0]['steps']} | {rs[0]['tokens_per_step']:.2f} | "
                    f"{_spread([r['step_ms'] for r in rs])} | {_spread([r['device_ms'] for r in rs])} | "
                    f"{_spread([r['host_ms'] for r in rs])} | {_spread([r['host_vs_ar'] for r in rs])} | "
+                   f"{_spread([r.get('core_host_ms', float('nan')) for r in rs])} | "
+                   f"{_spread([r.get('core_vs_ar', float('nan')) for r in rs])} | "
                    f"{_spread([r['front_ms_per_request'] for r in rs])} |")
     stages = [s for s in dict.fromkeys(st for *_, st, k in STAGES if k != "front")
               if any(r["stages_ms"].get(s) for r in rows)]

@@ -334,8 +334,9 @@ def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
 
     policies = sys.modules[PolicyDecoder.__module__]
     batches = []  # the decoders of each batched commit of greedy predictions
-    index = policies.canvas_row_index
-    monkeypatch.setattr(policies, "canvas_row_index", lambda decs, *a: (batches.append(len(decs)), index(decs, *a))[1])
+    grouped = policies.groups
+    monkeypatch.setattr(policies, "groups", lambda items, key: (out := grouped(items, key),
+                                                                batches.extend(len(i) for i in out))[0])
 
     M, V = 7, 11
     g = torch.Generator().manual_seed(5)

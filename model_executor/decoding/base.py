@@ -16,6 +16,13 @@ Each canvas is forwarded in the same context (same prefix K/V, same window), so 
 state that plain decoding would reach gets *exactly* the prediction plain decoding would compute there:
 that is what makes FreeDave and Spiffy lossless and lets every method reuse a verified prediction
 instead of running the model again. Decoders hold no engine objects: only token tensors and logits.
+
+Where the work runs: the logits stay on the engine's device and :func:`predict_rows` reduces them there (each
+row's top-1 and its confidence come back in one copy). Everything after it, the methods' commit rules over a
+step's states and predictions ``[R, K, L]``, is host data, computed in numpy on views of the host tensors (a few
+microseconds an op where a small torch op costs tens, which a step pays dozens of times); every float operation
+there is an element-wise IEEE one, Python's libm or a reduction kept in torch, so the decisions are bit for bit
+those of the one-block oracles.
 """
 
 from __future__ import annotations
@@ -76,14 +83,17 @@ class RowPredictions:
 def logits_map(kept: torch.Tensor) -> torch.Tensor:
     """``[N]``: the logits row of each prediction row when only the rows ``kept [N]`` (bool, host) get logits,
     in order; -1 for the others."""
-    return torch.where(kept, kept.long().cumsum(0) - 1, -1)
+    k = kept.numpy()
+    out = np.full(k.size, -1, dtype=np.int64)
+    out[k] = np.arange(int(np.count_nonzero(k)))
+    return torch.from_numpy(out)
 
 
 def exclude_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
     """Set the mask token's logit to -inf, in place: no prediction, greedy or sampled, may be the mask token.
     A committed mask would leave its position masked, and a decoder that must fill every position would then
     step forever (a random or badly trained model can rank the mask first). Returns ``logits``."""
-    logits[..., mask_id] = float("-inf")
+    logits.select(-1, mask_id).fill_(float("-inf"))
     return logits
 
 
@@ -119,7 +129,8 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.T
     Gumbel-max draws (:func:`~.sampling.draw_rows`), computed where the logits are before the one copy.
 
     Device discipline: the tokens and confidences come back **on the host** (the decoders' state lives there),
-    in one device-to-host copy (both packed into one float64 tensor: token ids are exact in it); the logits
+    in one device-to-host copy (both packed into one float64 tensor: token ids are exact in it; none on a CPU,
+    where they are already); the logits
     stay where they are, for what needs them (sampling, Spiffy's top tokens, logprobs)."""
     if mask_id is not None:
         exclude_mask_token(logits, mask_id)
@@ -139,8 +150,9 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.T
     n = M if greedy is None else greedy.numel()
     work = logits.new_empty((min(chunk, n), V), dtype=cdt)  # reused: no fresh pages
     for a in range(0, n, chunk):
+        whole = greedy is None and n <= chunk  # every row in one pass: the results are the buffers themselves
         rows = slice(a, a + chunk) if greedy is None else greedy[a: a + chunk]
-        x = logits[rows]
+        x = logits if whole else logits[rows]
         best, idx = x.max(-1)
         w = work[: x.shape[0]]
         if cdt == logits.dtype:
@@ -148,19 +160,28 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.T
         else:  # upcast first: the difference of two bfloat16 logits is not a bfloat16
             w.copy_(x).sub_(best[:, None].to(cdt))
         z = w.exp_().sum(-1)  # >= 1: the max contributes exp(0)
-        tokens[rows], conf[rows] = idx, 1.0 / z
+        if whole:
+            tokens, conf = idx, z.reciprocal_()  # (1.0 / z is z.reciprocal() * 1.0: the same bits)
+        else:
+            tokens[rows], conf[rows] = idx, z.reciprocal_()
     if draws is not None and len(draws):
         draw_rows(logits, draws, tokens, conf, work_bytes(logits.device))
-    # one copy to the host: [2, M] float64 (ids < 2**53 are exact); on a CPU a copy of the host tensor
-    both = torch.stack([tokens.to(torch.float64), conf.to(torch.float64)]).cpu()
+    if logits.device.type == "cpu":  # the host already: no copy to make
+        tokens_h, conf_h = tokens, conf
+    else:  # one copy to the host: [2, M] float64 (ids < 2**53 are exact)
+        both = torch.stack([tokens.to(torch.float64), conf.to(torch.float64)]).cpu()
+        tokens_h, conf_h = both[0].long(), both[1].to(cdt)
     if kept is None:
-        return RowPredictions(logits, both[0].long(), both[1].to(cdt))
-    if int(kept.sum()) != M:
-        raise ValueError(f"predict_rows: {M} logits rows for {int(kept.sum())} kept prediction rows")
-    out_tok = torch.full((kept.numel(),), -1, dtype=torch.long)
-    out_conf = torch.full((kept.numel(),), float("-inf"), dtype=cdt)
-    out_tok[kept], out_conf[kept] = both[0].long(), both[1].to(cdt)
-    return RowPredictions(logits, out_tok, out_conf, logits_map(kept))
+        return RowPredictions(logits, tokens_h, conf_h)
+    # scattered to every prediction row in numpy (host arrays: a few small torch ops cost more than the work)
+    k = kept.numpy()
+    at = np.flatnonzero(k)
+    if at.size != M:
+        raise ValueError(f"predict_rows: {M} logits rows for {at.size} kept prediction rows")
+    out_tok = np.full(k.size, -1, dtype=np.int64)
+    out_conf = np.full(k.size, -np.inf, dtype=conf_h.numpy().dtype)
+    out_tok[at], out_conf[at] = tokens_h.numpy(), conf_h.numpy()
+    return RowPredictions(logits, torch.from_numpy(out_tok), torch.from_numpy(out_conf), logits_map(kept))
 
 
 def top_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, conf: torch.Tensor, k: int
@@ -384,13 +405,14 @@ def canvas_row_index(decoders: list[BlockDecoder], canvas_rows: list[list[int]],
                      ) -> torch.Tensor:
     """``[R, K, L]``: the row of ``preds`` of position ``l`` of canvas ``k`` of decoder ``r`` (-1 past its
     canvases or past a shorter block); ``K`` defaults to the most canvases of a decoder."""
-    lens = [d.state.numel() for d in decoders]
+    lens = np.array([d.state.numel() for d in decoders])
     K = max(len(c) for c in canvas_rows) if K is None else K
-    # one tensor from Python lists (a tensor per decoder costs more than the list arithmetic)
-    starts = torch.tensor([list(c[:K]) + [-1] * (K - len(c[:K])) for c in canvas_rows], dtype=torch.long)
-    j = torch.arange(max(lens))
-    ok = (starts[..., None] >= 0) & (j < torch.tensor(lens)[:, None, None])
-    return torch.where(ok, starts[..., None] + j, -1)
+    # numpy from Python lists: the host index of a step (a tensor per decoder, or a few small torch ops, cost
+    # more than the arithmetic)
+    starts = np.array([list(c[:K]) + [-1] * (K - len(c[:K])) for c in canvas_rows], dtype=np.int64).reshape(-1, K)
+    j = np.arange(lens.max() if lens.size else 0)
+    ok = (starts[..., None] >= 0) & (j < lens[:, None, None])
+    return torch.from_numpy(np.where(ok, starts[..., None] + j, -1))
 
 
 def pad_rows(tensors: list[torch.Tensor], value) -> torch.Tensor:
@@ -398,31 +420,45 @@ def pad_rows(tensors: list[torch.Tensor], value) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
 
 
-def canvas_predictions(preds: RowPredictions, rows: torch.Tensor, canvases: torch.Tensor, mask_id: int
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tokens and confidences ``[..., L]`` of the canvases ``[..., L]`` whose predictions are at ``rows`` of
-    ``preds`` (-1: none), as :func:`predict` gives them: confidence -inf where the canvas is not masked or has
-    no row. On the canvases' device."""
-    r = rows.clamp(min=0).to(preds.tokens.device)
-    tok, conf = preds.tokens[r].to(canvases.device), preds.conf[r].to(canvases.device)
-    return tok, conf.masked_fill_(~((canvases == mask_id) & (rows >= 0)), float("-inf"))
+def host_rows(rows: list[tuple[torch.Tensor, ...]]) -> list[np.ndarray]:
+    """Per column of ``rows`` (each a tuple of host tensors ``[L_r]``: a decoder's state, its prediction's tokens
+    and confidences ...), one numpy array ``[R, max L_r]``, padded with -1 (ids) or -inf (floats): the
+    decoders' host data for a batched step, assembled in numpy."""
+    if not rows:
+        return []
+    L = max(r[0].numel() for r in rows)
+    out = []
+    for j, col in enumerate(rows[0]):
+        a = col.numpy()
+        fill = -np.inf if np.issubdtype(a.dtype, np.floating) else -1
+        arr = np.full((len(rows), L), fill, dtype=a.dtype)
+        for i, r in enumerate(rows):
+            v = r[j].numpy()
+            arr[i, : v.size] = v
+        out.append(arr)
+    return out
 
 
-def stacked_predictions(decoders: list[BlockDecoder]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """States ``[R, L]`` (padded with -1) and the tokens and confidences of each decoder's current prediction
-    (``decoder.pred``), the confidences -inf wherever the state is not masked: what a batched proposal drafts
-    from."""
-    S = pad_rows([d.state for d in decoders], -1)
-    T = pad_rows([d.pred.tokens for d in decoders], -1).to(S.device)
-    C = pad_rows([d.pred.conf for d in decoders], float("-inf")).to(S.device)
-    return S, T, C.masked_fill_(S != decoders[0].mask_id, float("-inf"))
+def first_max(c: np.ndarray) -> np.ndarray:
+    """The most confident position of each row of the confidences ``c [..., L]`` (numpy; first on ties, as
+    numpy's and torch's argmax), none in a row of -inf: the static scheduler's one commit."""
+    out = np.zeros(c.shape, dtype=bool)
+    if c.size:
+        np.put_along_axis(out, c.argmax(-1)[..., None], True, axis=-1)
+        out &= np.isfinite(c).any(-1, keepdims=True)
+    return out
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A host tensor as a numpy array (a view; bfloat16 upcast, which numpy lacks). The decoders' state and a
+    step's predictions are host data: their few element-wise ops over a step's ``[R, L]`` cost microseconds in
+    numpy and tens of them as small torch ops."""
+    return (t.float() if t.dtype == torch.bfloat16 else t).detach().cpu().numpy()
 
 
 def onehot_first_max(conf: torch.Tensor) -> torch.Tensor:
-    """The most confident position of each row of ``conf [..., L]`` (first on ties), none in a row of -inf:
-    the static scheduler's one commit."""
-    out = torch.zeros_like(conf, dtype=torch.bool).scatter_(-1, conf.argmax(-1, keepdim=True), True)
-    return out & torch.isfinite(conf).any(-1, keepdim=True)
+    """:func:`first_max` of a tensor of confidences."""
+    return torch.from_numpy(first_max(host_array(conf))).to(conf.device)
 
 
 def merge_stats(all_stats) -> dict:

@@ -30,10 +30,10 @@ request by one static step each; the block's first step (L2) is the same update 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, commit,
-                   onehot_first_max, stacked_predictions)
+from .base import BlockDecoder, Prediction, Proposal, canvas_row_index, commit, first_max, host_rows
 
 
 def topk_jump(state: torch.Tensor, pred: Prediction, k: int) -> torch.Tensor:
@@ -59,26 +59,29 @@ class FreeDaveDecoder(BlockDecoder):
     @classmethod
     def propose_batch(cls, decoders):
         """L5-13 for every decoder: draft ``k`` fills the masked positions of confidence rank < ``k``,
-        ``k = 1..d_i``; the block's first step forwards the state (L2). ``Proposal.data``: drafted or not."""
+        ``k = 1..d_i``; the block's first step forwards the state (L2). ``Proposal.data``: drafted or not. Host
+        data in numpy (a step's few small arrays cost microseconds an op in numpy, tens as torch ops)."""
         out: list = [Proposal([d.state], False) for d in decoders]
         idx = [i for i, d in enumerate(decoders) if d.pred is not None]
         if idx:
             group = [decoders[i] for i in idx]
             mask = group[0].mask_id
-            S, T, C = stacked_predictions(group)
+            S, T, C = host_rows([(d.state, d.pred.tokens, d.pred.conf) for d in group])
+            C[S != mask] = -np.inf
             R, L = S.shape
-            order = torch.sort(C, dim=-1, descending=True, stable=True).indices
-            rank = torch.empty_like(order).scatter_(1, order, torch.arange(L, device=S.device).expand(R, L))
+            order = np.argsort(-C, axis=-1, kind="stable")  # descending; ties: the lower position first
+            rank = np.empty_like(order)
+            np.put_along_axis(rank, order, np.broadcast_to(np.arange(L), (R, L)), axis=1)
             steps = max(d.steps for d in group)
-            fill = (rank[:, None, :] < torch.arange(1, steps + 1, device=S.device)[:, None]) & \
-                torch.isfinite(C)[:, None]
-            D = torch.where(fill, T[:, None], S[:, None])  # [R, steps, L]
+            finite = np.isfinite(C)
+            fill = (rank[:, None, :] < np.arange(1, steps + 1)[:, None]) & finite[:, None]
+            D = torch.from_numpy(np.where(fill, T[:, None], S[:, None]))  # [R, steps, L]
             # a draft that completes the block needs no forward; under a grammar no draft goes past the positions
             # the frontier rule leaves committable (finite confidence)
-            n, fin = (S == mask).sum(-1), torch.isfinite(C).sum(-1)
-            n_fwd = torch.minimum(torch.where(fin < n, fin, n - 1), torch.tensor([d.steps for d in group])).clamp(min=0)
-            for i, d, drafts, nf in zip(idx, group, D, n_fwd.tolist()):
-                out[i] = Proposal(list(drafts[:nf, : d.state.numel()]), True, list(range(d.t + 1, d.t + 1 + nf)))
+            n, fin = (S == mask).sum(-1), finite.sum(-1)
+            n_fwd = np.maximum(np.minimum(np.where(fin < n, fin, n - 1), [d.steps for d in group]), 0)
+            for r, (i, d, nf) in enumerate(zip(idx, group, n_fwd.tolist())):
+                out[i] = Proposal(list(D[r, :nf, : d.state.numel()]), True, list(range(d.t + 1, d.t + 1 + nf)))
         return out
 
     @classmethod
@@ -86,23 +89,27 @@ class FreeDaveDecoder(BlockDecoder):
         """L18-37 for every decoder: the longest run of drafts each equal to one static step of the one
         before (``m``), the jump to draft ``m`` with its prediction, and L14-17 (the first step: L2, m = 0)."""
         mask = decoders[0].mask_id
-        R, ar = len(decoders), torch.arange(len(decoders))
+        R, ar = len(decoders), np.arange(len(decoders))
         K = max(len(p.canvases) for p in proposals)
         L = max(d.state.numel() for d in decoders)
-        D = torch.full((R, K, L), -1, dtype=decoders[0].state.dtype)  # the forwarded drafts, -1 past them
+        D = np.full((R, K, L), -1, dtype=np.int64)  # the forwarded drafts, -1 past them
         for r, p in enumerate(proposals):
-            c = torch.stack(p.canvases)
-            D[r, : c.shape[0], : c.shape[1]] = c
-        n_fwd = torch.tensor([len(p.canvases) for p in proposals])
-        tok, conf = canvas_predictions(preds, canvas_row_index(decoders, canvas_rows, K), D, mask)
-        jump = torch.where(onehot_first_max(conf), tok, D)  # one static step from each draft's own prediction
-        same = (jump[:, :-1] == D[:, 1:]).all(-1) & (torch.arange(1, K) < n_fwd[:, None])
-        m = same.long().cumprod(-1).sum(-1)  # the accepted run: drafts 1..m each equal the step before
+            for k, c in enumerate(p.canvases):
+                D[r, k, : c.numel()] = c.numpy()
+        n_fwd = np.array([len(p.canvases) for p in proposals])
+        rows = canvas_row_index(decoders, canvas_rows, K).numpy()
+        at = np.maximum(rows, 0)
+        tok, conf = preds.tokens.numpy()[at], preds.conf.numpy()[at]
+        conf[(D != mask) | (rows < 0)] = -np.inf
+        jump = np.where(first_max(conf), tok, D)  # one static step from each draft's own prediction
+        same = (jump[:, :-1] == D[:, 1:]).all(-1) & (np.arange(1, K) < n_fwd[:, None])
+        m = same.cumprod(-1).sum(-1)  # the accepted run: drafts 1..m each equal the step before
         state, tok_m, conf_m = D[ar, m], tok[ar, m], conf[ar, m]
-        state = torch.where(((state == mask).sum(-1) == 1)[:, None], jump[ar, m], state)  # L14-17
-        for d, p, s, t, c, mm in zip(decoders, proposals, state, tok_m, conf_m, m.tolist()):
+        state = np.where(((state == mask).sum(-1) == 1)[:, None], jump[ar, m], state)  # L14-17
+        state, tok_m, conf_m = torch.from_numpy(state), torch.from_numpy(tok_m), torch.from_numpy(conf_m)
+        for r, (d, p, mm) in enumerate(zip(decoders, proposals, m.tolist())):
             L_d = d.state.numel()
-            d.state, d.pred = s[:L_d], Prediction(t[:L_d], c[:L_d])
+            d.state, d.pred = state[r, :L_d], Prediction(tok_m[r, :L_d], conf_m[r, :L_d])
             d.t = p.canvas_steps(d.t)[mm]  # the accepted draft's step
             if p.data:
                 d.accepted += mm

@@ -24,9 +24,10 @@ step) and travel in the proposal (its data: all k + 1 branches and how many exis
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .base import BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, pad_rows, update_in_groups
+from .base import BlockDecoder, Prediction, Proposal, canvas_row_index, host_rows, update_in_groups
 from .policies import Policy, policy_key
 
 
@@ -35,7 +36,7 @@ class LoPADecoder(BlockDecoder):
         super().__init__(block, mask_id)
         self.policy, self.k = policy, branches
         self.pred: Prediction | None = None  # the prediction of the current state (reused from its branch)
-        self.branches: tuple[torch.Tensor, int] | None = None  # B0..Bk [k + 1, L] (B0 where none) and how many
+        self.branches: tuple[np.ndarray, int] | None = None  # B0..Bk [k + 1, L] (B0 where none) and how many
         self.chosen = [0] * (branches + 1)
 
     def stats(self):
@@ -45,13 +46,15 @@ class LoPADecoder(BlockDecoder):
     def propose_batch(cls, decoders):
         """The block's first step forwards the state; later ones the branches the last update explored."""
         return [Proposal([d.state]) if d.pred is None else
-                Proposal(list(d.branches[0][: d.branches[1]]), d.branches, [d.t + 1] * d.branches[1])
+                Proposal(list(torch.from_numpy(d.branches[0][: d.branches[1]])), d.branches, [d.t + 1] * d.branches[1])
                 for d in decoders]
 
     @classmethod
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """Eq. 2 over every branch of every decoder, B* per decoder, and the next B0..Bk from B*'s prediction
-        for all of them (Eq. 1 and the lookahead branches), decoders of one policy and ``k`` at a time."""
+        for all of them (Eq. 1 and the lookahead branches), decoders of one policy and ``k`` at a time. Host data:
+        numpy arrays (a step's few small arrays cost microseconds an op in numpy, tens as torch ops); Eq. 2's
+        sums in torch, as the oracle's."""
         update_in_groups(cls._update, lambda d, p: (policy_key(d.policy), d.k, p.data is None), decoders,
                          proposals, preds, canvas_rows)
 
@@ -59,43 +62,48 @@ class LoPADecoder(BlockDecoder):
     def _update(cls, decoders, proposals, preds, canvas_rows):
         first = decoders[0]
         mask, policy, k, verify = first.mask_id, first.policy, first.k, proposals[0].data is not None
-        R, ar = len(decoders), torch.arange(len(decoders))
+        R, ar = len(decoders), np.arange(len(decoders))
         if verify:
-            B = pad_rows([p.data[0].T for p in proposals], -1).transpose(1, 2)  # [R, k + 1, L]
-            exists = torch.arange(k + 1) < torch.tensor([p.data[1] for p in proposals])[:, None]
+            B = np.full((R, k + 1, max(p.data[0].shape[1] for p in proposals)), -1, dtype=np.int64)  # [R, k + 1, L]
+            for r, p in enumerate(proposals):
+                B[r, :, : p.data[0].shape[1]] = p.data[0]
+            exists = np.arange(k + 1) < np.array([p.data[1] for p in proposals])[:, None]
         else:
-            B = pad_rows([d.state for d in decoders], -1)[:, None]
-            exists = torch.ones(R, 1, dtype=torch.bool)
-        rows = canvas_row_index(decoders, canvas_rows, B.shape[1])
-        tok, conf = canvas_predictions(preds, rows, B, mask)
+            B = host_rows([(d.state,) for d in decoders])[0][:, None]
+            exists = np.ones((R, 1), dtype=bool)
+        rows = canvas_row_index(decoders, canvas_rows, B.shape[1]).numpy()
+        at = np.maximum(rows, 0)
+        tok, conf = preds.tokens.numpy()[at], preds.conf.numpy()[at]
         masked = B == mask
-        scores = torch.where(masked, conf, torch.zeros_like(conf)).sum(-1) / masked.sum(-1)  # Eq. 2
-        j = scores.masked_fill(~exists, float("-inf")).argmax(-1)  # the first best branch on ties
+        conf[~masked | (rows < 0)] = -np.inf
+        scores = (torch.from_numpy(np.where(masked, conf, 0).astype(conf.dtype)).sum(-1)
+                  / torch.from_numpy(masked.sum(-1))).numpy()  # Eq. 2
+        j = np.where(exists, scores, -np.inf).argmax(-1)  # the first best branch on ties
         S, T, C = B[ar, j], tok[ar, j], conf[ar, j]  # B* and its prediction
         # B0 = π's commit; B_i = B0 plus the i-th most confident position left, filled with its prediction
         masked = S == mask
-        b0 = torch.where(policy(C) & masked, T, S)
-        rest = C.masked_fill(b0 != mask, float("-inf"))
-        order = torch.sort(rest, dim=-1, descending=True, stable=True).indices
+        b0 = np.where(policy(torch.from_numpy(C)).numpy() & masked, T, S)
+        rest = np.where(b0 != mask, -np.inf, C)
+        order = np.argsort(-rest, axis=-1, kind="stable")  # descending; ties: the lower position first
         L = S.shape[1]
-        i = torch.arange(1, k + 1)
-        valid = i <= torch.isfinite(rest).sum(-1, keepdim=True)  # [R, k]
+        i = np.arange(1, k + 1)
+        valid = i <= np.isfinite(rest).sum(-1, keepdims=True)  # [R, k]
         # under a grammar only B_1 extends B0's run from the frontier (a later branch leaves a gap: never valid)
-        valid &= torch.tensor([d.grammar is None for d in decoders])[:, None] | (i == 1)
-        pos = torch.zeros(R, k, L, dtype=torch.bool)
+        valid &= np.array([d.grammar is None for d in decoders])[:, None] | (i == 1)
+        pos = np.zeros((R, k, L), dtype=bool)
         if k and L:
-            pos.scatter_(2, order[:, (i - 1).clamp(max=L - 1), None], valid[..., None])
-        branches = torch.cat([b0[:, None], torch.where(pos, T[:, None], b0[:, None])], 1)  # [R, k + 1, L]
+            np.put_along_axis(pos, order[:, np.minimum(i - 1, L - 1), None], valid[..., None], axis=2)
+        branches = np.concatenate([b0[:, None], np.where(pos, T[:, None], b0[:, None])], 1)  # [R, k + 1, L]
         n_br = 1 + valid.sum(-1)
-        complete = ~(branches == mask).any(-1) & (torch.arange(k + 1) < n_br[:, None])
+        complete = ~(branches == mask).any(-1) & (np.arange(k + 1) < n_br[:, None])
         done = complete.any(-1)  # a complete branch is taken at once, without a forward
-        state = torch.where(done[:, None], branches[ar, complete.long().argmax(-1)], S)
-        for r, (d, s, t, c, jj, nb, dn) in enumerate(zip(decoders, state, T, C, j.tolist(), n_br.tolist(),
-                                                           done.tolist())):
+        state = torch.from_numpy(np.where(done[:, None], branches[ar, complete.argmax(-1)], S))
+        Tt, Ct = torch.from_numpy(T), torch.from_numpy(C)
+        for r, (d, jj, nb, dn) in enumerate(zip(decoders, j.tolist(), n_br.tolist(), done.tolist())):
             L_d = d.state.numel()
-            d.pred = Prediction(t[:L_d], c[:L_d])
+            d.pred = Prediction(Tt[r, :L_d], Ct[r, :L_d])
             if verify:  # B* is one step past the last state (every branch is: B0 plus lookahead positions)
                 d.chosen[jj] += 1
                 d.t += 1
-            d.state = s[:L_d]
+            d.state = state[r, :L_d]
             d.branches = None if dn else (branches[r, :, :L_d], nb)

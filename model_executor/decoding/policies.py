@@ -15,17 +15,17 @@ from __future__ import annotations
 from functools import partial
 from typing import Callable
 
+import numpy as np
 import torch
 
-from .base import (BlockDecoder, Proposal, canvas_predictions, canvas_row_index, groups, onehot_first_max, pad_rows,
-                   predict_each)
+from .base import BlockDecoder, Proposal, first_max, groups, host_array, pad_rows, predict_each
 
 Policy = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _top1(conf: torch.Tensor) -> torch.Tensor:
     """The most confident masked position of each row (first on ties); none in a row without one."""
-    return onehot_first_max(conf)
+    return torch.from_numpy(first_max(host_array(conf))).to(conf.device)
 
 
 def static_policy(conf: torch.Tensor) -> torch.Tensor:
@@ -35,7 +35,8 @@ def static_policy(conf: torch.Tensor) -> torch.Tensor:
 
 def confidence_policy(conf: torch.Tensor, threshold: float = 0.9) -> torch.Tensor:
     """Fast-dLLM threshold decoding: the top-1 plus every masked position with confidence >= ``threshold``."""
-    return _top1(conf) | (torch.isfinite(conf) & (conf >= threshold))
+    c = host_array(conf)
+    return torch.from_numpy(first_max(c) | (np.isfinite(c) & (c >= threshold))).to(conf.device)
 
 
 def localleap_policy(conf: torch.Tensor, threshold: float = 0.9, relaxed_threshold: float = 0.75,
@@ -44,12 +45,14 @@ def localleap_policy(conf: torch.Tensor, threshold: float = 0.9, relaxed_thresho
     ``radius`` (block positions, either side) of an anchor commit when their confidence >=
     ``relaxed_threshold``; the top-1 always commits. (Parameters as in the issue and the shared notes;
     the PSD paper only cites LocalLeap's defaults.)"""
-    masked = torch.isfinite(conf)
-    anchors = masked & (conf >= threshold)
-    idx = torch.arange(conf.shape[-1], device=conf.device)
-    window = (idx[:, None] - idx[None, :]).abs() <= radius  # [L, L]
+    c = host_array(conf)
+    masked = np.isfinite(c)
+    anchors = masked & (c >= threshold)
+    idx = np.arange(c.shape[-1])
+    window = np.abs(idx[:, None] - idx[None, :]) <= radius  # [L, L]
     near = (window & anchors[..., None, :]).any(-1)
-    return _top1(conf) | anchors | (near & masked & (conf >= relaxed_threshold))
+    out = first_max(c) | anchors | (near & masked & (c >= relaxed_threshold))
+    return torch.from_numpy(out).to(conf.device)
 
 
 SPATIAL_POLICIES = ("static", "confidence", "localleap")
@@ -99,21 +102,35 @@ class PolicyDecoder(BlockDecoder):
         records predicts its own block with full distributions, decoders in order."""
         for idx in groups(decoders, lambda d: (policy_key(d.policy), d.reads_all_rows)):
             group = [decoders[i] for i in idx]
-            S = pad_rows([d.state for d in group], -1)
             if group[0].reads_all_rows:  # calibration: the full distributions
+                S = pad_rows([d.state for d in group], -1)
                 mine = predict_each([(preds[a: a + d.state.numel()], d.state, dict(keep_probs=True, grammar=d.grammar))
                                      for d, a in ((d, canvas_rows[i][0]) for d, i in zip(group, idx))],
                                     group[0].mask_id)
                 T = pad_rows([p.tokens.to(S.device) for p in mine], -1)
                 C = pad_rows([p.conf.to(S.device) for p in mine], float("-inf"))
-            else:
-                T, C = canvas_predictions(preds, canvas_row_index(group, [canvas_rows[i] for i in idx], 1)[:, 0], S,
-                                          group[0].mask_id)
-            masked = S == group[0].mask_id
-            new = torch.where(group[0].policy(C) & masked, T, S)
-            for r, (d, row) in enumerate(zip(group, new)):
-                row = row[: d.state.numel()]
-                if d.record is not None:
+                new = torch.where(group[0].policy(C) & (S == group[0].mask_id), T, S)
+                for r, (d, row) in enumerate(zip(group, new)):
+                    row = row[: d.state.numel()]
                     d.record.append((d.state, mine[r], row))
-                d.state = row
+                    d.state = row
+                    d.t += 1
+                continue
+            # host arrays (the states and the step's predictions are on the host): numpy for the gathers, the
+            # policy's tensor ops on views of them
+            mask, L = group[0].mask_id, max(d.state.numel() for d in group)
+            S = np.full((len(group), L), -1, dtype=np.int64)
+            rows = np.full((len(group), L), -1, dtype=np.int64)
+            for r, (d, i) in enumerate(zip(group, idx)):
+                n, a = d.state.numel(), canvas_rows[i][0]
+                S[r, :n] = d.state.numpy()
+                rows[r, :n] = np.arange(a, a + n)
+            masked = S == mask
+            T = preds.tokens.numpy()[np.maximum(rows, 0)]
+            C = preds.conf.numpy()[np.maximum(rows, 0)]
+            C[~masked] = -np.inf  # decoded positions and a shorter block's padding (never the mask id)
+            commit = group[0].policy(torch.from_numpy(C)).numpy() & masked
+            new = torch.from_numpy(np.where(commit, T, S))
+            for r, d in enumerate(group):
+                d.state = new[r, : d.state.numel()]
                 d.t += 1

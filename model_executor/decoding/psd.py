@@ -39,10 +39,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, groups, pad_rows,
-                   stacked_predictions, update_in_groups)
+from .base import BlockDecoder, Prediction, Proposal, canvas_row_index, groups, host_rows, update_in_groups
 from .policies import Policy, policy_key
 
 
@@ -131,36 +131,36 @@ class PSDDecoder(BlockDecoder):
         """L13-15 for every decoder, a DAG at a time: σ from one sort, each node's draft for all requests at
         once; the block's first step forwards the state. ``Proposal.data``: every node's draft ``[N, L]`` (the
         state where none), which exist ``[N]``, which are forwarded ``[N]`` (a draft that fills the block is
-        not) and σ ``[L]`` (the masked positions first)."""
+        not) and σ ``[L]`` (the masked positions first). Host data: numpy arrays (a step's few small arrays cost
+        microseconds an op in numpy, tens as torch ops), the canvases tensors viewing them."""
         out: list = [Proposal([d.state]) for d in decoders]
         verify = [i for i, d in enumerate(decoders) if d.pred is not None]
         for idx in groups(verify, lambda i: decoders[i].dag):
             idx = [verify[i] for i in idx]
             group = [decoders[i] for i in idx]
             mask, dag = group[0].mask_id, group[0].dag
-            S, T, C = stacked_predictions(group)
-            masked = S == mask
+            S, T, C = host_rows([(d.state, d.pred.tokens, d.pred.conf) for d in group])
+            C[S != mask] = -np.inf
             R, L = S.shape
-            order = torch.sort(C, dim=-1, descending=True, stable=True).indices  # L13: σ
-            n = torch.isfinite(C).sum(-1)  # the masked positions a policy may commit (a grammar trims past its frontier)
-            drafts, exists = [], []
-            for s in dag.sets:  # L14-15: index assembly, Eq. 2
+            order = np.argsort(-C, axis=-1, kind="stable")  # L13: σ (descending; ties: the lower position first)
+            n = np.isfinite(C).sum(-1)  # the masked positions a policy may commit (a grammar trims past its frontier)
+            D = np.repeat(S[:, None], len(dag.sets), axis=1)  # [R, N, L]: every node's draft, the state where none
+            E = np.zeros((R, len(dag.sets)), dtype=bool)
+            for k, s in enumerate(dag.sets):  # L14-15: index assembly, Eq. 2
                 ranks = sorted(s)
                 if not ranks:
-                    drafts.append(S)
-                    exists.append(torch.ones(R, dtype=torch.bool))
-                elif ranks[-1] >= L:  # asks for more ranks than any block of the group has
-                    drafts.append(S)
-                    exists.append(torch.zeros(R, dtype=torch.bool))
-                else:
-                    pos = torch.zeros_like(masked).scatter_(1, order[:, ranks], True)
-                    drafts.append(torch.where(pos, T, S))
-                    exists.append(n > ranks[-1])  # nodes asking for more ranks than there are masks are dropped
-            D, E = torch.stack(drafts, 1), torch.stack(exists, 1)  # [R, N, L], [R, N]
+                    E[:, k] = True
+                elif ranks[-1] < L:  # (else it asks for more ranks than any block of the group has)
+                    pos = np.zeros((R, L), dtype=bool)
+                    np.put_along_axis(pos, order[:, ranks], True, axis=1)
+                    D[:, k] = np.where(pos, T, S)
+                    E[:, k] = n > ranks[-1]  # nodes asking for more ranks than there are masks are dropped
             F = E & (D == mask).any(-1)  # a draft that fills the block needs no forward
-            for i, d, dr, e, f, o, fl in zip(idx, group, D, E, F, order, F.tolist()):
+            Dt = torch.from_numpy(D)
+            for i, d, r, fl in zip(idx, group, range(R), F.tolist()):
                 L_d = d.state.numel()
-                out[i] = Proposal([dr[k, :L_d] for k, fwd in enumerate(fl) if fwd], (dr[:, :L_d], e, f, o[:L_d]),
+                out[i] = Proposal([Dt[r, k, :L_d] for k, fwd in enumerate(fl) if fwd],
+                                  (D[r, :, :L_d], E[r], F[r], order[r, :L_d]),
                                   [d.t + dag.depths[k] for k, fwd in enumerate(fl) if fwd])
         return out
 
@@ -176,53 +176,60 @@ class PSDDecoder(BlockDecoder):
     def _update(cls, decoders, proposals, preds, canvas_rows):
         first = decoders[0]
         mask, policy, verify = first.mask_id, first.policy, proposals[0].data is not None
-        R, ar = len(decoders), torch.arange(len(decoders))
-        rows = canvas_row_index(decoders, canvas_rows)
+        R, ar = len(decoders), np.arange(len(decoders))
+        rows = canvas_row_index(decoders, canvas_rows).numpy()  # [R, K, L]
         if not verify:  # the block's first forward: Stage 1 on the state's prediction
-            D = pad_rows([d.state for d in decoders], -1)[:, None]  # [R, 1, L]
-            E = F = torch.ones(R, 1, dtype=torch.bool)
+            D = host_rows([(d.state,) for d in decoders])[0][:, None]  # [R, 1, L]
+            E = F = np.ones((R, 1), dtype=bool)
             node_rows = rows[:, :1]
         else:
-            D = pad_rows([p.data[0].T for p in proposals], -1).transpose(1, 2)  # [R, N, L]
-            E = torch.stack([p.data[1] for p in proposals])
-            F = torch.stack([p.data[2] for p in proposals])
-            sigma = pad_rows([p.data[3] for p in proposals], 0)
+            N, L = len(first.dag.sets), rows.shape[-1]
+            D = np.full((R, N, L), -1, dtype=np.int64)
+            sigma = np.zeros((R, L), dtype=np.int64)
+            for r, p in enumerate(proposals):
+                D[r, :, : p.data[0].shape[1]] = p.data[0]
+                sigma[r, : p.data[3].size] = p.data[3]
+            E = np.stack([p.data[1] for p in proposals])
+            F = np.stack([p.data[2] for p in proposals])
             # forwarded node k of request r is its canvas (number of forwarded nodes before k)
-            canvas = (F.long().cumsum(-1) - 1).clamp(min=0)
-            node_rows = rows.gather(1, canvas[..., None].expand(-1, -1, rows.shape[-1]))
-            node_rows = node_rows.masked_fill(~F[..., None], -1)
-        tok, conf = canvas_predictions(preds, node_rows, D, mask)
-        commits = policy(conf)  # what π commits from each node's verification output
+            canvas = np.maximum(F.cumsum(-1) - 1, 0)
+            node_rows = np.take_along_axis(rows, canvas[..., None], axis=1)
+            node_rows = np.where(F[..., None], node_rows, -1)
+        at = np.maximum(node_rows, 0)
+        tok, conf = preds.tokens.numpy()[at], preds.conf.numpy()[at]
+        conf[(D != mask) | (node_rows < 0)] = -np.inf
+        commits = policy(torch.from_numpy(conf)).numpy()  # what π commits from each node's verification output
         N = D.shape[1]
-        acc = torch.zeros(R, N, dtype=torch.bool)
+        acc = np.zeros((R, N), dtype=bool)
         acc[:, 0] = True
         if verify:
             dag = first.dag
             for k in range(1, N):  # L20-22: a parent accepted, verified, and π agreeing on every new position
-                ok = torch.zeros(R, dtype=torch.bool)
+                ok = np.zeros(R, dtype=bool)
                 for p in dag.parents[k]:
                     new = sorted(dag.sets[k] - dag.sets[p])
                     if new[-1] >= sigma.shape[1]:  # node k exists in no block of the step
                         continue
-                    pos = torch.zeros_like(commits[:, p]).scatter_(1, sigma[:, new], True)
+                    pos = np.zeros(commits[:, p].shape, dtype=bool)
+                    np.put_along_axis(pos, sigma[:, new], True, axis=1)
                     agree = commits[:, p] & (tok[:, p] == D[:, k])
                     ok |= acc[:, p] & F[:, p] & ~(pos & ~agree).any(-1)
                 acc[:, k] = ok & E[:, k]
-            size = torch.tensor([len(s) for s in dag.sets])
-            best = torch.where(acc, size * (N + 1) + N - torch.arange(N), -1).argmax(-1)  # L25: deepest, earliest
+            size = np.array([len(s) for s in dag.sets])
+            best = np.where(acc, size * (N + 1) + N - np.arange(N), -1).argmax(-1)  # L25: deepest, earliest
         else:
-            size, best = torch.zeros(1, dtype=torch.long), torch.zeros(R, dtype=torch.long)
-        past = torch.tensor(first.dag.depths if verify else (0,))[best].tolist()  # k*'s steps past the root
+            size, best = np.zeros(1, dtype=np.int64), np.zeros(R, dtype=np.int64)
+        past = np.array(first.dag.depths if verify else (0,))[best].tolist()  # k*'s steps past the root
         fb = F[ar, best]
-        state = torch.where(commits[ar, best] & fb[:, None], tok[ar, best], D[ar, best])  # L26 on k*'s output
-        tried, accepted = (E & (torch.arange(N) > 0)).tolist(), (acc & (torch.arange(N) > 0)).tolist()
-        for r, (d, s, t, c, f, depth) in enumerate(zip(decoders, state, tok[ar, best], conf[ar, best], fb.tolist(),
-                                                        size[best].tolist())):
+        state = torch.from_numpy(np.where(commits[ar, best] & fb[:, None], tok[ar, best], D[ar, best]))  # L26
+        tok_b, conf_b = torch.from_numpy(tok[ar, best]), torch.from_numpy(conf[ar, best])
+        tried, accepted = (E & (np.arange(N) > 0)).tolist(), (acc & (np.arange(N) > 0)).tolist()
+        for r, (d, f, depth) in enumerate(zip(decoders, fb.tolist(), size[best].tolist())):
             L_d = d.state.numel()
-            d.state = s[:L_d]
+            d.state = state[r, :L_d]
             d.t += past[r] + 1  # k*'s steps, then L26's commit
             if f:
-                d.pred = Prediction(t[:L_d], c[:L_d])
+                d.pred = Prediction(tok_b[r, :L_d], conf_b[r, :L_d])
             if verify:
                 d.accepted_depth += depth
                 d.iterations += 1

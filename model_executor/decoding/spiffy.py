@@ -49,10 +49,11 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
-from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, commit, groups, pad_rows,
-                   top_tokens, update_in_groups)
+from .base import (BlockDecoder, Prediction, Proposal, canvas_row_index, commit, groups, host_rows, top_tokens,
+                   update_in_groups)
 from .policies import policy_key
 from .spiffy_graph import DraftGraph
 
@@ -75,14 +76,19 @@ def _log(p: float) -> float:
 def _elementwise(fn: Callable[[float], float], t: torch.Tensor) -> torch.Tensor:
     """``fn`` (Python's libm) on every element of a float64 tensor: the same result for the same input wherever
     it sits in a batch, so the batched step ranks drafts exactly as the one-block step does."""
-    return torch.tensor([fn(x) for x in t.flatten().tolist()], dtype=torch.float64).view(t.shape)
+    return torch.from_numpy(_each(fn, t.numpy()))
+
+
+def _each(fn: Callable[[float], float], a: np.ndarray) -> np.ndarray:
+    """:func:`_elementwise` of a float64 numpy array."""
+    return np.array([fn(x) for x in a.ravel().tolist()], dtype=np.float64).reshape(a.shape)
 
 
 _TABLES: dict = {}
 
 
-def _tables(graph: DraftGraph) -> tuple[torch.Tensor, ...]:
-    """The graph's formulas as tensors, made once per graph: position ranks ``fi`` and token ranks ``fj``
+def _tables(graph: DraftGraph) -> tuple[np.ndarray, ...]:
+    """The graph's formulas as (numpy) arrays, made once per graph: position ranks ``fi`` and token ranks ``fj``
     ``[N, F]`` (0-based, padded with rank 1), formula lengths ``[N]``, which pairs exist ``[N, F]``, which formulas
     name distinct positions ``[N]``, the parent matrix ``[N, N]``, and each node's children ``[N, K]`` (in graph
     order, padded) with which exist ``[N, K]``."""
@@ -90,20 +96,20 @@ def _tables(graph: DraftGraph) -> tuple[torch.Tensor, ...]:
     if got is None or got[0] is not graph:
         nodes = graph.nodes
         N, F = len(nodes), max(len(n.formula) for n in nodes)
-        fi = torch.tensor([[i for i, _ in n.formula] + [1] * (F - len(n.formula)) for n in nodes]) - 1
-        fj = torch.tensor([[j for _, j in n.formula] + [1] * (F - len(n.formula)) for n in nodes]) - 1
-        flen = torch.tensor([len(n.formula) for n in nodes])
-        distinct = torch.tensor([len({i for i, _ in n.formula}) == len(n.formula) for n in nodes])
-        parents = torch.zeros(N, N, dtype=torch.bool)
+        fi = np.array([[i for i, _ in n.formula] + [1] * (F - len(n.formula)) for n in nodes]) - 1
+        fj = np.array([[j for _, j in n.formula] + [1] * (F - len(n.formula)) for n in nodes]) - 1
+        flen = np.array([len(n.formula) for n in nodes])
+        distinct = np.array([len({i for i, _ in n.formula}) == len(n.formula) for n in nodes])
+        parents = np.zeros((N, N), dtype=bool)
         for k, n in enumerate(nodes):
-            parents[k, n.parents] = True
+            parents[k, list(n.parents)] = True
         kids = graph.children()
         K = max(1, max(map(len, kids)))
-        kid = torch.tensor([c + [0] * (K - len(c)) for c in kids])
-        kid_ok = torch.tensor([[True] * len(c) + [False] * (K - len(c)) for c in kids])
+        kid = np.array([c + [0] * (K - len(c)) for c in kids])
+        kid_ok = np.array([[True] * len(c) + [False] * (K - len(c)) for c in kids])
         if len(_TABLES) > 16:
             _TABLES.clear()
-        got = _TABLES[id(graph)] = (graph, (fi, fj, flen, torch.arange(F) < flen[:, None], distinct, parents, kid,
+        got = _TABLES[id(graph)] = (graph, (fi, fj, flen, np.arange(F) < flen[:, None], distinct, parents, kid,
                                             kid_ok))
     return got[1]
 
@@ -160,58 +166,61 @@ class SpiffyDecoder(BlockDecoder):
         mask, R = d0.mask_id, len(decoders)
         fi, fj, flen, pair, distinct, parents, kid, kid_ok = _tables(d0.graph)
         N, F = fi.shape
-        S = pad_rows([d.state for d in decoders], -1)  # [R, L]
-        Y = pad_rows([d.q.state for d in decoders], -1)
-        order = pad_rows([d.q.order for d in decoders], 0)  # [R, n_max]
-        n_q = torch.tensor([d.q.order.numel() for d in decoders])
-        top = torch.zeros(R, d0.max_i, d0.max_j, dtype=torch.long)
-        logp = torch.zeros(R, d0.max_i, d0.max_j, dtype=torch.float64)
+        # host data in numpy (a step's few small arrays cost microseconds an op in numpy, tens as torch ops); every
+        # float op is an element-wise IEEE one or Python's libm, so the results are those of the one-block step
+        S, Y = host_rows([(d.state, d.q.state) for d in decoders])  # [R, L]
+        n_q = np.array([d.q.order.numel() for d in decoders])
+        order = np.zeros((R, max(int(n_q.max()), d0.max_i)), dtype=np.int64)  # [R, n]
+        top = np.zeros((R, d0.max_i, d0.max_j), dtype=np.int64)
+        logp = np.zeros((R, d0.max_i, d0.max_j), dtype=np.float64)
         for r, d in enumerate(decoders):
-            top[r, : d.q.top_tok.shape[0]], logp[r, : d.q.logp.shape[0]] = d.q.top_tok, d.q.logp
-        ar = torch.arange(R)[:, None, None]
-        order = torch.cat([order, order.new_zeros(R, max(0, d0.max_i - order.shape[1]))], 1)
+            order[r, : n_q[r]] = d.q.order.numpy()
+            top[r, : d.q.top_tok.shape[0]], logp[r, : d.q.logp.shape[0]] = d.q.top_tok.numpy(), d.q.logp.numpy()
+        ar = np.arange(R)[:, None, None]
         pos = order[ar, fi]  # [R, N, F]
         tok = top[ar, fi, fj]
-        lp = torch.zeros(R, N, dtype=torch.float64)
+        lp = np.zeros((R, N), dtype=np.float64)
         for m in range(F):  # in formula order, pair by pair (the same IEEE additions for every request)
-            lp = lp + torch.where(pair[:, m], logp[ar[:, :, 0], fi[:, m], fj[:, m]], 0.0)
-        applies = (fi < n_q[:, None, None]).logical_or(~pair).all(-1) & distinct  # [R, N]
-        D = Y[:, None].repeat(1, N, 1)
-        D.scatter_(2, torch.where(pair, pos, pos[..., :1]), torch.where(pair, tok, tok[..., :1]))
+            lp = lp + np.where(pair[:, m], logp[ar[:, :, 0], fi[:, m], fj[:, m]], 0.0)
+        applies = ((fi < n_q[:, None, None]) | ~pair).all(-1) & distinct  # [R, N]
+        D = np.repeat(Y[:, None], N, axis=1)
+        np.put_along_axis(D, np.where(pair, pos, pos[..., :1]), np.where(pair, tok, tok[..., :1]), axis=2)
         known = S != mask
         extends = ((D == S[:, None]) | ~known[:, None]).all(-1) & ((D != mask).sum(-1) > known.sum(-1)[:, None])
         ok = applies & extends & (D == mask).any(-1)  # a draft: extends the state and keeps a mask
-        local = _elementwise(math.exp, lp / flen)  # Eq. 12
+        local = _each(math.exp, lp / flen)  # Eq. 12
         same = (D[:, :, None] == D[:, None, :]).all(-1) & ok[:, None, :]  # [R, N, N]
-        dup = (same & (torch.arange(N)[None, :] < torch.arange(N)[:, None])).any(-1)  # equals an earlier draft
-        log_local = _elementwise(math.log, torch.where(ok, local, 1.0))
-        acc, cnt = torch.zeros(R, N, dtype=torch.float64), torch.zeros(R, N, dtype=torch.long)
+        dup = (same & (np.arange(N)[None, :] < np.arange(N)[:, None])).any(-1)  # equals an earlier draft
+        log_local = _each(math.log, np.where(ok, local, 1.0))
+        acc, cnt = np.zeros((R, N), dtype=np.float64), np.zeros((R, N), dtype=np.int64)
         for j in range(kid.shape[1]):  # Eq. 13 for every node at once: its j-th child, children in graph order
             c = kid[:, j]
             v = kid_ok[:, j] & ok[:, c]  # [R, N]
-            acc = acc + torch.where(v, log_local[:, c], 0.0)
+            acc = acc + np.where(v, log_local[:, c], 0.0)
             cnt = cnt + v
-        child = torch.where(cnt > 0, _elementwise(math.exp, acc / cnt.clamp(min=1)), local)
-        score = torch.where(ok & ~dup, torch.sqrt(local * child), float("-inf"))  # Eq. 14
-        rank = torch.sort(score, dim=1, descending=True, stable=True).indices  # ties: the lower node first
+        child = np.where(cnt > 0, _each(math.exp, acc / np.maximum(cnt, 1)), local)
+        score = np.where(ok & ~dup, np.sqrt(local * child), -np.inf)  # Eq. 14
+        rank = np.argsort(-score, axis=1, kind="stable")  # descending; ties: the lower node first
         added = (D != mask).sum(-1) - known.sum(-1)[:, None]
-        direct = torch.ones(R, N, dtype=torch.bool) if d0.max_commit is None else added <= d0.max_commit
-        admitted = torch.zeros(R, N, dtype=torch.bool)
-        taken = torch.zeros(R, dtype=torch.long)
-        picks = torch.full((R, N), -1, dtype=torch.long)  # the chosen nodes, in score order
-        rr = torch.arange(R)
-        for t in range(int(torch.isfinite(score).sum(-1).max())):  # top-D* by score, a draft only with a parent in
+        direct = np.ones((R, N), dtype=bool) if d0.max_commit is None else added <= d0.max_commit
+        admitted = np.zeros((R, N), dtype=bool)
+        taken = np.zeros(R, dtype=np.int64)
+        picks = np.full((R, N), -1, dtype=np.int64)  # the chosen nodes, in score order
+        rr = np.arange(R)
+        for t in range(int(np.isfinite(score).sum(-1).max())):  # top-D* by score, a draft only with a parent in
             # when it cannot be the next state (past the drafts of the most: nothing more to take)
             k = rank[:, t]
-            take = torch.isfinite(score[rr, k]) & (taken < d0.budget) & \
+            take = np.isfinite(score[rr, k]) & (taken < d0.budget) & \
                 (direct[rr, k] | (admitted & parents[k]).any(-1))
-            picks[rr, taken.clamp(max=N - 1)] = torch.where(take, k, picks[rr, taken.clamp(max=N - 1)])
+            slot = np.minimum(taken, N - 1)
+            picks[rr, slot] = np.where(take, k, picks[rr, slot])
             admitted[rr, k] |= take
             taken += take
             if bool((taken == d0.budget).all()):
                 break
         chosen = [[k for k in row if k >= 0] for row in picks.tolist()]
-        return chosen, [[drafts[k, : d.state.numel()] for k in row] for d, row, drafts in zip(decoders, chosen, D)]
+        Dt = torch.from_numpy(D)
+        return chosen, [[Dt[r, k, : d.state.numel()] for k in row] for r, (d, row) in enumerate(zip(decoders, chosen))]
 
     @classmethod
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
@@ -225,59 +234,68 @@ class SpiffyDecoder(BlockDecoder):
         that draft's prediction for the next step (one pass per accepted draft, all requests at once; sampling:
         a draft of the level the commits have reached); then Eqs. 8-9 at the last commit for the next proposal."""
         d0 = decoders[0]
-        mask, R, rr = d0.mask_id, len(decoders), torch.arange(len(decoders))
+        mask, R, rr = d0.mask_id, len(decoders), np.arange(len(decoders))
         sampled = d0.sampling is not None
         for d, p in zip(decoders, proposals):
             for k in p.data:
                 d.node_tried[k] += 1
-        S = pad_rows([d.state for d in decoders], -1)  # [R, L]
+        S = host_rows([(d.state,) for d in decoders])[0]  # [R, L] (host data in numpy, as in _drafts)
         L = S.shape[1]
         K = max(len(p.canvases) for p in proposals) - 1
-        D = torch.full((R, max(K, 1), L), -2, dtype=S.dtype)  # -2: no draft (never equals a state)
-        level = torch.zeros(R, max(K, 1), dtype=torch.long)  # each draft's steps past the state
+        D = np.full((R, max(K, 1), L), -2, dtype=np.int64)  # -2: no draft (never equals a state)
+        level = np.zeros((R, max(K, 1)), dtype=np.int64)  # each draft's steps past the state
         for r, (d, p) in enumerate(zip(decoders, proposals)):
             for n, (x, st) in enumerate(zip(p.canvases[1:], p.canvas_steps(d.t)[1:])):
-                D[r, n, : x.numel()], D[r, n, x.numel():] = x, -1
+                D[r, n, : x.numel()], D[r, n, x.numel():] = x.numpy(), -1
                 level[r, n] = st - d.t
-        rows = canvas_row_index(decoders, canvas_rows).to(S.device)
-        cur = torch.zeros(R, dtype=torch.long)  # the canvas whose prediction commits next (0: the state)
-        live = torch.ones(R, dtype=torch.bool)
-        taken = torch.zeros(R, dtype=torch.long)  # base steps committed in this update
-        Yq, q_rows = S.clone(), rows[:, 0].clone()
+        rows = canvas_row_index(decoders, canvas_rows).numpy()
+        tokens, confs = preds.tokens.numpy(), preds.conf.numpy()
+
+        def predicted(at: np.ndarray, canvases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            tok, conf = tokens[np.maximum(at, 0)], confs[np.maximum(at, 0)]
+            conf[(canvases != mask) | (at < 0)] = -np.inf
+            return tok, conf
+
+        cur = np.zeros(R, dtype=np.int64)  # the canvas whose prediction commits next (0: the state)
+        live = np.ones(R, dtype=bool)
+        taken = np.zeros(R, dtype=np.int64)  # base steps committed in this update
+        Yq, q_rows = S.copy(), rows[:, 0].copy()
         for n in range(K + 1):
             r_cur = rows[rr, cur]  # [R, L]
-            tok, conf = canvas_predictions(preds, r_cur, S, mask)
-            new = torch.where(d0.next_state.rule(conf) & torch.isfinite(conf), tok, S)
-            Yq = torch.where(live[:, None], S, Yq)
-            q_rows = torch.where(live[:, None], r_cur, q_rows)
-            S = torch.where(live[:, None], new, S)
+            tok, conf = predicted(r_cur, S)
+            new = np.where(d0.next_state.rule(torch.from_numpy(conf)).numpy() & np.isfinite(conf), tok, S)
+            Yq = np.where(live[:, None], S, Yq)
+            q_rows = np.where(live[:, None], r_cur, q_rows)
+            S = np.where(live[:, None], new, S)
             taken += live
             eq = (D == S[:, None]).all(-1)  # [R, K]
             if sampled:  # reused only as the state it was drawn for
                 eq &= level == n + 1
             hit = live & (S == mask).any(-1) & eq.any(-1)
-            n_hit = eq.long().argmax(-1)
-            for r in hit.nonzero().flatten().tolist():
+            n_hit = eq.argmax(-1)
+            for r in np.flatnonzero(hit).tolist():
                 decoders[r].accepted += 1
                 decoders[r].node_accepted[proposals[r].data[int(n_hit[r])]] += 1
-            cur = torch.where(hit, n_hit + 1, cur)
+            cur = np.where(hit, n_hit + 1, cur)
             live = hit
-            if not bool(live.any()):
+            if not live.any():
                 break
         for d, k in zip(decoders, taken.tolist()):
             d.t += k
         # Eqs. 8-9 at each request's last commit: positions by confidence, top tokens at the first few
-        tok_q, conf_q = canvas_predictions(preds, q_rows, Yq, mask)
-        n_q = torch.isfinite(conf_q).sum(-1)
-        order = torch.sort(conf_q, dim=-1, descending=True, stable=True).indices
+        tok_q, conf_q = predicted(q_rows, Yq)
+        n_q = np.isfinite(conf_q).sum(-1)
+        order = np.argsort(-conf_q, axis=-1, kind="stable")  # descending; ties: the lower position first
         need = order[:, : d0.max_i]
-        ok = (torch.arange(need.shape[1]) < n_q[:, None]) & (S == mask).any(-1, keepdim=True)  # done: no drafts
-        sel_rows = q_rows[rr[:, None], need][ok]
-        top_tok, top_p = top_tokens(preds.logits, preds.logits_of(sel_rows), tok_q.gather(1, need)[ok], conf_q.gather(1, need)[ok],
-                                    d0.max_j)
+        ok = (np.arange(need.shape[1]) < n_q[:, None]) & (S == mask).any(-1, keepdims=True)  # done: no drafts
+        sel_rows = torch.from_numpy(q_rows[rr[:, None], need][ok])
+        top_tok, top_p = top_tokens(preds.logits, preds.logits_of(sel_rows),
+                                    torch.from_numpy(np.take_along_axis(tok_q, need, 1)[ok]),
+                                    torch.from_numpy(np.take_along_axis(conf_q, need, 1)[ok]), d0.max_j)
         logp = _elementwise(_log, top_p)
         counts = ok.sum(-1).tolist()
         at = 0
+        S, Yq, order = torch.from_numpy(S), torch.from_numpy(Yq), torch.from_numpy(order)
         for d, s, y, o, n, c in zip(decoders, S, Yq, order, n_q.tolist(), counts):
             L_d = d.state.numel()
             d.state = s[:L_d]
