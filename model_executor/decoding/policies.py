@@ -7,7 +7,8 @@ returns a boolean mask of the positions to commit; it is never empty while a row
 top-1 always commits), so every forward makes progress.
 
 :class:`PolicyDecoder` runs a policy alone: one forward, one commit, repeat; the decoders of a step update
-together (:meth:`PolicyDecoder.update_batch`): a handful of tensor ops for all requests of a policy.
+together (:meth:`PolicyDecoder.update_batch`): a handful of array ops for all requests of a policy. The
+policies take and return tensors and compute in numpy on the host data they are (:func:`~.base.host_array`).
 """
 
 from __future__ import annotations
