@@ -105,7 +105,8 @@ def kernel_rows(batch: StepBatch, pattern: str) -> KernelRows | None:
         return None
     seq = batch.prefix_lens.numpy() + n
     if batch.suffix_lens is not None:
-        suf, has = batch.suffix_lens.numpy(), batch.suffix_lens.numpy() > 0
+        suf = batch.suffix_lens.numpy()
+        has = suf > 0
         if has.any() and (kind == "causal" or not (batch.suffix_starts.numpy()[has] == seq[has]).all()):
             return None
         seq = seq + suf

@@ -149,8 +149,8 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.T
             greedy = torch.from_numpy(np.flatnonzero(~drawn)).to(logits.device, non_blocking=True)
     n = M if greedy is None else greedy.numel()
     work = logits.new_empty((min(chunk, n), V), dtype=cdt)  # reused: no fresh pages
+    whole = greedy is None and n <= chunk  # every row in one pass: the results are the buffers themselves
     for a in range(0, n, chunk):
-        whole = greedy is None and n <= chunk  # every row in one pass: the results are the buffers themselves
         rows = slice(a, a + chunk) if greedy is None else greedy[a: a + chunk]
         x = logits if whole else logits[rows]
         best, idx = x.max(-1)
@@ -420,21 +420,33 @@ def pad_rows(tensors: list[torch.Tensor], value) -> torch.Tensor:
     return torch.nn.utils.rnn.pad_sequence(tensors, batch_first=True, padding_value=value)
 
 
+def canvas_predictions(preds: RowPredictions, rows: np.ndarray, canvases: np.ndarray, mask_id: int
+                       ) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens and confidences ``[..., L]`` (numpy) of the canvases ``[..., L]`` (numpy) whose predictions are at
+    ``rows`` of ``preds`` (-1: none), as :func:`predict` gives them: confidence -inf where the canvas is not
+    masked or has no row. Fresh arrays (the step's predictions are left as they are)."""
+    at = np.maximum(rows, 0)
+    tok, conf = preds.tokens.numpy()[at], preds.conf.numpy()[at]
+    conf[(canvases != mask_id) | (rows < 0)] = -np.inf
+    return tok, conf
+
+
 def host_rows(rows: list[tuple[torch.Tensor, ...]]) -> list[np.ndarray]:
     """Per column of ``rows`` (each a tuple of host tensors ``[L_r]``: a decoder's state, its prediction's tokens
     and confidences ...), one numpy array ``[R, max L_r]``, padded with -1 (ids) or -inf (floats): the
     decoders' host data for a batched step, assembled in numpy."""
     if not rows:
         return []
-    L = max(r[0].numel() for r in rows)
+    cols = [[t.numpy() for t in col] for col in zip(*rows)]
+    lens = [a.size for a in cols[0]]
+    L = max(lens)
+    if min(lens) == L:  # blocks of one length (the usual step): no padding
+        return [np.stack(col) for col in cols]
     out = []
-    for j, col in enumerate(rows[0]):
-        a = col.numpy()
-        fill = -np.inf if np.issubdtype(a.dtype, np.floating) else -1
-        arr = np.full((len(rows), L), fill, dtype=a.dtype)
-        for i, r in enumerate(rows):
-            v = r[j].numpy()
-            arr[i, : v.size] = v
+    for col in cols:
+        arr = np.full((len(col), L), -np.inf if col[0].dtype.kind == "f" else -1, dtype=col[0].dtype)
+        for i, a in enumerate(col):
+            arr[i, : a.size] = a
         out.append(arr)
     return out
 

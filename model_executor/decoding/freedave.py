@@ -33,7 +33,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import BlockDecoder, Prediction, Proposal, canvas_row_index, commit, first_max, host_rows
+from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, commit, first_max,
+                   host_rows)
 
 
 def topk_jump(state: torch.Tensor, pred: Prediction, k: int) -> torch.Tensor:
@@ -97,10 +98,7 @@ class FreeDaveDecoder(BlockDecoder):
             for k, c in enumerate(p.canvases):
                 D[r, k, : c.numel()] = c.numpy()
         n_fwd = np.array([len(p.canvases) for p in proposals])
-        rows = canvas_row_index(decoders, canvas_rows, K).numpy()
-        at = np.maximum(rows, 0)
-        tok, conf = preds.tokens.numpy()[at], preds.conf.numpy()[at]
-        conf[(D != mask) | (rows < 0)] = -np.inf
+        tok, conf = canvas_predictions(preds, canvas_row_index(decoders, canvas_rows, K).numpy(), D, mask)
         jump = np.where(first_max(conf), tok, D)  # one static step from each draft's own prediction
         same = (jump[:, :-1] == D[:, 1:]).all(-1) & (np.arange(1, K) < n_fwd[:, None])
         m = same.cumprod(-1).sum(-1)  # the accepted run: drafts 1..m each equal the step before

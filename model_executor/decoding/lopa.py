@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import BlockDecoder, Prediction, Proposal, canvas_row_index, host_rows, update_in_groups
+from .base import BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, host_rows, update_in_groups
 from .policies import Policy, policy_key
 
 
@@ -72,11 +72,9 @@ class LoPADecoder(BlockDecoder):
             B = host_rows([(d.state,) for d in decoders])[0][:, None]
             exists = np.ones((R, 1), dtype=bool)
         rows = canvas_row_index(decoders, canvas_rows, B.shape[1]).numpy()
-        at = np.maximum(rows, 0)
-        tok, conf = preds.tokens.numpy()[at], preds.conf.numpy()[at]
+        tok, conf = canvas_predictions(preds, rows, B, mask)
         masked = B == mask
-        conf[~masked | (rows < 0)] = -np.inf
-        scores = (torch.from_numpy(np.where(masked, conf, 0).astype(conf.dtype)).sum(-1)
+        scores = (torch.from_numpy(np.where(masked, conf, 0)).sum(-1)
                   / torch.from_numpy(masked.sum(-1))).numpy()  # Eq. 2
         j = np.where(exists, scores, -np.inf).argmax(-1)  # the first best branch on ties
         S, T, C = B[ar, j], tok[ar, j], conf[ar, j]  # B* and its prediction

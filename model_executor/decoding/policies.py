@@ -19,14 +19,15 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .base import BlockDecoder, Proposal, first_max, groups, host_array, pad_rows, predict_each
+from .base import (BlockDecoder, Proposal, canvas_predictions, canvas_row_index, first_max, groups, host_array,
+                   host_rows, onehot_first_max, pad_rows, predict_each)
 
 Policy = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _top1(conf: torch.Tensor) -> torch.Tensor:
     """The most confident masked position of each row (first on ties); none in a row without one."""
-    return torch.from_numpy(first_max(host_array(conf))).to(conf.device)
+    return onehot_first_max(conf)
 
 
 def static_policy(conf: torch.Tensor) -> torch.Tensor:
@@ -117,20 +118,12 @@ class PolicyDecoder(BlockDecoder):
                     d.state = row
                     d.t += 1
                 continue
-            # host arrays (the states and the step's predictions are on the host): numpy for the gathers, the
-            # policy's tensor ops on views of them
-            mask, L = group[0].mask_id, max(d.state.numel() for d in group)
-            S = np.full((len(group), L), -1, dtype=np.int64)
-            rows = np.full((len(group), L), -1, dtype=np.int64)
-            for r, (d, i) in enumerate(zip(group, idx)):
-                n, a = d.state.numel(), canvas_rows[i][0]
-                S[r, :n] = d.state.numpy()
-                rows[r, :n] = np.arange(a, a + n)
-            masked = S == mask
-            T = preds.tokens.numpy()[np.maximum(rows, 0)]
-            C = preds.conf.numpy()[np.maximum(rows, 0)]
-            C[~masked] = -np.inf  # decoded positions and a shorter block's padding (never the mask id)
-            commit = group[0].policy(torch.from_numpy(C)).numpy() & masked
+            # host arrays (the states and the step's predictions are on the host), in numpy
+            mask = group[0].mask_id
+            S = host_rows([(d.state,) for d in group])[0]
+            rows = canvas_row_index(group, [canvas_rows[i] for i in idx], 1).numpy()[:, 0]
+            T, C = canvas_predictions(preds, rows, S, mask)
+            commit = group[0].policy(torch.from_numpy(C)).numpy() & (S == mask)
             new = torch.from_numpy(np.where(commit, T, S))
             for r, d in enumerate(group):
                 d.state = new[r, : d.state.numel()]

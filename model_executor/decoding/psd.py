@@ -42,7 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import BlockDecoder, Prediction, Proposal, canvas_row_index, groups, host_rows, update_in_groups
+from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, groups, host_rows,
+                   update_in_groups)
 from .policies import Policy, policy_key
 
 
@@ -195,9 +196,7 @@ class PSDDecoder(BlockDecoder):
             canvas = np.maximum(F.cumsum(-1) - 1, 0)
             node_rows = np.take_along_axis(rows, canvas[..., None], axis=1)
             node_rows = np.where(F[..., None], node_rows, -1)
-        at = np.maximum(node_rows, 0)
-        tok, conf = preds.tokens.numpy()[at], preds.conf.numpy()[at]
-        conf[(D != mask) | (node_rows < 0)] = -np.inf
+        tok, conf = canvas_predictions(preds, node_rows, D, mask)
         commits = policy(torch.from_numpy(conf)).numpy()  # what π commits from each node's verification output
         N = D.shape[1]
         acc = np.zeros((R, N), dtype=bool)

@@ -52,8 +52,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .base import (BlockDecoder, Prediction, Proposal, canvas_row_index, commit, groups, host_rows, top_tokens,
-                   update_in_groups)
+from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, commit, groups,
+                   host_rows, top_tokens, update_in_groups)
 from .policies import policy_key
 from .spiffy_graph import DraftGraph
 
@@ -249,12 +249,6 @@ class SpiffyDecoder(BlockDecoder):
                 D[r, n, : x.numel()], D[r, n, x.numel():] = x.numpy(), -1
                 level[r, n] = st - d.t
         rows = canvas_row_index(decoders, canvas_rows).numpy()
-        tokens, confs = preds.tokens.numpy(), preds.conf.numpy()
-
-        def predicted(at: np.ndarray, canvases: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            tok, conf = tokens[np.maximum(at, 0)], confs[np.maximum(at, 0)]
-            conf[(canvases != mask) | (at < 0)] = -np.inf
-            return tok, conf
 
         cur = np.zeros(R, dtype=np.int64)  # the canvas whose prediction commits next (0: the state)
         live = np.ones(R, dtype=bool)
@@ -262,7 +256,7 @@ class SpiffyDecoder(BlockDecoder):
         Yq, q_rows = S.copy(), rows[:, 0].copy()
         for n in range(K + 1):
             r_cur = rows[rr, cur]  # [R, L]
-            tok, conf = predicted(r_cur, S)
+            tok, conf = canvas_predictions(preds, r_cur, S, mask)
             new = np.where(d0.next_state.rule(torch.from_numpy(conf)).numpy() & np.isfinite(conf), tok, S)
             Yq = np.where(live[:, None], S, Yq)
             q_rows = np.where(live[:, None], r_cur, q_rows)
@@ -283,7 +277,7 @@ class SpiffyDecoder(BlockDecoder):
         for d, k in zip(decoders, taken.tolist()):
             d.t += k
         # Eqs. 8-9 at each request's last commit: positions by confidence, top tokens at the first few
-        tok_q, conf_q = predicted(q_rows, Yq)
+        tok_q, conf_q = canvas_predictions(preds, q_rows, Yq, mask)
         n_q = np.isfinite(conf_q).sum(-1)
         order = np.argsort(-conf_q, axis=-1, kind="stable")  # descending; ties: the lower position first
         need = order[:, : d0.max_i]
