@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+import numpy as np
 import torch
 
 MaskKind = Literal["bidirectional", "causal", "block_causal", "custom"]
@@ -66,14 +67,17 @@ class AttentionPlan:
         for name in ("qo_indptr", "prefix_lens", "block_table", "seg_indptr", "positions", "suffix_starts",
                      "suffix_lens"):
             _on_host(name, getattr(self, name))
-        qo = self.qo_indptr = self.qo_indptr.long()
+        # the checks on numpy views of the host tensors: a few microseconds where a dozen small torch ops take
+        # tens, once per forward
+        qo_t = self.qo_indptr = self.qo_indptr.long()
         self.prefix_lens = self.prefix_lens.long()
-        R = qo.numel() - 1
-        if R < 0 or int(qo[0]) != 0 or bool((qo[1:] < qo[:-1]).any()):
+        qo, prefix = qo_t.numpy(), self.prefix_lens.numpy()
+        R = qo.size - 1
+        if R < 0 or int(qo[0]) != 0 or (qo[1:] < qo[:-1]).any():
             raise ValueError("qo_indptr must start at 0 and not decrease")
-        if self.prefix_lens.shape != (R,):
-            raise ValueError(f"prefix_lens must have one entry per request ({R}), got {tuple(self.prefix_lens.shape)}")
-        if bool((self.prefix_lens < 0).any()):
+        if prefix.shape != (R,):
+            raise ValueError(f"prefix_lens must have one entry per request ({R}), got {tuple(prefix.shape)}")
+        if (prefix < 0).any():
             raise ValueError("prefix_lens must be >= 0")
         if self.page_size <= 0:
             raise ValueError(f"page_size must be > 0 (got {self.page_size})")
@@ -81,31 +85,32 @@ class AttentionPlan:
             raise ValueError(f"block_table must be [num_requests={R}, max_pages], got {tuple(self.block_table.shape)}")
         if (self.suffix_starts is None) != (self.suffix_lens is None):
             raise ValueError("suffix_starts and suffix_lens go together")
+        end = prefix
         if self.suffix_lens is not None:
             self.suffix_starts, self.suffix_lens = self.suffix_starts.long(), self.suffix_lens.long()
-            if self.suffix_lens.shape != (R,) or self.suffix_starts.shape != (R,):
+            starts, lens = self.suffix_starts.numpy(), self.suffix_lens.numpy()
+            if lens.shape != (R,) or starts.shape != (R,):
                 raise ValueError(f"suffix_starts and suffix_lens must have one entry per request ({R})")
-            if bool((self.suffix_lens < 0).any()) or bool(((self.suffix_lens > 0)
-                                                           & (self.suffix_starts < self.prefix_lens)).any()):
+            if (lens < 0).any() or ((lens > 0) & (starts < prefix)).any():
                 raise ValueError("a suffix must have length >= 0 and start at or after its request's prefix end")
-        end = self.prefix_lens if self.suffix_lens is None else torch.maximum(
-            self.prefix_lens, torch.where(self.suffix_lens > 0, self.suffix_starts + self.suffix_lens, 0))
+            end = np.maximum(prefix, np.where(lens > 0, starts + lens, 0))
         need = int(((end + self.page_size - 1) // self.page_size).max()) if R else 0
         if need > self.block_table.shape[1]:
             raise ValueError(f"block_table has {self.block_table.shape[1]} pages per request; the cached keys "
                              f"need {need}")
-        seg = qo if self.seg_indptr is None else self.seg_indptr.long()
-        if int(seg[0]) != 0 or int(seg[-1]) != int(qo[-1]) or bool((seg[1:] < seg[:-1]).any()):
+        seg_t = qo_t if self.seg_indptr is None else self.seg_indptr.long()
+        seg = seg_t.numpy()
+        if int(seg[0]) != 0 or int(seg[-1]) != int(qo[-1]) or (seg[1:] < seg[:-1]).any():
             raise ValueError("seg_indptr must run from 0 to the number of new tokens without decreasing")
-        if not bool(torch.isin(qo, seg).all()):
+        if not np.isin(qo, seg).all():
             raise ValueError("a segment must not span two requests (every qo_indptr entry must be in seg_indptr)")
-        self.seg_indptr = seg
+        self.seg_indptr = seg_t
         T = int(qo[-1])
         if self.kind == "block_causal":
             if self.positions is None or self.positions.shape != (T,) or self.block_size <= 0:
                 raise ValueError(f"block_causal needs positions [{T}] and block_size > 0")
         if self.kind == "custom":
-            lens = (seg[1:] - seg[:-1]).tolist()
+            lens = np.diff(seg).tolist()
             if self.custom_masks is None or len(self.custom_masks) != len(lens):
                 raise ValueError(f"custom needs one mask per segment ({len(lens)})")
             for s, (m, n) in enumerate(zip(self.custom_masks, lens)):
@@ -192,20 +197,29 @@ class AttentionPlan:
 
     def cached_positions(self) -> torch.Tensor:
         """``[R, max_cached]`` positions of each request's cached keys (prefix, then suffix), 0 past their end."""
-        C = self.cached_lens
-        i = torch.arange(int(C.max()) if C.numel() else 0)
-        pos = i.expand(C.numel(), -1)
-        if self.suffix_lens is not None:
-            pos = torch.where(i < self.prefix_lens[:, None], pos, self.suffix_starts[:, None] + i - self.prefix_lens[:, None])
-        return torch.where(i < C[:, None], pos, torch.zeros_like(pos))
+        return torch.from_numpy(self._cached_positions())
 
     def cached_slots(self) -> torch.Tensor:
         """``[R, max_cached]`` flat cache slots (``page * page_size + offset``) of each request's cached keys
         (prefix, then suffix), 0 past their end."""
-        pos = self.cached_positions()
-        pages = self.block_table.gather(1, pos // self.page_size).long()
-        slots = pages * self.page_size + pos % self.page_size
-        return torch.where(torch.arange(pos.shape[1]) < self.cached_lens[:, None], slots, torch.zeros_like(slots))
+        return torch.from_numpy(self.cached_slots_array())
+
+    def cached_slots_array(self) -> np.ndarray:
+        """:meth:`cached_slots` as an int64 numpy array (what a plan built in numpy reads)."""
+        C = self.cached_lens.numpy()
+        pos = self._cached_positions(C)
+        ps = self.page_size
+        slots = self.block_table.numpy()[np.arange(C.size)[:, None], pos // ps].astype(np.int64) * ps + pos % ps
+        return np.where(np.arange(pos.shape[1]) < C[:, None], slots, 0)
+
+    def _cached_positions(self, C: np.ndarray | None = None) -> np.ndarray:
+        C = self.cached_lens.numpy() if C is None else C
+        i = np.arange(int(C.max()) if C.size else 0)
+        pos = i[None, :]
+        if self.suffix_lens is not None:
+            prefix = self.prefix_lens.numpy()[:, None]
+            pos = np.where(i < prefix, i, self.suffix_starts.numpy()[:, None] + i - prefix)
+        return np.where(i < C[:, None], pos, 0)
 
 
 class PrefixAttention(Protocol):

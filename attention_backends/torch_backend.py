@@ -24,6 +24,7 @@ cache slot), so caches may be allocated uninitialised: nothing outside the cache
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -58,83 +59,107 @@ class TorchPrefixAttention:
         self.scale = head_dim ** -0.5 if scale is None else scale
         # cpu_flash computes in float32 (float64 stays); sdpa in the inputs' dtype, accumulating in float32
         self.acc = torch.promote_types(dtype, torch.float32) if self.kernel == "cpu_flash" else dtype
+        # the plan's index arithmetic and masks in numpy on views of its host tensors (a few microseconds an op
+        # where torch's small ops take tens: this runs once per forward, on the step's critical path); the
+        # results become tensors once, for the one copy to the device
         T = self.T = plan.num_tokens
-        P = plan.cached_lens  # cached keys per request: its prefix (and its kept suffix)
-        model_row = torch.arange(T) if rows is None else rows.long()  # plan row -> input row
+        P = plan.cached_lens.numpy()  # cached keys per request: its prefix (and its kept suffix)
+        model_row = np.arange(T) if rows is None else rows.numpy().astype(np.int64)  # plan row -> input row
+        qo, sp = plan.qo_indptr.numpy(), plan.seg_indptr.numpy()
         # a batch entry per request (keys: its prefix and all its rows) or per segment (its prefix and the
         # segment's rows), whichever pads less; both read the prefix once per entry
-        req_lens, seg_lens = plan.qo_indptr.diff(), plan.seg_lens
-        seg_req = torch.repeat_interleave(torch.arange(req_lens.numel()), req_lens, output_size=T)[
-            plan.seg_indptr[:-1].clamp(max=max(T - 1, 0))] if T else torch.zeros(seg_lens.numel(), dtype=torch.long)
+        req_lens, seg_lens = np.diff(qo), np.diff(sp)
+        seg_req = np.minimum(np.searchsorted(qo, sp[:-1], side="right") - 1, req_lens.size - 1) if T \
+            else np.zeros(seg_lens.size, dtype=np.int64)  # the request of each segment (of its first row)
         req_cost = _padded_cost(req_lens, P, num_heads, num_kv_heads)
         seg_cost = _padded_cost(seg_lens, P[seg_req], num_heads, num_kv_heads)
         if entries not in ("auto", "request", "segment"):
             raise ValueError(f"entries {entries!r}; allowed: auto, request, segment")
         if entries == "segment" or (entries == "auto" and seg_cost < req_cost):
-            ptr, ent_req = plan.seg_indptr, seg_req
+            ptr, ent_req = sp, seg_req
         else:
-            ptr, ent_req = plan.qo_indptr, torch.arange(req_lens.numel())
-        n = ptr.diff()
+            ptr, ent_req = qo, np.arange(req_lens.size)
+        n = np.diff(ptr)
         Pe = P[ent_req]
-        R = n.numel()
+        R = n.size
         Lq = int(n.max()) if R else 0
         Lk = int((Pe + n).max()) if R else 0
         last = max(T - 1, 0)
         # queries [R, Lq]: entry r's plan rows ptr[r] + i
-        i = torch.arange(Lq)
+        i = np.arange(Lq)
         q_ok = i < n[:, None]
-        q_plan = torch.where(q_ok, ptr[:-1, None] + i, torch.zeros_like(i))
-        q_idx = torch.where(q_ok, model_row[q_plan.clamp(max=last)] if T else q_plan, 0).flatten()
+        q_plan = np.where(q_ok, ptr[:-1, None] + i, 0)
+        q_idx = np.where(q_ok, model_row[np.minimum(q_plan, last)] if T else q_plan, 0).ravel()
         self.shape = (R, Lq, Lk)
         # keys [R, Lk] index the run's source rows: the T new rows, then every prefix slot request by request
-        slots = plan.cached_slots()
-        p_slots = slots[torch.arange(slots.shape[1]) < P[:, None]]
-        j = torch.arange(Lk)
+        slots = plan.cached_slots_array()
+        p_slots = slots[np.arange(slots.shape[1]) < P[:, None]]
+        j = np.arange(Lk)
         in_prefix = j < Pe[:, None]
         local = j - Pe[:, None]  # key j of entry r is its new row `local` when 0 <= local < n_r
         is_new = (local >= 0) & (local < n[:, None])
-        new_row = model_row[(ptr[:-1, None] + local.clamp(min=0)).clamp(max=last)] if T else local
-        k_idx = torch.where(in_prefix, T + (torch.cumsum(P, 0) - P)[ent_req, None] + j, 0)
-        k_idx = torch.where(is_new, new_row, k_idx)  # padding: source row 0, a real key
+        key_plan = np.minimum(ptr[:-1, None] + np.maximum(local, 0), last)  # the plan row of each new key
+        new_row = model_row[key_plan] if T else local
+        k_idx = np.where(in_prefix, T + (np.cumsum(P) - P)[ent_req, None] + j, 0)
+        k_idx = np.where(is_new, new_row, k_idx)  # padding: source row 0, a real key
         k_slots = None
-        if cached is not None and T and bool((cached >= 0).all()):  # source rows as cache slots
-            k_slots = torch.cat([cached.long(), p_slots])[k_idx].flatten()
+        if cached is not None and T:
+            c = cached.numpy().astype(np.int64)
+            if (c >= 0).all():  # source rows as cache slots
+                k_slots = np.concatenate([c, p_slots])[k_idx].ravel()
         # visibility [R, Lq, Lk]: the prefix, and the new rows of the row's own segment under the mask kind
-        seg_of = torch.repeat_interleave(torch.arange(seg_lens.numel()), seg_lens, output_size=T)  # plan row -> seg
-        seg = seg_of[q_plan] if T else q_plan
-        new = (seg[:, :, None] == seg[:, None, :]) & q_ok[:, :, None] & q_ok[:, None, :]  # [R, Lq, Lq]
-        if plan.kind == "causal":
-            new &= torch.ones(Lq, Lq, dtype=torch.bool).tril()
-        elif plan.kind == "block_causal":
-            blk = plan.positions.long()[q_plan] // plan.block_size
-            new &= blk[:, None, :] <= blk[:, :, None]
-        elif plan.kind == "custom":  # each segment's mask at its entry's rows, segments of a length at once
-            ent_of = torch.repeat_interleave(torch.arange(R), n, output_size=T)  # plan row -> entry
-            m = torch.zeros(R, Lq, Lq, dtype=torch.bool)
+        seg_of = np.repeat(np.arange(seg_lens.size), seg_lens)  # plan row -> segment
+        if plan.kind == "custom":  # each segment's mask at its entry's rows, segments of a length at once
+            seg = seg_of[q_plan] if T else q_plan
+            new = (seg[:, :, None] == seg[:, None, :]) & q_ok[:, :, None] & q_ok[:, None, :]  # [R, Lq, Lq]
+            ent_of = np.repeat(np.arange(R), n)  # plan row -> entry
+            m = np.zeros((R, Lq, Lq), dtype=bool)
             for segs, blocks in plan.segment_blocks():
                 if not segs.numel() or not blocks.shape[-1]:
                     continue
-                first = plan.seg_indptr[segs]
+                first = sp[segs.numpy()]
                 e = ent_of[first]
-                at = (first - ptr[e])[:, None] + torch.arange(blocks.shape[-1])  # [k, n] rows in the entry
-                m[e[:, None, None], at[:, :, None], at[:, None, :]] = blocks
+                at = (first - ptr[e])[:, None] + np.arange(blocks.shape[-1])  # [k, n] rows in the entry
+                m[e[:, None, None], at[:, :, None], at[:, None, :]] = blocks.numpy()
             new &= m
-        vis = new.gather(2, local.clamp(0, max(Lq - 1, 0))[:, None, :].expand(R, Lq, Lk)) & is_new[:, None, :]
+            vis = np.take_along_axis(new, np.broadcast_to(np.clip(local, 0, max(Lq - 1, 0))[:, None, :],
+                                                          (R, Lq, Lk)), 2) & is_new[:, None, :] \
+                if Lq else np.zeros((R, Lq, Lk), dtype=bool)
+        elif T:  # query row q sees new key k when both are real rows of one segment (and the mask kind allows):
+            # one comparison of segment ids, -1 for a padded query and -2 for a key that is not a new row (small
+            # ints: the comparison runs over every [R, Lq, Lk] element)
+            ids = seg_of.astype(np.int16 if seg_lens.size < 2 ** 15 else np.int32)
+            sq = np.where(q_ok, ids[q_plan], -1).astype(ids.dtype)
+            sk = np.where(is_new, ids[key_plan], -2).astype(ids.dtype)
+            vis = sq[:, :, None] == sk[:, None, :]
+            if plan.kind == "causal":
+                vis &= local[:, None, :] <= i[None, :, None]
+            elif plan.kind == "block_causal":
+                blk = plan.positions.numpy().astype(np.int64) // plan.block_size
+                vis &= blk[key_plan][:, None, :] <= blk[q_plan][:, :, None]
+        else:
+            vis = np.zeros((R, Lq, Lk), dtype=bool)
         vis |= in_prefix[:, None, :] & q_ok[:, :, None]
         seen = vis.any(-1)  # [R, Lq]
-        unseen = None if bool(seen[q_ok].all()) else ~seen[:, None, :, None]  # real rows that see no key get 0
+        unseen = None if seen[q_ok].all() else torch.from_numpy(~seen[:, None, :, None])  # rows seeing no key: 0
         if self.kernel == "cpu_flash":
-            mask = torch.zeros(R, 1, Lq, Lk, dtype=self.acc).masked_fill_(~vis[:, None], float("-inf"))
+            # 0 where visible, -inf elsewhere, written as the floats' bit patterns (one integer pass: a float
+            # select or masked fill over every element costs ten times more)
+            bits, neg_inf = _NEG_INF_BITS[self.acc]
+            mask = torch.from_numpy(np.multiply(~vis, neg_inf, dtype=bits).view(_NUMPY_FLOAT[self.acc])[:, None])
         else:  # padded query rows see key 0 (a real key): no row of the kernel's is fully masked
-            vis[:, :, 0] |= ~q_ok
-            mask = vis[:, None]
+            if Lk:
+                vis[:, :, 0] |= ~q_ok
+            mask = torch.from_numpy(vis[:, None])
         # output: input row t is entry o_ent[t]'s query o_pos[t]
-        ent_of_row = torch.repeat_interleave(torch.arange(R), n, output_size=T)
-        o_ent, o_pos = torch.empty(T, dtype=torch.long), torch.empty(T, dtype=torch.long)
+        ent_of_row = np.repeat(np.arange(R), n)
+        o_ent, o_pos = np.empty(T, dtype=np.int64), np.empty(T, dtype=np.int64)
         o_ent[model_row] = ent_of_row
-        o_pos[model_row] = torch.arange(T) - ptr[ent_of_row]
-        d = to_device({"q_idx": q_idx, "k_idx": k_idx.flatten(), "p_slots": p_slots, "k_slots": k_slots,
-                       "mask": mask, "unseen": unseen, "o_idx": o_ent * Lq + o_pos}, dev)
+        o_pos[model_row] = np.arange(T) - ptr[ent_of_row]
+        t = torch.from_numpy
+        d = to_device({"q_idx": t(q_idx), "k_idx": t(k_idx.ravel()), "p_slots": t(p_slots),
+                       "k_slots": None if k_slots is None else t(k_slots), "mask": mask, "unseen": unseen,
+                       "o_idx": t(o_ent * Lq + o_pos)}, dev)
         self.q_idx, self.k_idx, self.p_slots, self.k_slots = d["q_idx"], d["k_idx"], d["p_slots"], d["k_slots"]
         self.o_idx, self.unseen = d["o_idx"], d["unseen"]  # o_idx: into the output's [R * Lq] query rows
         G = num_heads // num_kv_heads
@@ -208,11 +233,17 @@ def _joint_pages(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor |
                               (k_cache.stride(1), 2 * D, 1))
 
 
-def _padded_cost(lens: torch.Tensor, prefix: torch.Tensor, num_heads: int, num_kv_heads: int) -> int:
+def _padded_cost(lens: np.ndarray, prefix: np.ndarray, num_heads: int, num_kv_heads: int) -> int:
     """Work of one padded batch of entries with ``lens`` rows over ``prefix + lens`` keys: the scores
     (``entries * Lq * Lk`` per query head) plus the keys and values gathered (``entries * Lk`` per KV head,
     weighted as a few score columns)."""
-    if not lens.numel():
+    if not lens.size:
         return 0
     Lq, Lk = int(lens.max()), int((prefix + lens).max())
-    return lens.numel() * Lk * (Lq * num_heads + 8 * num_kv_heads)
+    return lens.size * Lk * (Lq * num_heads + 8 * num_kv_heads)
+
+
+# cpu_flash's float mask dtypes (float32, or float64 on the exactness path): numpy's, and -inf's bit pattern
+_NUMPY_FLOAT = {torch.float32: np.float32, torch.float64: np.float64}
+_NEG_INF_BITS = {torch.float32: (np.uint32, np.uint32(0xFF800000)),
+                 torch.float64: (np.uint64, np.uint64(0xFFF0000000000000))}

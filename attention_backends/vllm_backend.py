@@ -87,6 +87,9 @@ class PSDAttentionMetadata:
     num_tokens: int  # T: the rows vLLM scheduled
     head_major: bool = False  # the pages are in vLLM's CPU layout (``LBHNC``)
     kernel: CPUPagedKernel | None = None  # planned: vLLM's CPU kernel attends every row
+    # vLLM's CPU op writes the new K/V into head-major pages whenever its geometry runs, PyTorch's attention too
+    # (an indexed write through PyTorch into those pages, dimension-major keys, costs several times more)
+    writer: CPUPagedKernel | None = None
 
 
 class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
@@ -177,7 +180,8 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
                     # and the backend's plan state are theirs: nothing planned since)
                     self.reused += 1
                     plan, attn, kernel = last[2]
-                    return PSDAttentionMetadata(plan, attn, None, cam.slot_mapping[:T], T, self.head_major, kernel)
+                    return PSDAttentionMetadata(plan, attn, None, cam.slot_mapping[:T], T, self.head_major, kernel,
+                                                self.kernel)
                 # the slots from the host block table (the plan needs them on the host; reading the device's
                 # mapping would sync)
                 slots = vllm_slots(table, prefix, qsl, self.page_size)
@@ -209,10 +213,11 @@ class PSDMetadataBuilder(AttentionMetadataBuilder[PSDAttentionMetadata]):
         if bool(ok.all()):  # vLLM's own slot mapping, where it is (every published step)
             if batch.layout_key is not None and batch.pages is not None:
                 self._planned = (batch.layout_key, table.clone(), (plan, attn, kernel))
-            return PSDAttentionMetadata(plan, attn, None, cam.slot_mapping[:T], T, self.head_major, kernel)
+            return PSDAttentionMetadata(plan, attn, None, cam.slot_mapping[:T], T, self.head_major, kernel,
+                                        self.kernel)
         rows = ok.nonzero().flatten()  # a dummy run's -1 slots: nothing written there
         d = to_device({"rows": rows, "slots": slots[rows]}, self.device)
-        return PSDAttentionMetadata(plan, attn, d["rows"], d["slots"], T, self.head_major, kernel)
+        return PSDAttentionMetadata(plan, attn, d["rows"], d["slots"], T, self.head_major, kernel, self.kernel)
 
     def _published_table(self, batch: StepBatch, R: int) -> torch.Tensor:
         """This builder's host block table rows of the published step."""
@@ -305,8 +310,8 @@ class PSDAttentionImpl(AttentionImpl[PSDAttentionMetadata]):
             kp, vp = page_views(kv_cache, self.head_size)
             kc, vc = kp.transpose(1, 2), vp.transpose(1, 2)  # the [blocks, page, kv_heads, D] views PyTorch reads
             if md.write_slots.numel():
-                if md.kernel is not None:
-                    md.kernel.write(k_new, v_new, kv_cache, md.write_slots)
+                if md.writer is not None:
+                    md.writer.write(k_new, v_new, kv_cache, md.write_slots)
                 else:
                     write_pages(k_new, v_new, kp, vp, md.write_slots)
         else:
