@@ -102,7 +102,8 @@ class AttentionPlan:
         seg = seg_t.numpy()
         if int(seg[0]) != 0 or int(seg[-1]) != int(qo[-1]) or (seg[1:] < seg[:-1]).any():
             raise ValueError("seg_indptr must run from 0 to the number of new tokens without decreasing")
-        if not np.isin(qo, seg).all():
+        at = np.minimum(np.searchsorted(seg, qo), seg.size - 1)  # seg is sorted: a membership test in O(R log S)
+        if not (seg[at] == qo).all():
             raise ValueError("a segment must not span two requests (every qo_indptr entry must be in seg_indptr)")
         self.seg_indptr = seg_t
         T = int(qo[-1])

@@ -45,6 +45,8 @@ RUNNER_HOOKS = {
                                                "force_num_active_loras", "num_encoder_reqs"),
     # the memory profile's sampler run: a step's logits rows, at their budget
     "_dummy_sampler_run": ("self", "hidden_states"),
+    # the rejection sampler's indices, which the dLLM runner does not read: its draft counts alone
+    "_calc_spec_decode_metadata": ("self", "num_draft_tokens", "cu_num_scheduled_tokens"),
 }
 
 # Methods of vLLM's V1 ``Scheduler`` that psd-plugin's schedulers override.
@@ -145,7 +147,9 @@ DATA_FIELDS = {
     "vllm.v1.outputs:DraftTokenIds": ("req_ids", "draft_token_ids"),  # subclassed: PSDDraftTokenIds
     "vllm.v1.outputs:SamplerOutput": ("sampled_token_ids", "logprobs_tensors"),  # built by both ``_sample``s
     "vllm.v1.outputs:ModelRunnerOutput": ("sampled_token_ids", "req_id_to_index", "prompt_logprobs_dict"),
-    "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("num_draft_tokens",),
+    "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("num_draft_tokens", "draft_token_ids", "cu_num_draft_tokens",
+                                                        "cu_num_sampled_tokens", "target_logits_indices",
+                                                        "bonus_logits_indices", "logits_indices"),
     "vllm.v1.spec_decode.metrics:SpecDecodingStats": ("new", "observe_draft"),
     "vllm.v1.request:Request": ("request_id", "spec_token_ids", "num_computed_tokens", "num_tokens_with_spec",
                                 "is_finished", "num_tokens", "num_in_flight_tokens", "sampling_params", "status",
@@ -335,6 +339,17 @@ def request_generator(runner, row: int):
 
 def request_temperature(runner, row: int) -> float:
     return float(runner.input_batch.temperature_cpu[row])
+
+
+def draft_counts_only(num_draft_tokens: np.ndarray, empty):
+    """vLLM's ``SpecDecodeMetadata`` carrying the step's draft counts and no indices (``empty``: a 0-element int32
+    tensor on the device, for every index field), for a runner that reads neither vLLM's logits indices nor its
+    rejection sampler's (the dLLM runner's own ``_prepare_inputs`` and ``_sample``)."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    return SpecDecodeMetadata(draft_token_ids=empty, num_draft_tokens=num_draft_tokens.tolist(),
+                              cu_num_draft_tokens=empty, cu_num_sampled_tokens=empty, target_logits_indices=empty,
+                              bonus_logits_indices=empty, logits_indices=empty)
 
 
 def sampled_rows_end(spec_decode_metadata) -> list[int]:

@@ -155,6 +155,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.step_time = {"steps": 0, "forward_seconds": 0.0, "cut_steps": 0, "resumed": 0, "replays": 0}
         self._forward_t0: float | None = None
         self._want_lp: dict[int, int] = {}  # this step: batch row -> logprobs asked (requests decoding)
+        self._no_indices: torch.Tensor | None = None  # _calc_spec_decode_metadata's empty index fields
 
     # ------------------------------------------------------------------ per-request decoding state
     def _served(self, req_id: str) -> _Served:
@@ -252,6 +253,15 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._forward_t0 = time.perf_counter()
         idx = self._upload("logits_rows", idx.to(logits_indices.dtype), logits_indices.device)
         return idx, spec_meta, max_sampled
+
+    def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
+        """vLLM's rejection-sampling metadata of the step's drafts. This runner reads none of its indices (the
+        logits rows are the step's own, :meth:`_prepare_inputs`; the decisions are the decoders', :meth:`_sample`),
+        so it gets the draft counts alone: not vLLM's index arithmetic, five host-to-device copies and two gathers
+        of the input ids every step."""
+        if self._no_indices is None:
+            self._no_indices = torch.zeros(0, dtype=torch.int32, device=self.device)
+        return compat.draft_counts_only(num_draft_tokens, self._no_indices)
 
     def _entry(self, i: int, rid: str, n: int, start: int, scheduler_output, resumed: bool, shipped=None):
         """Batch row ``i``'s entry of the step: the request's planned step when vLLM scheduled it as planned
