@@ -83,6 +83,24 @@ STAGES = [
 ]
 KIND = {stage: kind for *_, stage, kind in STAGES}
 FRONT_OUTPUT = "front end: output processing"  # per emitted token, in the front end's process when served
+# whose host work a stage is: the plugin's stages are named "plugin: ..." and attention planning (the project's
+# metadata builder, with vLLM's call into it, AR's attention metadata too); every other host stage is vLLM's
+PLUGIN_STAGES = {stage for *_, stage, kind in STAGES if kind == "host"
+                 and (stage.startswith("plugin:") or stage == "attention planning")}
+
+
+def owner_split(rows: list[dict]) -> None:
+    """Each row's host ms per step split into vLLM's stages and the plugin's, each as a share of AR's whole host
+    ms per step in the same run (tree, repeat) and concurrency: ``vllm_vs_ar`` and ``plugin_vs_ar``."""
+    for r in rows:
+        ar = next((a for a in rows if a["method"] == "ar" and a.get("tree") == r.get("tree")
+                   and a["repeat"] == r["repeat"] and a["concurrency"] == r["concurrency"]), None)
+        if ar is None:
+            continue
+        host = {st: v for st, v in r["stages_ms"].items() if KIND.get(st) == "host"}
+        plugin = sum(v for st, v in host.items() if st in PLUGIN_STAGES)
+        r["vllm_vs_ar"] = (sum(host.values()) - plugin) / ar["host_ms"]
+        r["plugin_vs_ar"] = plugin / ar["host_ms"]
 
 
 class StageClock:
@@ -258,6 +276,7 @@ def merge(paths: list[str], out: Path, name: str) -> None:
         for r in data["rows"]:
             rows.append({**r, "tree": tree, "repeat": run})
         traces.update({f"{tree}: {k}": t for k, t in data.get("traces", {}).items()})
+    owner_split(rows)
     trees = list(dict.fromkeys(r["tree"] for r in rows))
     keys = sorted({(r["method"], r["cache"] or "", r["concurrency"]) for r in rows},
                   key=lambda k: (k[0] != "ar", k[0], k[1], k[2]))
@@ -328,6 +347,7 @@ def main() -> None:
                   and a["concurrency"] == r["concurrency"])
         r["host_vs_ar"] = r["host_ms"] / ar["host_ms"]
         r["core_vs_ar"] = r["core_host_ms"] / ar["core_host_ms"]
+    owner_split(rows)
     args.out.mkdir(parents=True, exist_ok=True)
     traces = {f"{m}/{c}" if c else m: t for (m, c), t in traces.items()}
     (args.out / f"{args.name}.json").write_text(json.dumps({"rows": rows, "not_timed": missing, "traces": traces,
@@ -374,6 +394,17 @@ def report(rows: list[dict], traces: dict) -> str:
         rs = [r for r in rows if (r["method"], r["cache"] or "", r["concurrency"]) == (m, cache, c)]
         out.append(f"| {m} | {cache or '-'} | {c} | " + " | ".join(
             f"{sum(r['stages_ms'].get(s, 0.0) for r in rs) / len(rs):.2f}" for s in stages) + " |")
+    if any("vllm_vs_ar" in r for r in rows):
+        out += ["", "Whose host time: vLLM's stages and the plugin's (attention planning counted as the plugin's), "
+                "each ÷ AR's whole host ms per step in the same run:", "",
+                "| method | cache | c | vLLM's stages / AR's host step | the plugin's stages / AR's host step |",
+                "|---|---|---|---|---|"]
+        for m, cache, c in keys:
+            rs = [r for r in rows if (r["method"], r["cache"] or "", r["concurrency"]) == (m, cache, c)
+                  and "vllm_vs_ar" in r]
+            if rs:
+                out.append(f"| {m} | {cache or '-'} | {c} | {_spread([r['vllm_vs_ar'] for r in rs])} | "
+                           f"{_spread([r['plugin_vs_ar'] for r in rs])} |")
     out += ["", "Calls into the project's code per engine step, one request (``sys.setprofile``):", "",
             "| config | steps | entries from vLLM / step | calls inside the project / step | files | functions |",
             "|---|---|---|---|---|---|"]

@@ -345,6 +345,8 @@ def test_head_major_pages_attend_as_the_oracle(monkeypatch, case, kernel, dtype,
     _publish(batch, host_table, page)
     md = builder.build(0, cam)
     assert (md.kernel is not None) == (kernel == "vllm" and kernel_rows(batch, pattern) is not None)
+    # vLLM's op writes the new K/V wherever its geometry runs, PyTorch's attention too (the cache check below)
+    assert (md.writer is not None) == (kernel == "vllm")
     N = batch.num_rows
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(N, h, Dk, generator=g).to(dtype) for h in (H, HKV, HKV))

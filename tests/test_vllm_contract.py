@@ -352,6 +352,33 @@ def test_overridden_vllm_methods_are_listed():
         assert overridden <= set(listed), f"{ours.__name__} overrides unlisted {sorted(overridden - set(listed))}"
 
 
+def test_the_dllm_runner_hands_vllm_draft_counts_without_rejection_indices():
+    """The dLLM runner reads none of vLLM's rejection-sampling indices, so its step builds vLLM's
+    ``SpecDecodeMetadata`` with the draft counts alone (one empty device tensor, made once, for every index
+    field) instead of vLLM's per-step index arithmetic, copies and gathers; the metadata still takes every field
+    vLLM 0.32 requires."""
+    import types
+
+    import numpy as np
+    import torch
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from psd_plugin.vllm.dllm_runner import DLLMRunnerMixin
+
+    assert DLLMRunnerMixin._calc_spec_decode_metadata is not GPUModelRunner._calc_spec_decode_metadata
+    runner = types.SimpleNamespace(device=torch.device("cpu"), _no_indices=None)
+    first = DLLMRunnerMixin._calc_spec_decode_metadata(runner, np.array([8, 0, 24], dtype=np.int32),
+                                                        np.array([9, 10, 35], dtype=np.int32))
+    assert isinstance(first, SpecDecodeMetadata)
+    assert first.num_draft_tokens == [8, 0, 24] and first.max_spec_len == 24
+    fields = ("draft_token_ids", "cu_num_draft_tokens", "cu_num_sampled_tokens", "target_logits_indices",
+              "bonus_logits_indices", "logits_indices")
+    assert all(getattr(first, f).numel() == 0 for f in fields)
+    again = DLLMRunnerMixin._calc_spec_decode_metadata(runner, np.array([3], dtype=np.int32), np.array([4]))
+    assert again.num_draft_tokens == [3] and again.logits_indices is first.logits_indices  # made once
+
+
 def test_model_executor_is_taken_back_when_vllms_alias_returns_mid_walk(monkeypatch):
     """vLLM's ``LazyLoader("model_executor", ...)`` stores its quantization package as ``sys.modules["model_executor"]``
     when first touched. On a CUDA platform (seen on an H200 with vLLM's sources on torch 2.11) a submodule's own
