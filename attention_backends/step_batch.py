@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .prefix_attention import AttentionPlan, MaskKind
@@ -149,7 +150,14 @@ class StepBatch:
 def _index(pieces: list) -> torch.Tensor:
     """One int64 host tensor of ``pieces`` (ranges, or tensors) end to end: the layout's index arithmetic runs
     on Python ints, one tensor made at the end (a tensor op per request and canvas would cost more than the
-    arithmetic)."""
+    arithmetic). Ranges alone (every piece of a dLLM step's layout) are laid out by numpy from their starts and
+    lengths, without a Python int per row, once there are enough of them to pay for numpy's few calls."""
+    if len(pieces) >= 16 and all(type(p) is range and p.step == 1 for p in pieces):
+        n = len(pieces)
+        starts = np.fromiter((p.start for p in pieces), dtype=np.int64, count=n)
+        lens = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=n)
+        ends = np.cumsum(lens)
+        return torch.from_numpy(np.repeat(starts - (ends - lens), lens) + np.arange(int(ends[-1]) if n else 0))
     flat: list[int] = []
     for p in pieces:
         flat.extend(p if isinstance(p, range) else p.tolist())
@@ -205,10 +213,11 @@ def build_step_batch(entries: list) -> StepBatch:
             sched_ids.append(e.tail)
             sched_pos.append(range(e.w1, e.w1 + tail))
             plan_rows.append(range(t + S, t + S + tail))
+        if K > 1:  # the further canvases' ids, end to end (one piece a request)
+            extra_ids.append(e.tokens[1:].reshape(-1))
         for k in range(1, K):
             starts.append(T + e_next)
             plan_rows.append(range(T + e_next, T + e_next + S))
-            extra_ids.append(e.tokens[k])
             extra_pos.append(pos)
             e_next += S
         seg.extend([seg[-1] + S * (k + 1) for k in range(K)] + ([seg[-1] + S + tail] if tail else []))

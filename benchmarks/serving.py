@@ -40,6 +40,7 @@ CONFIGS = [  # name, model ("dllm", "ar": the --dllm, --ar checkpoint), speculat
     ("dLLM confidence dual", "dllm", {"method": "psd", "decoding": "confidence", "cache": "dual"}),
     ("dLLM LoPA dual", "dllm", {"method": "psd", "decoding": "lopa", "cache": "dual"}),
     ("dLLM PSD dual", "dllm", {"method": "psd", "decoding": "psd", "cache": "dual"}),
+    ("dLLM FreeDave dual", "dllm", {"method": "psd", "decoding": "freedave", "cache": "dual"}),
     # the narrower steps (an approximation: docs/methods.md): a block's first step keeps the K/V cached so far
     ("dLLM confidence refresh-last", "dllm", {"method": "psd", "decoding": "confidence", "refresh": "last"}),
     ("dLLM PSD refresh-last", "dllm", {"method": "psd", "decoding": "psd", "refresh": "last"}),

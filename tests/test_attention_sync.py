@@ -368,6 +368,33 @@ def test_head_major_pages_attend_as_the_oracle(monkeypatch, case, kernel, dtype,
     set_step(None)
 
 
+def test_a_large_batch_lays_out_as_its_entries_do_alone():
+    """Many entries (the layout's index pieces then go through numpy): every row's position, id, plan order and
+    logits row in the batch are those of its entry laid out alone, shifted to where the batch puts it (the
+    scheduled rows of every entry first, then every entry's further canvases)."""
+    g = torch.Generator().manual_seed(3)
+    entries = [e for _ in range(7) for e in _dllm_entries(g)]  # 21 entries, 14 of them with further canvases
+    batch = build_step_batch(entries)
+    alone = [build_step_batch([e]) for e in entries]
+    T, E = batch.num_scheduled, batch.num_extra
+    assert T == sum(b.num_scheduled for b in alone) and E == sum(b.num_extra for b in alone)
+    sched = torch.cat([b.positions[: b.num_scheduled] for b in alone])
+    extra = torch.cat([b.positions[b.num_scheduled:] for b in alone])
+    assert torch.equal(batch.positions, torch.cat([sched, extra]))
+    assert torch.equal(batch.extra_ids, torch.cat([b.extra_ids for b in alone if b.extra_ids is not None]))
+    # plan order: entry by entry, its scheduled rows (where the batch put them) then its further canvases
+    order, logits, t, x, n = [], [], 0, T, 0
+    for b in alone:
+        local = torch.arange(b.num_rows) if b.order is None else b.order
+        moved = torch.where(local < b.num_scheduled, local + t, local - b.num_scheduled + x)
+        order.append(moved)
+        logits.append(torch.where(b.logits_rows < b.num_scheduled, b.logits_rows + t,
+                                  b.logits_rows - b.num_scheduled + x))
+        t, x = t + b.num_scheduled, x + b.num_extra
+    assert torch.equal(batch.order, torch.cat(order))
+    assert torch.equal(batch.logits_rows, torch.cat(logits))
+
+
 def test_draft_canvases_are_kernel_passes_over_the_scheduled_rows_slots():
     """``canvas_passes``: the second canvas of every request that has one, then the third, each row naming the
     scheduled row whose slot it stands on; a batch whose further canvases are not its scheduled rows' length has
