@@ -107,7 +107,7 @@ class DLLMStep:
     @cached_property
     def num_logits_rows(self) -> int:
         """Rows of this step whose logits are computed (:attr:`kept`; fixed once planned)."""
-        return 0 if self.kept is None else int(self.kept.sum())
+        return 0 if self.kept is None else int(np.count_nonzero(self.kept.numpy()))
 
     @property
     def reads_suffix(self) -> int:
@@ -254,7 +254,8 @@ class DLLMRequest:
             raise RuntimeError(f"window starts at {w0} but only {self.cached} positions are cached")
         keep = sch.cached_after((b0, b1), w0, fresh=self.fresh, cached=self.cached)
         # host arrays (numpy views of the host tensors: a step's few small ops cost microseconds each in torch)
-        rows = np.repeat(self.tokens.numpy()[None, w0:w1], len(canvases), axis=0)
+        rows = np.empty((len(canvases), w1 - w0), dtype=np.int64)
+        rows[:] = self.tokens.numpy()[w0:w1]  # every canvas from the request's tokens, then its block
         for k, c in enumerate(canvases):
             rows[k, b0 - w0: b1 - w0] = c.numpy()
         block = rows[:, b0 - w0: b1 - w0]

@@ -336,7 +336,14 @@ class BlockDecoder:
 
     @property
     def done(self) -> bool:
-        return not bool(self.masked.any())
+        return not self.has_masks
+
+    @property
+    def has_masks(self) -> bool:
+        """Whether the state still holds a mask (host data: a numpy scan, where two small torch ops and a
+        ``bool`` cost several times more)."""
+        s = self.state
+        return bool((s.numpy() == self.mask_id).any()) if s.device.type == "cpu" else bool(self.masked.any())
 
     rewrites_tokens = False  # whether the method edits positions it committed (then no grammar applies)
 

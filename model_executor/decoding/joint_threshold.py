@@ -49,7 +49,7 @@ class JointThresholdDecoder(BlockDecoder):
 
     @property
     def done(self) -> bool:
-        return not bool(self.masked.any()) and (self.settled or self.post_steps >= self.max_post_edit_steps)
+        return not self.has_masks and (self.settled or self.post_steps >= self.max_post_edit_steps)
 
     def stats(self) -> dict:
         return {"edits": self.edits, "post_edit_steps": self.post_steps}

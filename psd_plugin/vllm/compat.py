@@ -365,10 +365,14 @@ def host_pages(runner, num_reqs: int):
     kernel computes it on the device), so the attention builder derives the slots from these tables."""
     from attention_backends.step_batch import HostPages
 
-    groups = runner.kv_cache_config.kv_cache_groups
+    config = runner.kv_cache_config
     tables = runner.input_batch.block_table.block_tables
-    return HostPages(tuple(frozenset(g.layer_names) for g in groups), tuple(t.block_size for t in tables),
-                     tuple(t.block_table.cpu[:num_reqs] for t in tables))
+    static = runner.__dict__.get("_psd_page_groups")
+    if static is None or static[0] is not config:  # the groups' layers and page sizes: fixed once the KV cache is
+        static = (config, tuple(frozenset(g.layer_names) for g in config.kv_cache_groups),  # made
+                  tuple(t.block_size for t in tables))
+        runner._psd_page_groups = static
+    return HostPages(static[1], static[2], tuple(t.block_table.cpu[:num_reqs] for t in tables))
 
 
 def metadata_builders(runner) -> Iterator:

@@ -35,6 +35,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from vllm.logger import init_logger
@@ -144,6 +145,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.batch: StepBatch | None = None  # the step in flight
         self._stepping: dict[int, _Served] = {}  # batch row -> request whose step runs in this forward
         self._kept = torch.zeros(0, dtype=torch.bool)  # the step's prediction rows that get logits (DLLMStep.kept)
+        self._num_kept = 0  # how many
         self._held_prompt_logprobs: dict = {}
         self.totals = {"requests": 0, "tokens": 0, "nfe": 0, "model_calls": 0}
         self.finished: dict[str, dict] = {}  # recent per-request figures, for psd_stats()
@@ -247,9 +249,12 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.batch = self._build(entries, req_ids)
         self._publish(self.batch)
         # logits only for the rows the decoders read (a rebuild's: none); vLLM computes at least one row
-        self._kept = torch.cat([e.kept for e in entries if not isinstance(e, Rows)] or [torch.zeros(0, dtype=torch.bool)])
-        idx = self.batch.logits_rows[self._kept]
-        idx = idx if idx.numel() else torch.zeros(1, dtype=torch.long)
+        kept = [e.kept.numpy() for e in entries if not isinstance(e, Rows)]
+        kept = np.concatenate(kept) if kept else np.zeros(0, dtype=bool)
+        self._kept = torch.from_numpy(kept)
+        idx = self.batch.logits_rows.numpy()[kept]  # host arrays: numpy's boolean take costs a fraction of torch's
+        self._num_kept = idx.size
+        idx = torch.from_numpy(idx if idx.size else np.zeros(1, dtype=np.int64))
         self._forward_t0 = time.perf_counter()
         idx = self._upload("logits_rows", idx.to(logits_indices.dtype), logits_indices.device)
         return idx, spec_meta, max_sampled
@@ -339,7 +344,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         req_ids, qsl, computed = compat.batch_rows(self)
         canvas_rows = {i: self.batch.canvas_rows[i] for i in self._stepping}
         steps = {i: s.req.step for i, s in self._stepping.items()}
-        logits = logits[: int(self._kept.sum())]  # past them: vLLM's one row when the step keeps none
+        logits = logits[: self._num_kept]  # past them: vLLM's one row when the step keeps none
         decoding = [i for i, st in steps.items() if not st.rebuild]  # a rebuild's logits are not for the decoder
         self._decode(logits, decoding, steps, canvas_rows, req_ids)
         outs: list[list[int]] = []
