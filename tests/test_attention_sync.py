@@ -395,6 +395,48 @@ def test_a_large_batch_lays_out_as_its_entries_do_alone():
     assert torch.equal(batch.logits_rows, torch.cat(logits))
 
 
+def _layout(b) -> dict:
+    """Every field of a batch that its layout sets (the published pages aside)."""
+    out = {f: getattr(b, f) for f in ("num_scheduled", "canvas_rows", "layout_key", "kind", "custom_masks")}
+    for f in ("scheduled_lens", "positions", "input_ids", "extra_ids", "order", "qo_indptr", "seg_indptr",
+              "prefix_lens", "suffix_starts", "suffix_lens", "logits_rows", "rewrite_ids"):
+        t = getattr(b, f)
+        out[f] = None if t is None else (t.dtype, t.tolist())
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_batch_of_steps_laid_out_by_arrays_is_the_entry_by_entry_layout(seed):
+    """A batch of plain dLLM steps (from :data:`ARRAY_LAYOUT_MIN` entries) is laid out from one array of their
+    geometry: every field equals the entry-by-entry layout's, for steps with one to four canvases, with and
+    without a kept suffix, windows before their block (the prefix cache's masks after it) and blocks shifted in
+    their window; a batch with a prefill or a replay's tail is left to the entry-by-entry layout."""
+    from attention_backends import step_batch
+
+    g = torch.Generator().manual_seed(seed)
+    entries = []
+    for _ in range(int(torch.randint(step_batch.ARRAY_LAYOUT_MIN, 30, (1,), generator=g))):
+        w0, L, K, after, pre, shift = (int(torch.randint(lo, hi, (1,), generator=g))
+                                       for lo, hi in ((0, 200), (1, 9), (1, 5), (0, 3), (1, 4), (0, 2)))
+        S = pre + L + after * L  # committed positions before the block in the window, the block, masks after it
+        suffix = (w0 + S, w0 + S + 8) if after == 0 and bool(torch.randint(0, 2, (1,), generator=g)) else (0, 0)
+        entries.append(DLLMStep(w0=w0, w1=w0 + S, b0=w0 + pre, b1=w0 + pre + L, shift=shift, keep=w0,
+                                tokens=torch.randint(3, 90, (K, S), generator=g), suffix=suffix))
+    fast = step_batch._build_steps(entries)
+    assert fast is not None and build_step_batch(entries) is not None
+    assert _layout(fast) == _layout(step_batch._build_entries(entries))
+    assert fast.order is not None and fast.suffix_starts is not None  # the seeds draw both
+    assert len({e.first_row for e in entries}) > 1
+    one = [DLLMStep(w0=10 * i, w1=10 * i + 6, b0=10 * i + 1, b1=10 * i + 5, shift=1, keep=10 * i,
+                    tokens=torch.randint(3, 90, (1, 6), generator=g)) for i in range(8)]  # no further canvas
+    assert _layout(step_batch._build_steps(one)) == _layout(step_batch._build_entries(one))
+    assert step_batch._build_steps(one).order is None and step_batch._build_steps(one).extra_ids is None
+    assert step_batch._build_steps(entries + [Rows(4, 0)]) is None
+    tail = DLLMStep(w0=0, w1=4, b0=0, b1=4, shift=0, keep=0, tokens=torch.full((1, 4), 5), committed=6,
+                    tail=torch.tensor([7, 8]))
+    assert step_batch._build_steps(entries + [tail]) is None
+
+
 def test_draft_canvases_are_kernel_passes_over_the_scheduled_rows_slots():
     """``canvas_passes``: the second canvas of every request that has one, then the third, each row naming the
     scheduled row whose slot it stands on; a batch whose further canvases are not its scheduled rows' length has

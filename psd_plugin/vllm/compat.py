@@ -441,7 +441,8 @@ def scheduling_only(scheduler, running: list, token_budget: int):
     """Let vLLM's ``Scheduler.schedule`` see only ``running`` of its running requests and ``token_budget``
     tokens; everything is restored afterwards (the others keep their place, first in line). The held
     requests keep their admission slots: waiting requests are admitted only into free ones."""
-    held = [r for r in scheduler.running if r not in running]
+    seen = set(map(id, running))  # (a list's membership test per request would be quadratic in the batch)
+    held = [r for r in scheduler.running if id(r) not in seen]
     saved = scheduler.max_num_scheduled_tokens, scheduler.max_num_active_reqs
     scheduler.running = list(running)
     scheduler.max_num_scheduled_tokens = token_budget

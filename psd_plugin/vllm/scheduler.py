@@ -237,7 +237,8 @@ class PrestoScheduler(Scheduler):
         held = [r for r in self.running if r.request_id in self.failing]
         if not held:
             return super().schedule(throttle_prefills)
-        with compat.scheduling_only(self, [r for r in self.running if r not in held], self.max_num_scheduled_tokens):
+        with compat.scheduling_only(self, [r for r in self.running if r.request_id not in self.failing],
+                                    self.max_num_scheduled_tokens):
             return super().schedule(throttle_prefills)
 
     def update_draft_token_ids(self, draft_token_ids: PSDDraftTokenIds) -> None:
