@@ -1,4 +1,5 @@
-"""The PyTorch attention path's planning of real dLLM steps, timed alone, with a digest of every plan it makes.
+"""The layout and the PyTorch attention path's planning of real dLLM steps, each timed alone, with a digest of
+every layout and plan they make.
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/attention_plan.py [--root CHECKOUT] [--methods freedave,psd,...]
 
@@ -8,7 +9,10 @@ cache, 30-72-token prompts, 32 new tokens, random logits of its 512-token vocabu
 (``StepBatch.plan`` over a block table, then ``TorchPrefixAttention.plan`` with the scheduled rows' cache slots
 and the row order). Prints ms per step (best and median of five passes over the steps) and a digest of every
 index and mask tensor of every plan: equal digests from two checkouts (``--root``, e.g. a ``git worktree`` of
-the commit before a change) mean bit-identical plans. Host-only wall time on this machine; no model runs.
+the commit before a change) mean bit-identical plans. The same for the layouts: every step's entries laid
+out again by ``build_step_batch`` (ms per step, best and median of five passes), and a digest of every field of
+every batch. Host-only wall time on this machine, in a warm loop (in an engine each step runs this code once,
+after a forward has passed the model's weights through the caches: slower, and gains smaller); no model runs.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_FIELDS = ("q_idx", "k_idx", "p_slots", "k_slots", "mask", "unseen", "o_idx")
+LAYOUT_FIELDS = ("scheduled_lens", "positions", "input_ids", "extra_ids", "order", "qo_indptr", "seg_indptr",
+                 "prefix_lens", "suffix_starts", "suffix_lens", "logits_rows", "rewrite_ids")
 
 
 def steps_of(method: str, c: int, n: int):
-    """``n`` step layouts of ``c`` requests decoding with ``method`` (a finished request is replaced)."""
+    """``n`` steps of ``c`` requests decoding with ``method`` (a finished request is replaced): each step's
+    entries (its requests' planned steps) and its layout."""
     import msgspec
     import torch
 
@@ -53,7 +60,7 @@ def steps_of(method: str, c: int, n: int):
         live = [r for r in reqs if not r.done]
         steps = [r.plan(p) for p, r in zip(propose_all([r.dec for r in live]), live)]
         batch = build_step_batch(steps)
-        out.append(batch)
+        out.append((steps, batch))
         kept = torch.cat([st.kept for st in steps])
         logits = torch.randn(int(kept.sum()), spec.vocab_size, generator=g) * 3
         decode_step(logits, kept, spec.mask_token_id, live, steps, batch.canvas_rows)
@@ -61,6 +68,22 @@ def steps_of(method: str, c: int, n: int):
             r.stepped(st)
         reqs = [request(k) if r.done else r for k, r in enumerate(reqs)]
     return out
+
+
+def layout_pass(entries) -> tuple[float, str]:
+    """Lay out every step's entries once: ms per step, and the digest of every field of every batch."""
+    from attention_backends.step_batch import build_step_batch
+
+    digest, seconds = hashlib.sha1(), 0.0
+    for e in entries:
+        t0 = time.perf_counter()
+        b = build_step_batch(e)
+        seconds += time.perf_counter() - t0
+        for name in LAYOUT_FIELDS:
+            t = getattr(b, name)
+            digest.update(name.encode() + (b"-" if t is None else str(t.dtype).encode() + t.numpy().tobytes()))
+        digest.update(f"{b.num_scheduled}{b.canvas_rows}{b.layout_key}{b.kind}".encode())
+    return 1e3 * seconds / len(entries), digest.hexdigest()[:12]
 
 
 def plan_pass(batches, attn, page: int = 128) -> tuple[float, str]:
@@ -107,7 +130,13 @@ def main() -> None:
     torch.set_num_threads(2)
     for method in args.methods.split(","):
         for c in map(int, args.concurrency.split(",")):
-            batches = steps_of(method, c, args.steps)
+            steps = steps_of(method, c, args.steps)
+            entries, batches = [e for e, _ in steps], [b for _, b in steps]
+            layout_pass(entries)  # warm
+            runs = [layout_pass(entries) for _ in range(5)]
+            ms = sorted(r[0] for r in runs)
+            print(f"{method:<11} c={c:<3} layout ms per step: best {ms[0]:.3f}, median {ms[2]:.3f}  "
+                  f"layouts digest {runs[0][1]}", flush=True)
             attn = TorchPrefixAttention()
             plan_pass(batches, attn)  # warm
             runs = [plan_pass(batches, attn) for _ in range(5)]

@@ -383,7 +383,7 @@ def test_a_large_batch_lays_out_as_its_entries_do_alone():
     assert torch.equal(batch.positions, torch.cat([sched, extra]))
     assert torch.equal(batch.extra_ids, torch.cat([b.extra_ids for b in alone if b.extra_ids is not None]))
     # plan order: entry by entry, its scheduled rows (where the batch put them) then its further canvases
-    order, logits, t, x, n = [], [], 0, T, 0
+    order, logits, t, x = [], [], 0, T
     for b in alone:
         local = torch.arange(b.num_rows) if b.order is None else b.order
         moved = torch.where(local < b.num_scheduled, local + t, local - b.num_scheduled + x)
