@@ -284,14 +284,14 @@ def _build_steps(entries: list) -> StepBatch | None:
     """:func:`build_step_batch` of a batch whose every entry is a dLLM step without a tail or rewritten rows (the
     steady batch), laid out by numpy from one ``[R, 8]`` array of the entries' geometry: the same batch as the
     per-entry loop, at a few microseconds an entry instead of one Python step per row piece. None for any other
-    batch (a prefill, a replay, host tokens elsewhere), which the loop lays out."""
+    batch (a prefill, a replay, tokens off the host, an empty window), which the loop lays out."""
     geo, toks = [], []
     for e in entries:
         if isinstance(e, Rows) or e.tail_len:
             return None
         r0, r1 = e.rewrites
         t = e.tokens
-        if r1 > r0 or t.device.type != "cpu":
+        if r1 > r0 or t.device.type != "cpu" or e.w1 <= e.w0:
             return None
         # the layout key's fields, in its order: w0, w1, canvases, tail, kept suffix start, suffix read, first
         # prediction row, block length

@@ -9,6 +9,7 @@ audit records every host read of them, and every blocking copy to a device.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -422,8 +423,14 @@ def test_a_batch_of_steps_laid_out_by_arrays_is_the_entry_by_entry_layout(seed):
         suffix = (w0 + S, w0 + S + 8) if after == 0 and bool(torch.randint(0, 2, (1,), generator=g)) else (0, 0)
         entries.append(DLLMStep(w0=w0, w1=w0 + S, b0=w0 + pre, b1=w0 + pre + L, shift=shift, keep=w0,
                                 tokens=torch.randint(3, 90, (K, S), generator=g), suffix=suffix))
+    # tokens as a step may hold them too: int32, a strided (non-contiguous) view
+    e = entries[0]
+    entries[0] = dataclasses.replace(e, tokens=e.tokens.to(torch.int32))
+    e = entries[-1]
+    entries[-1] = dataclasses.replace(e, tokens=e.tokens.repeat_interleave(2, dim=1)[:, ::2])
+    assert not entries[-1].tokens.is_contiguous()
     fast = step_batch._build_steps(entries)
-    assert fast is not None and build_step_batch(entries) is not None
+    assert fast is not None
     assert _layout(fast) == _layout(step_batch._build_entries(entries))
     assert fast.order is not None and fast.suffix_starts is not None  # the seeds draw both
     assert len({e.first_row for e in entries}) > 1
@@ -431,10 +438,36 @@ def test_a_batch_of_steps_laid_out_by_arrays_is_the_entry_by_entry_layout(seed):
                     tokens=torch.randint(3, 90, (1, 6), generator=g)) for i in range(8)]  # no further canvas
     assert _layout(step_batch._build_steps(one)) == _layout(step_batch._build_entries(one))
     assert step_batch._build_steps(one).order is None and step_batch._build_steps(one).extra_ids is None
+    # further canvases on the last entry alone: its extra rows follow the scheduled ones in plan order too
+    last = one[:-1] + [dataclasses.replace(one[-1], tokens=torch.randint(3, 90, (3, 6), generator=g))]
+    assert _layout(step_batch._build_steps(last)) == _layout(step_batch._build_entries(last))
+    assert step_batch._build_steps(last).order is None and step_batch._build_steps(last).extra_ids is not None
+    # a dual-cache block's first step covers its kept suffix (stores it) beside later steps that read one
+    covers = [dataclasses.replace(x, w1=x.w1 + 8, tokens=torch.randint(3, 90, (1, 14), generator=g),
+                                  suffix=(x.w1, x.w1 + 8)) for x in one[:4]]
+    reads = [dataclasses.replace(x, suffix=(x.w1, x.w1 + 8)) for x in one[4:]]
+    mixed = covers + reads
+    assert {x.reads_suffix for x in covers} == {0} and {x.reads_suffix for x in reads} == {8}
+    assert _layout(step_batch._build_steps(mixed)) == _layout(step_batch._build_entries(mixed))
     assert step_batch._build_steps(entries + [Rows(4, 0)]) is None
     tail = DLLMStep(w0=0, w1=4, b0=0, b1=4, shift=0, keep=0, tokens=torch.full((1, 4), 5), committed=6,
                     tail=torch.tensor([7, 8]))
     assert step_batch._build_steps(entries + [tail]) is None
+
+
+def test_the_array_layout_takes_batches_from_its_threshold(monkeypatch):
+    """:func:`build_step_batch` lays out a batch of plain steps by arrays from ``ARRAY_LAYOUT_MIN`` entries, entry
+    by entry below it."""
+    from attention_backends import step_batch
+
+    calls = []
+    real = step_batch._build_steps
+    monkeypatch.setattr(step_batch, "_build_steps", lambda entries: calls.append(len(entries)) or real(entries))
+    n = step_batch.ARRAY_LAYOUT_MIN
+    steps = [DLLMStep(w0=9 * i, w1=9 * i + 8, b0=9 * i, b1=9 * i + 8, shift=0, keep=9 * i,
+                      tokens=torch.full((2, 8), 5)) for i in range(n)]
+    small, large = build_step_batch(steps[:-1]), build_step_batch(steps)
+    assert calls == [n] and small.num_requests == n - 1 and large.num_requests == n
 
 
 def test_draft_canvases_are_kernel_passes_over_the_scheduled_rows_slots():
