@@ -307,9 +307,8 @@ def _build_steps(entries: list) -> StepBatch | None:
     # each canvas's first model row: the first canvas at its entry's scheduled rows, a further one among the extras
     start = np.where(k == 0, (np.cumsum(S) - S)[ent], T + (np.cumsum(ext) - ext)[ent] + (k - 1) * S[ent])
     Sc, Lc = S[ent], L[ent]
-    more = K > 1
     ids = np.concatenate([a[0] for a in toks]).astype(np.int64, copy=False)
-    extra = np.concatenate([a[1:].reshape(-1) for a in toks]).astype(np.int64) if more.any() else None
+    extra = np.concatenate([a[1:].reshape(-1) for a in toks]).astype(np.int64) if (K > 1).any() else None
     order = _ranges(start, Sc)
     offsets = (np.cumsum(Lc) - Lc).tolist()
     firsts = np.cumsum(K).tolist()

@@ -73,9 +73,8 @@ class DLLMStep:
     def drafts(self) -> list[int]:
         """The first canvas from the block on (from ``committed`` on, when that is later): what vLLM schedules
         as the request's draft tokens."""
-        t = self.tokens  # a host tensor: its numpy view (a torch slice and tolist cost several times more)
-        t = t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
-        return t[0, max(self.b0, self.committed) - self.w0:].tolist()
+        # a host tensor (as all of a request's decoding state): its numpy view, where a torch slice costs more
+        return self.tokens.numpy()[0, max(self.b0, self.committed) - self.w0:].tolist()
 
     @property
     def seg_len(self) -> int:

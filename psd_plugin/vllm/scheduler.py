@@ -234,11 +234,10 @@ class PrestoScheduler(Scheduler):
 
     def schedule(self, throttle_prefills: bool = False):
         self.failing &= self.requests.keys()
-        held = [r for r in self.running if r.request_id in self.failing]
-        if not held:
+        live = [r for r in self.running if r.request_id not in self.failing]
+        if len(live) == len(self.running):
             return super().schedule(throttle_prefills)
-        with compat.scheduling_only(self, [r for r in self.running if r.request_id not in self.failing],
-                                    self.max_num_scheduled_tokens):
+        with compat.scheduling_only(self, live, self.max_num_scheduled_tokens):
             return super().schedule(throttle_prefills)
 
     def update_draft_token_ids(self, draft_token_ids: PSDDraftTokenIds) -> None:
