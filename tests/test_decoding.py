@@ -324,6 +324,80 @@ def test_policies_over_a_batch_of_blocks_equal_them_block_by_block(name):
     assert torch.equal(rule(conf), torch.stack([rule(c) for c in conf]))
 
 
+POLICY_KNOBS = [("static", {}), ("confidence", {"threshold": 0.7}), ("confidence", {"threshold": 0.9}),
+                ("localleap", {"threshold": 0.7, "relaxed_threshold": 0.4, "radius": 2}),
+                ("localleap", {"threshold": 0.8, "relaxed_threshold": 0.5, "radius": 0}),
+                ("localleap", {"threshold": 0.6, "relaxed_threshold": 0.3, "radius": 40})]
+
+
+@pytest.mark.parametrize("name, knobs", POLICY_KNOBS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(POLICY_KNOBS)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_the_device_form_of_a_policy_decides_as_its_numpy_form(name, knobs, dtype):
+    """:func:`device_policy` (tensor ops, for confidences on a device) commits exactly what the numpy rules commit:
+    ties (rounded confidences, first position wins), values at the threshold itself, decoded positions and
+    padding (-inf), rows with nothing left, every dtype the engines produce, blocks of several lengths."""
+    from model_executor.decoding.policies import device_policy, make_policy
+
+    rule = make_policy(name, **knobs)
+    g = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        R, L = int(torch.randint(1, 12, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g))
+        conf = torch.rand(R, L, generator=g, dtype=torch.float64)
+        if trial % 2:
+            conf = conf.round(decimals=1)  # ties, and values equal to a threshold
+        conf = conf.to(dtype)
+        conf[torch.rand(R, L, generator=g) < 0.4] = float("-inf")
+        if R > 2:
+            conf[1] = float("-inf")  # a block with nothing left
+        want = rule(conf)
+        got = device_policy(conf, name, **knobs)
+        assert got.dtype == torch.bool and torch.equal(got, want), (trial, name, dtype)
+    assert torch.equal(device_policy(torch.zeros(3, 0), name, **knobs), torch.zeros(3, 0, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("name", ["static", "confidence", "localleap"])
+def test_a_policy_step_on_the_device_is_the_host_step_without_a_host_read(name):
+    """:func:`commit_rows` with the predictions "on the device" (``tests/device_proxy.py``): the states equal
+    :meth:`PolicyDecoder.update_batch`'s (the host's numpy commit) over blocks of several lengths, and nothing of
+    the device is read on the host: the policy dispatches to its tensor form where the confidences are."""
+    from model_executor.decoding import PolicyDecoder, predict_rows, propose_all, update_all
+    from model_executor.decoding.base import canvas_row_index, pad_rows
+    from model_executor.decoding.policies import commit_rows, make_policy
+
+    from device_proxy import DeviceProxy, mark
+    from sync_audit import SyncAudit
+
+    M, V = 7, 11
+    g = torch.Generator().manual_seed(6)
+    kw = dict(threshold=0.45, relaxed_threshold=0.2, radius=1)
+    for trial in range(12):
+        lens = [int(n) for n in torch.randint(1, 10, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g)]
+        blocks = []
+        for n in lens:
+            b = torch.randint(0, M, (n,), generator=g)
+            b[torch.rand(n, generator=g) < 0.6] = M
+            blocks.append(b)
+        logits = torch.randn(sum(lens), V, generator=g, dtype=torch.float32) * 2
+        if trial % 3 == 0:
+            logits = logits.round()  # ties between positions' confidences
+        preds = predict_rows(logits.clone(), mask_id=M)
+        starts = [sum(lens[:i]) for i in range(len(lens))]
+        decs = [PolicyDecoder(b.clone(), M, make_policy(name, **kw)) for b in blocks]
+        rows = canvas_row_index(decs, [[a] for a in starts], 1)[:, 0]
+        states = pad_rows([d.state for d in decs], -1)
+        update_all(decs, propose_all(decs), preds, [[a] for a in starts])
+        with DeviceProxy() as proxy, SyncAudit(device_only=True) as audit:
+            got = commit_rows(make_policy(name, **kw), mark(preds.tokens), mark(preds.conf), mark(rows),
+                              mark(states), M)
+            on = got.device.type
+        assert on == "cuda" and not proxy.reads and not proxy.copies, (proxy.reads, proxy.copies)
+        assert not audit.sites, audit.report()
+        got = got.as_subclass(torch.Tensor)
+        for r, d in enumerate(decs):
+            assert torch.equal(got[r, : d.state.numel()], d.state), (trial, r)
+            assert (got[r, d.state.numel():] == -1).all()
+
+
 def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
     """:func:`update_all`: policy decoders of blocks of different lengths, states and policies, updated in one
     batched step per policy, equal each decoder's oracle (the policy on one block)."""

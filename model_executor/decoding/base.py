@@ -476,8 +476,22 @@ def host_array(t: torch.Tensor) -> np.ndarray:
 
 
 def onehot_first_max(conf: torch.Tensor) -> torch.Tensor:
-    """:func:`first_max` of a tensor of confidences."""
+    """:func:`first_max` of a tensor of confidences: in numpy on host data, as tensor ops where a device tensor
+    is (:func:`first_max_tensor`)."""
+    if conf.device.type != "cpu":
+        return first_max_tensor(conf)
     return torch.from_numpy(first_max(host_array(conf))).to(conf.device)
+
+
+def first_max_tensor(conf: torch.Tensor) -> torch.Tensor:
+    """:func:`first_max` as tensor ops where ``conf`` is (the first maximum on ties, as argmax takes it in both
+    libraries; none in a row of -inf), with no host read: the decision of :func:`first_max`, bit for bit."""
+    c = conf.float() if conf.dtype == torch.bfloat16 else conf
+    out = torch.zeros(c.shape, dtype=torch.bool, device=c.device)
+    if c.shape[-1] == 0:
+        return out
+    out.scatter_(-1, c.argmax(-1, keepdim=True), True)
+    return out & torch.isfinite(c).any(-1, keepdim=True)
 
 
 def merge_stats(all_stats) -> dict:

@@ -7,8 +7,17 @@ returns a boolean mask of the positions to commit; it is never empty while a row
 top-1 always commits), so every forward makes progress.
 
 :class:`PolicyDecoder` runs a policy alone: one forward, one commit, repeat; the decoders of a step update
-together (:meth:`PolicyDecoder.update_batch`): a handful of array ops for all requests of a policy. The
-policies take and return tensors and compute in numpy on the host data they are (:func:`~.base.host_array`).
+together (:meth:`PolicyDecoder.update_batch`): a handful of array ops for all requests of a policy.
+
+Where the rule runs is where the confidences are: the policies take and return tensors; on host data (the
+decoders' state and a step's predictions, as the engines hold them now) they compute in numpy
+(:func:`~.base.host_array`: a few microseconds an op where a small torch op costs tens); on a device tensor
+they are tensor ops there (:func:`device_policy`), with no host read and every shape fixed by the input's, so
+they can run inside a captured step and a step's decisions need not travel to the host before the next step's
+ids are written. Both forms decide bit for bit alike: the comparisons are in the confidences' dtype (a Python
+threshold is cast to it in NumPy 2 and in PyTorch alike; bfloat16 is compared in float32 in both), ties go to
+the first position, and :func:`commit_rows` is :meth:`PolicyDecoder.update_batch`'s commit in that form
+(``tests/test_decoding.py``).
 """
 
 from __future__ import annotations
@@ -19,15 +28,19 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .base import (BlockDecoder, Proposal, canvas_predictions, canvas_row_index, first_max, groups, host_array,
-                   host_rows, onehot_first_max, pad_rows, predict_each)
+from .base import (BlockDecoder, Proposal, canvas_predictions, canvas_row_index, first_max, first_max_tensor, groups,
+                   host_array, host_rows, onehot_first_max, pad_rows, predict_each)
 
 Policy = Callable[[torch.Tensor], torch.Tensor]
 
 
+def _on_host(conf: torch.Tensor) -> bool:
+    return conf.device.type == "cpu"
+
+
 def _top1(conf: torch.Tensor) -> torch.Tensor:
     """The most confident masked position of each row (first on ties); none in a row without one."""
-    return onehot_first_max(conf)
+    return onehot_first_max(conf)  # (numpy on host data, tensor ops where a device tensor is)
 
 
 def static_policy(conf: torch.Tensor) -> torch.Tensor:
@@ -37,6 +50,8 @@ def static_policy(conf: torch.Tensor) -> torch.Tensor:
 
 def confidence_policy(conf: torch.Tensor, threshold: float = 0.9) -> torch.Tensor:
     """Fast-dLLM threshold decoding: the top-1 plus every masked position with confidence >= ``threshold``."""
+    if not _on_host(conf):
+        return device_policy(conf, "confidence", threshold)
     c = host_array(conf)
     return torch.from_numpy(first_max(c) | (np.isfinite(c) & (c >= threshold))).to(conf.device)
 
@@ -47,6 +62,8 @@ def localleap_policy(conf: torch.Tensor, threshold: float = 0.9, relaxed_thresho
     ``radius`` (block positions, either side) of an anchor commit when their confidence >=
     ``relaxed_threshold``; the top-1 always commits. (Parameters as in the issue and the shared notes;
     the PSD paper only cites LocalLeap's defaults.)"""
+    if not _on_host(conf):
+        return device_policy(conf, "localleap", threshold, relaxed_threshold, radius)
     c = host_array(conf)
     masked = np.isfinite(c)
     anchors = masked & (c >= threshold)
@@ -58,6 +75,46 @@ def localleap_policy(conf: torch.Tensor, threshold: float = 0.9, relaxed_thresho
 
 
 SPATIAL_POLICIES = ("static", "confidence", "localleap")
+
+
+def device_policy(conf: torch.Tensor, name: str, threshold: float = 0.9, relaxed_threshold: float = 0.75,
+                  radius: int = 4) -> torch.Tensor:
+    """The policy ``name`` over confidences ``conf [..., L]`` as tensor ops where they are: the numpy rules above,
+    decision for decision, with no host read and no shape that depends on the data (module docstring). The
+    policies call it for a tensor that is not on the host; it runs on host tensors too (the tests compare it
+    with the numpy form there)."""
+    c = conf.float() if conf.dtype == torch.bfloat16 else conf  # as host_array: numpy has no bfloat16
+    out = first_max_tensor(c)
+    if name == "static":
+        return out
+    masked = torch.isfinite(c)
+    anchors = masked & (c >= threshold)
+    if name == "confidence":
+        return out | anchors
+    if name != "localleap":
+        raise ValueError(f"policy {name!r}; allowed: {', '.join(SPATIAL_POLICIES)}")
+    L = c.shape[-1]
+    r = min(radius, L)  # a radius of the row's length or more reaches every position already
+    if r < 0 or L == 0:
+        near = torch.zeros_like(masked)
+    else:  # a position within ``radius`` of an anchor: the anchors' running max over the window (one pass)
+        a = anchors.reshape(-1, 1, L).to(torch.float32)
+        near = torch.nn.functional.max_pool1d(a, 2 * r + 1, stride=1, padding=r).reshape(c.shape) > 0
+    return out | anchors | (near & masked & (c >= relaxed_threshold))
+
+
+def commit_rows(policy: "Policy", tokens: torch.Tensor, conf: torch.Tensor, rows: torch.Tensor,
+                states: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """One policy step of a batch of blocks as tensor ops where the predictions are: ``tokens``/``conf [N]`` a
+    step's prediction rows, ``rows [R, L]`` the row of each block position (-1: none, past a shorter block),
+    ``states [R, L]`` the blocks (-1 past a shorter one); returns the next states ``[R, L]``. The commit of
+    :meth:`PolicyDecoder.update_batch`, decision for decision, without a host read: a step's decisions can stay
+    on the device with the logits, and the host learn them by one copy of the states (or their changes)."""
+    at = rows.clamp(min=0)
+    tok, c = tokens[at], conf[at]
+    c = torch.where((states != mask_id) | (rows < 0), torch.full_like(c, float("-inf")), c)
+    commit = policy(c) & (states == mask_id)
+    return torch.where(commit, tok, states)
 
 
 def policy_key(policy: Policy) -> tuple:
