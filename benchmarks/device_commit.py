@@ -44,6 +44,7 @@ from model_executor.decoding import PolicyDecoder, predict_rows, propose_all, up
 from model_executor.decoding.base import RowPredictions  # noqa: E402
 from model_executor.decoding.base import confidence_dtype  # noqa: E402
 from model_executor.decoding.policies import commit_rows, make_policy  # noqa: E402
+from benchmarks.verify_cost import captured  # noqa: E402
 
 MASK = 0  # the mask token of the benchmark's vocabulary (excluded from predictions, as the engines do)
 
@@ -138,19 +139,11 @@ def case(R: int, args, device: torch.device) -> dict:
     want = torch.stack([d.state for d in decs])
     out["equal"] = bool(torch.equal(got, want))
     if device.type == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                device_step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = device_step()
+        replay, states_out = captured(device_step)  # (three warm-up runs on a side stream, then the capture)
 
         def graph_path():
-            graph.replay()
-            pinned.copy_(captured, non_blocking=True)
+            replay()
+            pinned.copy_(states_out, non_blocking=True)
             sync(device)
             return pinned.clone()
 

@@ -324,6 +324,16 @@ def test_policies_over_a_batch_of_blocks_equal_them_block_by_block(name):
     assert torch.equal(rule(conf), torch.stack([rule(c) for c in conf]))
 
 
+def _masked_blocks(lens: list[int], mask_id: int, g: torch.Generator) -> list[torch.Tensor]:
+    """Blocks of ``lens`` tokens below ``mask_id``, about 60% of their positions masked."""
+    blocks = []
+    for n in lens:
+        b = torch.randint(0, mask_id, (n,), generator=g)
+        b[torch.rand(n, generator=g) < 0.6] = mask_id
+        blocks.append(b)
+    return blocks
+
+
 POLICY_KNOBS = [("static", {}), ("confidence", {"threshold": 0.7}), ("confidence", {"threshold": 0.9}),
                 ("localleap", {"threshold": 0.7, "relaxed_threshold": 0.4, "radius": 2}),
                 ("localleap", {"threshold": 0.8, "relaxed_threshold": 0.5, "radius": 0}),
@@ -372,11 +382,7 @@ def test_a_policy_step_on_the_device_is_the_host_step_without_a_host_read(name):
     kw = dict(threshold=0.45, relaxed_threshold=0.2, radius=1)
     for trial in range(12):
         lens = [int(n) for n in torch.randint(1, 10, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g)]
-        blocks = []
-        for n in lens:
-            b = torch.randint(0, M, (n,), generator=g)
-            b[torch.rand(n, generator=g) < 0.6] = M
-            blocks.append(b)
+        blocks = _masked_blocks(lens, M, g)
         logits = torch.randn(sum(lens), V, generator=g, dtype=torch.float32) * 2
         if trial % 3 == 0:
             logits = logits.round()  # ties between positions' confidences
@@ -416,11 +422,7 @@ def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
     g = torch.Generator().manual_seed(5)
     lens = [4, 8, 3, 8, 6]
     methods = ["confidence", "static", "confidence", "localleap", "static"]
-    blocks = []
-    for n in lens:
-        b = torch.randint(0, M, (n,), generator=g)
-        b[torch.rand(n, generator=g) < 0.6] = M
-        blocks.append(b)
+    blocks = _masked_blocks(lens, M, g)
     logits = torch.randn(sum(lens), V, generator=g, dtype=torch.float64) * 3
     preds = predict_rows(logits)
     starts = [sum(lens[:i]) for i in range(len(lens))]
