@@ -13,7 +13,8 @@ states ready on the host (median of ``--iters`` after warm-up; the device synchr
 
 - ``host``: what the engines do: :func:`~model_executor.decoding.predict_rows` (the top-1 and its probability of
   every row where the logits are, one copy to the host) then :meth:`PolicyDecoder.update_batch` (numpy);
-- ``device``: the same reduction, then :func:`commit_rows` where the logits are, then one copy of the next
+- ``device``: the same reduction, then :func:`commit_rows` with the policy's tensor form
+  (:func:`device_policy`, on the CPU too) where the logits are, then one copy of the next
   states to the host;
 - ``graph`` (CUDA only): the ``device`` path captured once in a CUDA graph (reduction and commit; fixed shapes),
   replayed, then the same copy.
@@ -33,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +45,7 @@ import torch  # noqa: E402
 from model_executor.decoding import PolicyDecoder, predict_rows, propose_all, update_all  # noqa: E402
 from model_executor.decoding.base import RowPredictions  # noqa: E402
 from model_executor.decoding.base import confidence_dtype  # noqa: E402
-from model_executor.decoding.policies import commit_rows, make_policy  # noqa: E402
+from model_executor.decoding.policies import commit_rows, device_policy, make_policy  # noqa: E402
 from benchmarks.verify_cost import captured  # noqa: E402
 
 MASK = 0  # the mask token of the benchmark's vocabulary (excluded from predictions, as the engines do)
@@ -89,6 +91,8 @@ def case(R: int, args, device: torch.device) -> dict:
     logits[torch.arange(R * L), torch.randint(1, V, (R * L,), generator=g)] += torch.rand(R * L, generator=g) * 16
     logits = logits.to(dtype).to(device)
     policy = make_policy(args.policy, threshold=args.threshold)
+    # the tensor form itself (a policy takes it for confidences on a device; here on the CPU too)
+    tensor_policy = partial(device_policy, name=args.policy, threshold=args.threshold)
     rows_h = torch.arange(R * L).view(R, L)
     out: dict = {"requests": R, "rows": R * L}
 
@@ -114,7 +118,7 @@ def case(R: int, args, device: torch.device) -> dict:
     def device_step():
         work.copy_(logits)
         reduce_rows(work, tok, conf)
-        return commit_rows(policy, tok, conf, rows_d, states_d, MASK)
+        return commit_rows(tensor_policy, tok, conf, rows_d, states_d, MASK)
 
     def device_path():
         pinned.copy_(device_step(), non_blocking=device.type == "cuda")
@@ -166,6 +170,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # (the capture's side stream is the current device's)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     rows = [case(int(r), args, device) for r in args.requests.split(",")]
     for r in rows:

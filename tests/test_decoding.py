@@ -359,10 +359,16 @@ def test_the_device_form_of_a_policy_decides_as_its_numpy_form(name, knobs, dtyp
         conf[torch.rand(R, L, generator=g) < 0.4] = float("-inf")
         if R > 2:
             conf[1] = float("-inf")  # a block with nothing left
+        if trial % 4 == 3:  # one block [L], or several canvases per block [R, K, L]
+            conf = conf[0] if trial % 8 == 3 else conf.view(R, 1, L).expand(R, 2, L).clone()
         want = rule(conf)
         got = device_policy(conf, name, **knobs)
         assert got.dtype == torch.bool and torch.equal(got, want), (trial, name, dtype)
     assert torch.equal(device_policy(torch.zeros(3, 0), name, **knobs), torch.zeros(3, 0, dtype=torch.bool))
+    if dtype == torch.float16 and name != "static":  # a threshold just past a float16 midpoint: cast as numpy does
+        conf = torch.tensor([0.8994140625, 0.89990234375, 0.1], dtype=dtype)
+        knobs = {**knobs, "threshold": 0.8996582040563226}
+        assert torch.equal(device_policy(conf, name, **knobs), make_policy(name, **knobs)(conf))
 
 
 @pytest.mark.parametrize("name", ["static", "confidence", "localleap"])

@@ -15,13 +15,14 @@ decoders' state and a step's predictions, as the engines hold them now) they com
 they are tensor ops there (:func:`device_policy`), with no host read and every shape fixed by the input's, so
 they can run inside a captured step and a step's decisions need not travel to the host before the next step's
 ids are written. Both forms decide bit for bit alike: the comparisons are in the confidences' dtype (a Python
-threshold is cast to it in NumPy 2 and in PyTorch alike; bfloat16 is compared in float32 in both), ties go to
-the first position, and :func:`commit_rows` is :meth:`PolicyDecoder.update_batch`'s commit in that form
+threshold cast to it as NumPy 2 casts it; bfloat16 is compared in float32 in both), ties go to the first
+position, and :func:`commit_rows` is :meth:`PolicyDecoder.update_batch`'s commit in that form
 (``tests/test_decoding.py``).
 """
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Callable
 
@@ -77,6 +78,9 @@ def localleap_policy(conf: torch.Tensor, threshold: float = 0.9, relaxed_thresho
 SPATIAL_POLICIES = ("static", "confidence", "localleap")
 
 
+_NUMPY_FLOAT = {torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64}
+
+
 def device_policy(conf: torch.Tensor, name: str, threshold: float = 0.9, relaxed_threshold: float = 0.75,
                   radius: int = 4) -> torch.Tensor:
     """The policy ``name`` over confidences ``conf [..., L]`` as tensor ops where they are: the numpy rules above,
@@ -87,6 +91,10 @@ def device_policy(conf: torch.Tensor, name: str, threshold: float = 0.9, relaxed
     out = first_max_tensor(c)
     if name == "static":
         return out
+    # a Python threshold as numpy casts it to the confidences' dtype (straight to float16, where PyTorch would
+    # round through float32): then both compare the same two values
+    threshold, relaxed_threshold = (float(np.asarray(t, dtype=_NUMPY_FLOAT.get(c.dtype, np.float64)))
+                                    for t in (threshold, relaxed_threshold))
     masked = torch.isfinite(c)
     anchors = masked & (c >= threshold)
     if name == "confidence":
@@ -94,7 +102,7 @@ def device_policy(conf: torch.Tensor, name: str, threshold: float = 0.9, relaxed
     if name != "localleap":
         raise ValueError(f"policy {name!r}; allowed: {', '.join(SPATIAL_POLICIES)}")
     L = c.shape[-1]
-    r = min(radius, L)  # a radius of the row's length or more reaches every position already
+    r = min(math.floor(radius), L)  # (integer distances: a radius of the row's length or more reaches every one)
     if r < 0 or L == 0:
         near = torch.zeros_like(masked)
     else:  # a position within ``radius`` of an anchor: the anchors' running max over the window (one pass)
