@@ -65,8 +65,8 @@ CASES = [(m, "plain") for m in METHODS] + [("confidence", "logprobs"), ("spiffy"
 def test_decoding_with_device_logits_and_host_state(engine, prompts, monkeypatch, method, case):
     """Every method, from logits on the device: the same tokens and NFE as on the host, no operation mixes a
     device tensor with a host one (proposals included), and every step reads the device exactly once (the
-    predictions' one copy), plus at most once for what needs the logits themselves (Spiffy's top tokens,
-    logprobs)."""
+    predictions' one copy; for the spatial policies, which decide on the device, the next states' one copy),
+    plus at most once for what needs the logits themselves (Spiffy's top tokens, logprobs)."""
     options = {"plain": {}, "logprobs": {"logprobs": 2}, "penalties": {"rules": PENALTIES},
                "rules": {"rules": LogitsRules(logit_bias={5: 2.0, 9: -3.0}, min_tokens=3,
                                               stop_token_ids=(engine.spec.eos_token_id,))}}[case]
@@ -88,8 +88,12 @@ def test_decoding_with_device_logits_and_host_state(engine, prompts, monkeypatch
         extra.add("model_executor/decoding/base.py:top_tokens")
     if options.get("logprobs"):
         extra.add("model_executor/dllm_request.py:record_logprobs")
+    # the spatial policies decide where the logits are (their one copy brings the next states back); the other
+    # methods decide on the host, after the predictions' one copy
+    one = ("model_executor/decoding/policies.py:_update_on_device" if method in ("static", "confidence", "localleap")
+           else "model_executor/decoding/base.py:predict_rows")
     for n, copies in enumerate(steps):  # the most per step, not the mean: a step may not make up for another
-        assert copies.pop("model_executor/decoding/base.py:predict_rows", 0) == 1, (n, copies)
+        assert copies.pop(one, 0) == 1, (n, copies)
         assert set(copies) <= extra and max(copies.values(), default=0) <= 1, (n, copies)
 
 
@@ -107,3 +111,52 @@ def test_the_proxy_catches_mixing_and_reads():
         bool(d.any())
         d.tolist()
         assert len(proxy.reads) == 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_the_policies_decide_on_the_device_and_a_nonfinite_block_fails_alone(temperature):
+    """A step of confidence decoders whose logits are on the device decides there (one copy back, from the policy
+    update), as the host decides from the same logits, greedy or sampled; a request whose logits hold a NaN fails
+    alone (the serving engine's ``failed``), the others step as on the host; without ``failed`` (the reference
+    engine) the step raises."""
+    from attention_backends.step_batch import build_step_batch
+    from model_executor.decoding import PolicyDecoder, Sampling, make_policy, propose_all
+    from model_executor.dllm_request import DLLMRequest, decode_step
+
+    M, V, EOS = 30, 40, 29
+    g = torch.Generator().manual_seed(3)
+
+    def requests():
+        sampling = Sampling(temperature, seed=7) if temperature else None
+
+        def make(block):
+            d = PolicyDecoder(block, M, make_policy("confidence", threshold=0.3))
+            d.sampling = sampling
+            return d
+
+        return [DLLMRequest(list(range(1, 4 + i)), 12, 4, make, M, EOS) for i in range(3)]
+
+    def run(on_device: bool, logits, failed):
+        reqs = requests()
+        steps = [r.plan(p) for r, p in zip(reqs, propose_all([r.dec for r in reqs]))]
+        kept = torch.cat([st.kept for st in steps])
+        firsts = build_step_batch(steps).canvas_rows
+        x = logits[: int(kept.sum())].clone()
+        with DeviceProxy() as proxy:
+            decode_step(mark(x) if on_device else x, kept, M, reqs, steps, firsts, failed=failed)
+        return [r.dec.state.tolist() for r in reqs], proxy
+
+    logits = torch.randn(64, V, generator=g) * 3
+    host, _ = run(False, logits, {})
+    dev, proxy = run(True, logits, {})
+    assert dev == host and len(proxy.copies) == 1 and not proxy.reads, (proxy.copies, proxy.reads)
+    assert proxy.copies[0] == "model_executor/decoding/policies.py:_update_on_device"
+    poisoned = logits.clone()
+    poisoned[4 + 1, 5] = float("nan")  # a row of the second request's block (each block: 4 rows)
+    failed_host, failed_dev = {}, {}
+    host, _ = run(False, poisoned, failed_host)
+    dev, _ = run(True, poisoned, failed_dev)
+    assert set(failed_dev) == set(failed_host) == {1} and "non-finite" in str(failed_dev[1])
+    assert [s for i, s in enumerate(dev) if i != 1] == [s for i, s in enumerate(host) if i != 1]
+    with pytest.raises(RuntimeError, match="non-finite"):
+        run(True, poisoned, None)

@@ -22,7 +22,9 @@ row's top-1 and its confidence come back in one copy). Everything after it, the 
 step's states and predictions ``[R, K, L]``, is host data, computed in numpy on views of the host tensors (a few
 microseconds an op where a small torch op costs tens, which a step pays dozens of times); every float operation
 there is an element-wise IEEE one, Python's libm or a reduction kept in torch, so the decisions are bit for bit
-those of the one-block oracles.
+those of the one-block oracles. The spatial policies' decoders are the exception where the logits are on an
+accelerator: their step decides there (:class:`DeviceRowPredictions`, :meth:`~.policies.PolicyDecoder.update_batch`)
+and the one copy brings their next states back instead of the predictions.
 """
 
 from __future__ import annotations
@@ -80,6 +82,28 @@ class RowPredictions:
         return RowPredictions(self.logits[first: first + at.numel()], self.tokens[rows], self.conf[rows])
 
 
+@dataclass
+class DeviceRowPredictions:
+    """A step's predictions left where the logits are, for decoders that decide there (the spatial policies:
+    :meth:`~.policies.PolicyDecoder.update_batch` with :func:`~.policies.commit_rows`): no copy to the host and
+    no scatter to the prediction rows (:func:`predict_rows` with ``on_device``). ``tokens``/``conf [M]`` are per
+    logits row, on the logits' device; ``at`` (host) maps a prediction row to its logits row, as in
+    :class:`RowPredictions`."""
+
+    logits: torch.Tensor  # [M, V]
+    tokens: torch.Tensor  # [M] on the logits' device: the argmax (or the draw) of each logits row
+    conf: torch.Tensor  # [M] its probability (float32 at least)
+    at: torch.Tensor | None = None  # [N] (host) logits row of each prediction row, -1: none; None: the same row
+
+    logits_of = RowPredictions.logits_of
+
+    def logits_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The logits row of each prediction row in ``rows`` (numpy, -1: none), -1 where none was computed."""
+        if self.at is None:
+            return rows
+        return np.where(rows >= 0, self.at.numpy()[np.maximum(rows, 0)], -1)
+
+
 def logits_map(kept: torch.Tensor) -> torch.Tensor:
     """``[N]``: the logits row of each prediction row when only the rows ``kept [N]`` (bool, host) get logits,
     in order; -1 for the others."""
@@ -113,7 +137,7 @@ def confidence_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.Tensor | None = None,
-                 draws: RowDraws | None = None) -> RowPredictions:
+                 draws: RowDraws | None = None, on_device: bool = False) -> RowPredictions | DeviceRowPredictions:
     """Argmax and its probability of every row of ``logits [M, V]``, without materialising a softmax: per row
     the max (first index on ties, as ``argmax``, in the logits' dtype) and ``sum(exp(x - max))`` in
     :func:`confidence_dtype` (float32 from bfloat16/float16 logits). The rows go in chunks whose work buffer
@@ -131,7 +155,10 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.T
     Device discipline: the tokens and confidences come back **on the host** (the decoders' state lives there),
     in one device-to-host copy (both packed into one float64 tensor: token ids are exact in it; none on a CPU,
     where they are already); the logits
-    stay where they are, for what needs them (sampling, Spiffy's top tokens, logprobs)."""
+    stay where they are, for what needs them (sampling, Spiffy's top tokens, logprobs).
+
+    ``on_device``: no copy at all; the tokens and confidences stay with the logits, per logits row
+    (:class:`DeviceRowPredictions`), for decoders that decide there."""
     if mask_id is not None:
         exclude_mask_token(logits, mask_id)
     M, V = logits.shape
@@ -166,6 +193,8 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.T
             tokens[rows], conf[rows] = idx, z.reciprocal_()
     if draws is not None and len(draws):
         draw_rows(logits, draws, tokens, conf, work_bytes(logits.device))
+    if on_device:
+        return DeviceRowPredictions(logits, tokens, conf, None if kept is None else logits_map(kept))
     if logits.device.type == "cpu":  # the host already: no copy to make
         tokens_h, conf_h = tokens, conf
     else:  # one copy to the host: [2, M] float64 (ids < 2**53 are exact)

@@ -29,8 +29,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .base import (BlockDecoder, Proposal, canvas_predictions, canvas_row_index, first_max, first_max_tensor, groups,
-                   host_array, host_rows, onehot_first_max, pad_rows, predict_each)
+from .base import (BlockDecoder, DeviceRowPredictions, Proposal, canvas_predictions, canvas_row_index, first_max,
+                   first_max_tensor, groups, host_array, host_rows, onehot_first_max, pad_rows, predict_each)
 
 Policy = Callable[[torch.Tensor], torch.Tensor]
 
@@ -183,6 +183,9 @@ class PolicyDecoder(BlockDecoder):
                     d.state = row
                     d.t += 1
                 continue
+            if isinstance(preds, DeviceRowPredictions):  # the predictions are where the logits are: decide there
+                cls._update_on_device(group, [canvas_rows[i] for i in idx], preds)
+                continue
             # host arrays (the states and the step's predictions are on the host), in numpy
             mask = group[0].mask_id
             S = host_rows([(d.state,) for d in group])[0]
@@ -193,3 +196,37 @@ class PolicyDecoder(BlockDecoder):
             for r, d in enumerate(group):
                 d.state = new[r, : d.state.numel()]
                 d.t += 1
+
+    @staticmethod
+    def decides_on_device(decoders: list[BlockDecoder]) -> bool:
+        """Whether a step of ``decoders`` takes its decisions where the logits are (:meth:`update_batch` with
+        :class:`~.base.DeviceRowPredictions`): every one a spatial policy's decoder that reads only its masked
+        positions' predictions (not recording distributions) and has no grammar (whose frontier rule runs on
+        the host)."""
+        return bool(decoders) and all(type(d) is PolicyDecoder and not d.reads_all_rows and d.grammar is None
+                                      for d in decoders)
+
+    @staticmethod
+    def _update_on_device(group: list["PolicyDecoder"], canvas_rows: list[list[int]],
+                          preds: DeviceRowPredictions) -> None:
+        """One policy's decoders stepped where the predictions are (:func:`commit_rows`): their states and the
+        logits row of every block position go up in one copy, the next states and each block's count of
+        non-finite predictions come back in one. A block with a non-finite prediction (NaN or inf in the model's
+        output) raises, and no decoder of the group is stepped (the engines then step each alone:
+        :func:`~model_executor.dllm_request.decode_step`)."""
+        mask = group[0].mask_id
+        S = host_rows([(d.state,) for d in group])[0]
+        rows = preds.logits_rows(canvas_row_index(group, canvas_rows, 1).numpy()[:, 0])
+        up = torch.from_numpy(np.stack([S, rows])).to(preds.tokens.device, non_blocking=True)
+        states, at = up[0], up[1]
+        new = commit_rows(group[0].policy, preds.tokens, preds.conf, at, states, mask)
+        bad = (preds.conf[at.clamp(min=0)].isnan() & (at >= 0)).sum(-1)
+        out = torch.cat([new, bad[:, None].to(new.dtype)], 1).cpu()  # the step's one copy back
+        nonfinite = out[:, -1].numpy()
+        if nonfinite.any():
+            n = int(nonfinite.max())
+            raise RuntimeError(f"non-finite logits at {n} of the request's prediction rows (NaN or inf in the "
+                               "model's output for its canvases): nothing to decode")
+        for r, d in enumerate(group):
+            d.state = out[r, : d.state.numel()]
+            d.t += 1
