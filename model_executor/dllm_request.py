@@ -25,8 +25,9 @@ import numpy as np
 import torch
 
 from .block_schedule import CacheSchedule, plan_blocks
-from .decoding import (BlockDecoder, PolicyDecoder, Proposal, RowPredictions, apply_rules, logits_map, merge_stats,
-                       predict_rows, update_all)
+from .decoding import (BlockDecoder, Proposal, RowPredictions, apply_rules, logits_map, merge_stats, predict_rows,
+                       update_all)
+from .decoding.base import decide_on_device
 from .decoding.sampling import RowDraws, row_draws
 from .grammar import GrammarFrontier, constrain_rows, mask_frontiers
 
@@ -383,9 +384,9 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     grammar raise, is recorded there under its index in ``requests`` and the others' predictions are unaffected
     (every stage writes a request's own rows only); without it (the reference engine) they raise.
 
-    Where the logits are on an accelerator and every decoder is a spatial policy's without a grammar
-    (:meth:`~model_executor.decoding.PolicyDecoder.decides_on_device`), the predictions stay there
-    (:class:`~model_executor.decoding.base.DeviceRowPredictions`): the policies' update decides on the device,
+    Where the logits are on an accelerator and every decoder's method decides there
+    (:func:`~model_executor.decoding.base.decide_on_device`: the spatial policies, PSD), the predictions stay there
+    (:class:`~model_executor.decoding.base.DeviceRowPredictions`): the methods' update decides on the device,
     checks the blocks' predictions are finite, and makes the step's one copy (of the next states)."""
     at = logits_map(kept)
     ruled = [i for i, r in enumerate(rules or ()) if r is not None]
@@ -401,10 +402,10 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     if jobs:
         mask_frontiers(logits, jobs, at, job_failed)
     draws = step_draws(requests, steps, firsts, at, failed)
-    if logits.device.type != "cpu" and PolicyDecoder.decides_on_device(
+    if logits.device.type != "cpu" and decide_on_device(
             [r.dec for i, r in enumerate(requests) if not failed or i not in failed]):
-        # the spatial policies decide where the logits are: the predictions stay there, and the update copies
-        # the next states back (and checks each block's predictions are finite) in the step's one copy
+        # the decoders decide where the logits are: the predictions stay there, and their update copies the next
+        # states back (and checks each block's predictions are finite) in the step's one copy
         return predict_rows(logits, mask_id=mask_id, kept=kept, draws=draws, on_device=True)
     preds = predict_rows(logits, mask_id=mask_id, kept=kept, draws=draws)
     bad = preds.conf.isnan()

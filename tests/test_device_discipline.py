@@ -57,6 +57,10 @@ def _on_device(engine, monkeypatch, proxy, steps):
 
 
 PENALTIES = LogitsRules(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
+# the spatial policies and PSD decide where the logits are (their one copy brings the next states back); the
+# other methods decide on the host, after the predictions' one copy
+ONE_COPY = {**{m: "model_executor/decoding/policies.py:_update_on_device" for m in ("static", "confidence", "localleap")},
+            "psd": "model_executor/decoding/psd.py:_decide_on_device"}
 CASES = [(m, "plain") for m in METHODS] + [("confidence", "logprobs"), ("spiffy", "logprobs"), ("confidence", "rules"),
                                            ("confidence", "penalties")]
 
@@ -65,7 +69,7 @@ CASES = [(m, "plain") for m in METHODS] + [("confidence", "logprobs"), ("spiffy"
 def test_decoding_with_device_logits_and_host_state(engine, prompts, monkeypatch, method, case):
     """Every method, from logits on the device: the same tokens and NFE as on the host, no operation mixes a
     device tensor with a host one (proposals included), and every step reads the device exactly once (the
-    predictions' one copy; for the spatial policies, which decide on the device, the next states' one copy),
+    predictions' one copy; for the spatial policies and PSD, which decide on the device, the decisions' one copy),
     plus at most once for what needs the logits themselves (Spiffy's top tokens, logprobs)."""
     options = {"plain": {}, "logprobs": {"logprobs": 2}, "penalties": {"rules": PENALTIES},
                "rules": {"rules": LogitsRules(logit_bias={5: 2.0, 9: -3.0}, min_tokens=3,
@@ -88,10 +92,7 @@ def test_decoding_with_device_logits_and_host_state(engine, prompts, monkeypatch
         extra.add("model_executor/decoding/base.py:top_tokens")
     if options.get("logprobs"):
         extra.add("model_executor/dllm_request.py:record_logprobs")
-    # the spatial policies decide where the logits are (their one copy brings the next states back); the other
-    # methods decide on the host, after the predictions' one copy
-    one = ("model_executor/decoding/policies.py:_update_on_device" if method in ("static", "confidence", "localleap")
-           else "model_executor/decoding/base.py:predict_rows")
+    one = ONE_COPY.get(method, "model_executor/decoding/base.py:predict_rows")
     for n, copies in enumerate(steps):  # the most per step, not the mean: a step may not make up for another
         assert copies.pop(one, 0) == 1, (n, copies)
         assert set(copies) <= extra and max(copies.values(), default=0) <= 1, (n, copies)
@@ -113,50 +114,64 @@ def test_the_proxy_catches_mixing_and_reads():
         assert len(proxy.reads) == 2
 
 
+DEVICE_CASES = [("confidence", {"threshold": 0.3}), ("localleap", {"threshold": 0.5, "relaxed_threshold": 0.2}),
+                ("psd", {"threshold": 0.3, "depth": 3}), ("psd", {"threshold": 0.5, "depth": 3, "dag_shape": "skip"})]
+
+
+@pytest.mark.parametrize("method, knobs", DEVICE_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(DEVICE_CASES)])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_the_policies_decide_on_the_device_and_a_nonfinite_block_fails_alone(temperature):
-    """A step of confidence decoders whose logits are on the device decides there (one copy back, from the policy
-    update), as the host decides from the same logits, greedy or sampled; a request whose logits hold a NaN fails
-    alone (the serving engine's ``failed``), the others step as on the host; without ``failed`` (the reference
-    engine) the step raises."""
+def test_methods_decide_on_the_device_and_a_nonfinite_block_fails_alone(method, knobs, temperature):
+    """Steps whose logits are on the device decide there (one copy back, from the method's update), step after
+    step as the host decides from the same logits, greedy or sampled, with requests on their block's first
+    forward beside verifying ones (PSD); a request whose logits hold a NaN fails alone (the serving engine's
+    ``failed``) and the others step as on the host; without ``failed`` (the reference engine) the step raises."""
     from attention_backends.step_batch import build_step_batch
-    from model_executor.decoding import PolicyDecoder, Sampling, make_policy, propose_all
+    from model_executor.decoding import Sampling, logits_map, make_decoder, propose_all
     from model_executor.dllm_request import DLLMRequest, decode_step
 
     M, V, EOS = 30, 40, 29
     g = torch.Generator().manual_seed(3)
+    logits = [torch.randn(96, V, generator=g) * 3 for _ in range(6)]
+    sampling = Sampling(temperature, seed=7) if temperature else None
 
-    def requests():
-        sampling = Sampling(temperature, seed=7) if temperature else None
+    def run(on_device: bool, poison_at: int | None, failed):
+        reqs = [DLLMRequest(list(range(1, 4 + i)), 12 + 4 * i, 4,
+                            lambda b: make_decoder(method, b, M, sampling=sampling, **knobs), M, EOS)
+                for i in range(4)]
+        trace, copies = [], []
+        for n, x in enumerate(logits):
+            live = [i for i, r in enumerate(reqs) if not r.done and (failed is None or i not in failed)]
+            if not live:
+                break
+            steps = [reqs[i].plan(p) for i, p in zip(live, propose_all([reqs[i].dec for i in live]))]
+            kept = torch.cat([st.kept for st in steps])
+            firsts = build_step_batch(steps).canvas_rows
+            x = x[: int(kept.sum())].clone()
+            if n == poison_at and 1 in live:  # a logits row of the second request's first canvas
+                j = live.index(1)
+                at = logits_map(kept)[firsts[j][0]: firsts[j][0] + steps[j].block_len]
+                x[int(at[at >= 0][0]), 5] = float("nan")
+            step_failed = None if failed is None else {}
+            with DeviceProxy() as proxy:
+                decode_step(mark(x) if on_device else x, kept, M, [reqs[i] for i in live], steps, firsts,
+                            failed=step_failed)
+            copies.append(list(proxy.copies))
+            for j, (i, st) in enumerate(zip(live, steps)):
+                if step_failed and j in step_failed:
+                    failed[i] = step_failed[j]
+                    continue
+                reqs[i].stepped(st)
+            trace.append([reqs[i].tokens.tolist() for i in live])
+        return trace, copies
 
-        def make(block):
-            d = PolicyDecoder(block, M, make_policy("confidence", threshold=0.3))
-            d.sampling = sampling
-            return d
-
-        return [DLLMRequest(list(range(1, 4 + i)), 12, 4, make, M, EOS) for i in range(3)]
-
-    def run(on_device: bool, logits, failed):
-        reqs = requests()
-        steps = [r.plan(p) for r, p in zip(reqs, propose_all([r.dec for r in reqs]))]
-        kept = torch.cat([st.kept for st in steps])
-        firsts = build_step_batch(steps).canvas_rows
-        x = logits[: int(kept.sum())].clone()
-        with DeviceProxy() as proxy:
-            decode_step(mark(x) if on_device else x, kept, M, reqs, steps, firsts, failed=failed)
-        return [r.dec.state.tolist() for r in reqs], proxy
-
-    logits = torch.randn(64, V, generator=g) * 3
-    host, _ = run(False, logits, {})
-    dev, proxy = run(True, logits, {})
-    assert dev == host and len(proxy.copies) == 1 and not proxy.reads, (proxy.copies, proxy.reads)
-    assert proxy.copies[0] == "model_executor/decoding/policies.py:_update_on_device"
-    poisoned = logits.clone()
-    poisoned[4 + 1, 5] = float("nan")  # a row of the second request's block (each block: 4 rows)
+    host, _ = run(False, None, {})
+    dev, copies = run(True, None, {})
+    assert dev == host and all(len(c) == 1 for c in copies), copies
+    assert len(dev) > 2  # several steps: PSD verifies beside first forwards
     failed_host, failed_dev = {}, {}
-    host, _ = run(False, poisoned, failed_host)
-    dev, _ = run(True, poisoned, failed_dev)
+    host, _ = run(False, 2, failed_host)
+    dev, _ = run(True, 2, failed_dev)
     assert set(failed_dev) == set(failed_host) == {1} and "non-finite" in str(failed_dev[1])
-    assert [s for i, s in enumerate(dev) if i != 1] == [s for i, s in enumerate(host) if i != 1]
+    assert dev == host
     with pytest.raises(RuntimeError, match="non-finite"):
-        run(True, poisoned, None)
+        run(True, 2, None)

@@ -46,10 +46,13 @@ DLLM_ALLOWED = {
     "model_executor/decoding/base.py:predict_rows cpu": 1,
     **CPU_ONLY,
 }
-# the spatial policies decide where the logits are: their one copy is the next states (and each block's count of
-# non-finite predictions), from the policies' update
-POLICY_ALLOWED = {"model_executor/decoding/policies.py:_update_on_device cpu": 1, **CPU_ONLY}
-SPATIAL = ("static", "confidence", "localleap")
+# the spatial policies and PSD decide where the logits are: their one copy is the decisions (the next states, and
+# each block's count of non-finite predictions), from the method's update
+DEVICE_DECIDED = {
+    **{m: {"model_executor/decoding/policies.py:_update_on_device cpu": 1, **CPU_ONLY}
+       for m in ("static", "confidence", "localleap")},
+    "psd": {"model_executor/decoding/psd.py:_decide_on_device cpu": 1, **CPU_ONLY},
+}
 PRESTO_ALLOWED = {
     **CPU_ONLY,
     # the tree rows' argmax of every request, one batched copy (acceptance walks it on the host)
@@ -190,7 +193,7 @@ def test_dllm_step_reads_the_device_once(step_audit, mixed_prompts, method, cach
     finally:
         del llm
     assert all(o.outputs[0].token_ids for o in outs)
-    _check(step_audit, {**(POLICY_ALLOWED if method in SPATIAL else DLLM_ALLOWED), **allowed})
+    _check(step_audit, {**DEVICE_DECIDED.get(method, DLLM_ALLOWED), **allowed})
 
 
 @pytest.fixture(scope="module")

@@ -375,6 +375,8 @@ class BlockDecoder:
         return bool((s.numpy() == self.mask_id).any()) if s.device.type == "cpu" else bool(self.masked.any())
 
     rewrites_tokens = False  # whether the method edits positions it committed (then no grammar applies)
+    # whether the method's update can decide where the logits are (from DeviceRowPredictions: decide_on_device)
+    device_update = False
 
     @property
     def reads_all_rows(self) -> bool:
@@ -414,6 +416,15 @@ def update_in_groups(update, key, decoders: list[BlockDecoder], proposals: list[
     ``key(decoder, proposal)``: the knobs one batched update cannot mix (a policy, a draft DAG, a graph)."""
     for idx in groups(range(len(decoders)), lambda i: key(decoders[i], proposals[i])):
         update([decoders[i] for i in idx], [proposals[i] for i in idx], preds, [canvas_rows[i] for i in idx])
+
+
+def decide_on_device(decoders: list[BlockDecoder]) -> bool:
+    """Whether a step of ``decoders`` (the step's logits on an accelerator) takes its decisions there: every one
+    of a method whose update has a device form (:attr:`BlockDecoder.device_update`: the spatial policies, PSD),
+    reading only its masked positions' predictions (no recorded distributions), without a grammar (whose
+    frontier rule runs on the host). Its update then gets :class:`DeviceRowPredictions` and makes the step's
+    one copy back: the next states and what the host's bookkeeping reads."""
+    return bool(decoders) and all(d.device_update and not d.reads_all_rows and d.grammar is None for d in decoders)
 
 
 def propose_all(decoders: list[BlockDecoder]) -> list[Proposal]:

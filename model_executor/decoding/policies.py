@@ -149,6 +149,8 @@ class PolicyDecoder(BlockDecoder):
     ``record``: a list that receives ``(state, prediction with full probabilities, next state)`` per step
     (calibration, :mod:`psd_plugin.calibrate`; greedy)."""
 
+    device_update = True  # :meth:`_update_on_device`
+
     def __init__(self, block, mask_id, policy: Policy, record: list | None = None):
         super().__init__(block, mask_id)
         self.policy = policy
@@ -196,15 +198,6 @@ class PolicyDecoder(BlockDecoder):
             for r, d in enumerate(group):
                 d.state = new[r, : d.state.numel()]
                 d.t += 1
-
-    @staticmethod
-    def decides_on_device(decoders: list[BlockDecoder]) -> bool:
-        """Whether a step of ``decoders`` takes its decisions where the logits are (:meth:`update_batch` with
-        :class:`~.base.DeviceRowPredictions`): every one a spatial policy's decoder that reads only its masked
-        positions' predictions (not recording distributions) and has no grammar (whose frontier rule runs on
-        the host)."""
-        return bool(decoders) and all(type(d) is PolicyDecoder and not d.reads_all_rows and d.grammar is None
-                                      for d in decoders)
 
     @staticmethod
     def _update_on_device(group: list["PolicyDecoder"], canvas_rows: list[list[int]],

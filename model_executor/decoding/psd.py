@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, groups, host_rows,
-                   update_in_groups)
+from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions, canvas_row_index,
+                   groups, host_rows, update_in_groups)
 from .policies import Policy, policy_key
 
 
@@ -115,6 +115,8 @@ def _shaped(shape: str, depth: int) -> DraftDAG:
 
 
 class PSDDecoder(BlockDecoder):
+    device_update = True  # :meth:`_decide_on_device`
+
     def __init__(self, block, mask_id, policy: Policy, dag: DraftDAG):
         super().__init__(block, mask_id)
         self.policy, self.dag = policy, dag
@@ -169,39 +171,22 @@ class PSDDecoder(BlockDecoder):
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """L18-26 for every decoder, a policy and DAG at a time: each node's verification under π,
         hierarchical acceptance node by node in topological order (all requests at once), the deepest accepted
-        draft and Stage 1 on it (the block's first step: Stage 1 on the state's prediction)."""
-        update_in_groups(cls._update, lambda d, p: (policy_key(d.policy), d.dag, p.data is None), decoders,
-                         proposals, preds, canvas_rows)
+        draft and Stage 1 on it (the block's first step: Stage 1 on the state's prediction, as a verification
+        whose only node is the root; decoders on their block's first step and verifying ones update together)."""
+        update_in_groups(cls._update, lambda d, p: (policy_key(d.policy), d.dag), decoders, proposals, preds,
+                         canvas_rows)
 
-    @classmethod
-    def _update(cls, decoders, proposals, preds, canvas_rows):
-        first = decoders[0]
-        mask, policy, verify = first.mask_id, first.policy, proposals[0].data is not None
-        R, ar = len(decoders), np.arange(len(decoders))
-        rows = canvas_row_index(decoders, canvas_rows).numpy()  # [R, K, L]
-        if not verify:  # the block's first forward: Stage 1 on the state's prediction
-            D = host_rows([(d.state,) for d in decoders])[0][:, None]  # [R, 1, L]
-            E = F = np.ones((R, 1), dtype=bool)
-            node_rows = rows[:, :1]
-        else:
-            N, L = len(first.dag.sets), rows.shape[-1]
-            D = np.full((R, N, L), -1, dtype=np.int64)
-            sigma = np.zeros((R, L), dtype=np.int64)
-            for r, p in enumerate(proposals):
-                D[r, :, : p.data[0].shape[1]] = p.data[0]
-                sigma[r, : p.data[3].size] = p.data[3]
-            E = np.stack([p.data[1] for p in proposals])
-            F = np.stack([p.data[2] for p in proposals])
-            # forwarded node k of request r is its canvas (number of forwarded nodes before k)
-            canvas = np.maximum(F.cumsum(-1) - 1, 0)
-            node_rows = np.take_along_axis(rows, canvas[..., None], axis=1)
-            node_rows = np.where(F[..., None], node_rows, -1)
+    @staticmethod
+    def _decide(first, preds, D, E, F, sigma, node_rows):
+        """L19-26's decisions on host data (numpy): ``(best [R], acc [R, N], next states [R, L], the best node's
+        prediction tokens and confidences [R, L])``; ``sigma`` None on the block's first forward."""
+        mask, R, ar = first.mask_id, D.shape[0], np.arange(D.shape[0])
         tok, conf = canvas_predictions(preds, node_rows, D, mask)
-        commits = policy(torch.from_numpy(conf)).numpy()  # what π commits from each node's verification output
+        commits = first.policy(torch.from_numpy(conf)).numpy()  # what π commits from each node's verification output
         N = D.shape[1]
         acc = np.zeros((R, N), dtype=bool)
         acc[:, 0] = True
-        if verify:
+        if sigma is not None:
             dag = first.dag
             for k in range(1, N):  # L20-22: a parent accepted, verified, and π agreeing on every new position
                 ok = np.zeros(R, dtype=bool)
@@ -217,11 +202,104 @@ class PSDDecoder(BlockDecoder):
             size = np.array([len(s) for s in dag.sets])
             best = np.where(acc, size * (N + 1) + N - np.arange(N), -1).argmax(-1)  # L25: deepest, earliest
         else:
-            size, best = np.zeros(1, dtype=np.int64), np.zeros(R, dtype=np.int64)
-        past = np.array(first.dag.depths if verify else (0,))[best].tolist()  # k*'s steps past the root
+            best = np.zeros(R, dtype=np.int64)
         fb = F[ar, best]
         state = torch.from_numpy(np.where(commits[ar, best] & fb[:, None], tok[ar, best], D[ar, best]))  # L26
-        tok_b, conf_b = torch.from_numpy(tok[ar, best]), torch.from_numpy(conf[ar, best])
+        return best, acc, state, torch.from_numpy(tok[ar, best]), torch.from_numpy(conf[ar, best])
+
+    @staticmethod
+    def _decide_on_device(first, preds: DeviceRowPredictions, D, E, F, sigma, node_rows):
+        """:meth:`_decide` where the predictions are (tensor ops; the policy's tensor form), decision for
+        decision: the drafts, the nodes' rows, σ and the DAG's index lists go up in one copy, and the decisions
+        (with each block's count of non-finite predictions: one raises, nothing is stepped) come back in one."""
+        mask, (R, N, L), dag = first.mask_id, D.shape, first.dag
+        # the DAG's rank lists, each (k, p) edge's new ranks σ-indexed; with the node sizes, one index array
+        edges, flat = [], []
+        if sigma is not None:
+            for k in range(1, N):
+                for p in dag.parents[k]:
+                    new = sorted(dag.sets[k] - dag.sets[p])
+                    if new[-1] < L:  # (else node k exists in no block of the step)
+                        edges.append((k, p, len(flat), len(new)))
+                        flat.extend(new)
+        parts = [D, preds.logits_rows(node_rows), E, F, np.array([len(s) for s in dag.sets]) if sigma is not None
+                 else np.zeros(N, dtype=np.int64), np.array(flat, dtype=np.int64)]
+        parts.append(sigma if sigma is not None else np.zeros(0, dtype=np.int64))
+        sizes = [a.size for a in parts]
+        up = torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64) for a in parts])).to(
+            preds.tokens.device, non_blocking=True)
+        Dd, at, Ed, Fd, size, ranks, sig = (up[a: a + n] for a, n in zip(np.cumsum([0] + sizes[:-1]).tolist(), sizes))
+        Dd, at, Ed, Fd = Dd.view(R, N, L), at.view(R, N, L), Ed.view(R, N).bool(), Fd.view(R, N).bool()
+        safe = at.clamp(min=0)
+        tok, conf = preds.tokens[safe], preds.conf[safe]
+        conf = torch.where((Dd != mask) | (at < 0), torch.full_like(conf, float("-inf")), conf)
+        commits = first.policy(conf)  # on the device: the policy's tensor form
+        acc = torch.zeros((R, N), dtype=torch.bool, device=Dd.device)
+        acc[:, 0] = True
+        if sigma is not None:
+            sig = sig.view(R, L)
+            for k in range(1, N):
+                ok = torch.zeros(R, dtype=torch.bool, device=Dd.device)
+                for kk, p, a, n in edges:
+                    if kk != k:
+                        continue
+                    pos = torch.zeros((R, L), dtype=torch.bool, device=Dd.device)
+                    pos.scatter_(1, sig.index_select(1, ranks[a: a + n]), True)
+                    agree = commits[:, p] & (tok[:, p] == Dd[:, k])
+                    ok |= acc[:, p] & Fd[:, p] & ~(pos & ~agree).any(-1)
+                acc[:, k] = ok & Ed[:, k]
+            order = torch.arange(N, device=Dd.device)
+            best = torch.where(acc, size * (N + 1) + N - order, torch.full_like(size, -1)).argmax(-1)
+        else:
+            best = torch.zeros(R, dtype=torch.long, device=Dd.device)
+        ar = torch.arange(R, device=Dd.device)
+        state = torch.where(commits[ar, best] & Fd[ar, best][:, None], tok[ar, best], Dd[ar, best])
+        bad = (preds.conf[safe].isnan() & (at >= 0)).flatten(1).sum(-1)
+        # one copy back, as float64 (token ids are exact in it, confidences widen exactly)
+        out = torch.cat([state.double(), tok[ar, best].double(), conf[ar, best].double(), best[:, None].double(),
+                         acc.double(), bad[:, None].double()], 1).cpu()
+        if bool((out[:, -1] > 0).any()):  # host data
+            raise RuntimeError(f"non-finite logits at {int(out[:, -1].max())} of the request's prediction rows (NaN "
+                               "or inf in the model's output for its canvases): nothing to decode")
+        h = out.numpy()
+        return (h[:, 3 * L].astype(np.int64), h[:, 3 * L + 1: 3 * L + 1 + N] > 0,
+                torch.from_numpy(h[:, :L].astype(np.int64)), torch.from_numpy(h[:, L: 2 * L].astype(np.int64)),
+                out[:, 2 * L: 3 * L].to(preds.conf.dtype))
+
+    @classmethod
+    def _update(cls, decoders, proposals, preds, canvas_rows):
+        first = decoders[0]
+        verifies = [p.data is not None for p in proposals]
+        verify = any(verifies)
+        R, ar = len(decoders), np.arange(len(decoders))
+        rows = canvas_row_index(decoders, canvas_rows).numpy()  # [R, K, L]
+        if not verify:  # every block's first forward: Stage 1 on the state's prediction
+            D = host_rows([(d.state,) for d in decoders])[0][:, None]  # [R, 1, L]
+            E = F = np.ones((R, 1), dtype=bool)
+            node_rows = rows[:, :1]
+        else:
+            N, L = len(first.dag.sets), rows.shape[-1]
+            D = np.full((R, N, L), -1, dtype=np.int64)
+            sigma = np.zeros((R, L), dtype=np.int64)
+            E, F = np.zeros((R, N), dtype=bool), np.zeros((R, N), dtype=bool)
+            for r, (p, d) in enumerate(zip(proposals, decoders)):
+                if p.data is None:  # its block's first forward: the root alone, the state's prediction
+                    D[r, 0, : d.state.numel()] = d.state.numpy()
+                    E[r, 0] = F[r, 0] = True
+                    continue
+                D[r, :, : p.data[0].shape[1]] = p.data[0]
+                sigma[r, : p.data[3].size] = p.data[3]
+                E[r], F[r] = p.data[1], p.data[2]
+            # forwarded node k of request r is its canvas (number of forwarded nodes before k)
+            canvas = np.maximum(F.cumsum(-1) - 1, 0)
+            node_rows = np.take_along_axis(rows, canvas[..., None], axis=1)
+            node_rows = np.where(F[..., None], node_rows, -1)
+        decide = cls._decide_on_device if isinstance(preds, DeviceRowPredictions) else cls._decide
+        best, acc, state, tok_b, conf_b = decide(first, preds, D, E, F, sigma if verify else None, node_rows)
+        N = D.shape[1]
+        size = np.array([len(s) for s in first.dag.sets]) if verify else np.zeros(1, dtype=np.int64)
+        past = np.array(first.dag.depths if verify else (0,))[best].tolist()  # k*'s steps past the root
+        fb = F[ar, best]
         tried, accepted = (E & (np.arange(N) > 0)).tolist(), (acc & (np.arange(N) > 0)).tolist()
         for r, (d, f, depth) in enumerate(zip(decoders, fb.tolist(), size[best].tolist())):
             L_d = d.state.numel()
@@ -229,7 +307,7 @@ class PSDDecoder(BlockDecoder):
             d.t += past[r] + 1  # k*'s steps, then L26's commit
             if f:
                 d.pred = Prediction(tok_b[r, :L_d], conf_b[r, :L_d])
-            if verify:
+            if verifies[r]:
                 d.accepted_depth += depth
                 d.iterations += 1
                 d.node_tried = [a + b for a, b in zip(d.node_tried, tried[r])]
