@@ -24,12 +24,20 @@ decisions are the same bit for bit), and whether those predictions are bit for b
 (``predictions_equal``: a reduction over another number of rows may sum in another order); the ``host``
 path's decision alone (``host_decide_ms``: the numpy commit after the copy) is given beside them. On a CPU the logits
 are on the host: the figures are host-bound and say what a torch op costs there against numpy's, not what a GPU
-would do. Writes ``device_commit_<device>.json`` / ``.md`` into ``--out``.
+would do.
+
+Then the engines' own step, per method of ``--methods`` (confidence and PSD by default) and request count:
+:func:`~model_executor.dllm_request.decode_step` over requests in mid-decode (PSD verifying its drafts), once
+decided on the host and once where the logits are, from the same state and logits (``equal``: the same next
+states). This is the trade the engines make on a GPU now (docs/architecture.md); on a CPU its device path runs on
+the tests' stand-in device, a dry run whose times are not a device's. Writes ``device_commit_<device>.json`` /
+``.md`` into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -157,6 +165,84 @@ def case(R: int, args, device: torch.device) -> dict:
     return out
 
 
+def engine_case(method: str, R: int, args, device: torch.device) -> dict:
+    """The engines' own step (:func:`~model_executor.dllm_request.decode_step`: predictions, the methods' update,
+    the copies) of ``R`` requests in mid-decode, decided on the host (the predictions' copy, then numpy) and where
+    the logits are (:func:`~model_executor.decoding.base.decide_on_device`), from the same state and logits: ms
+    from logits ready to the decoders stepped, and whether the two left the same states. On a CPU the device
+    path runs on the stand-in device of ``tests/device_proxy.py`` (a dry run: its times are not a device's)."""
+    import copy
+
+    import model_executor.dllm_request as dllm
+    from attention_backends.step_batch import build_step_batch
+    from model_executor.decoding import make_decoder
+    from model_executor.dllm_request import DLLMRequest, decode_step
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from device_proxy import DeviceProxy, mark
+
+    L, V = args.block, args.vocab
+    dtype = getattr(torch, args.dtype)
+    knobs = {"threshold": args.threshold, **({"depth": 3} if method == "psd" else {})}
+    g = torch.Generator().manual_seed(R)
+
+    def make(block):
+        return make_decoder(method, block, MASK, **knobs)
+
+    def plan(reqs):
+        from model_executor.decoding import propose_all
+
+        steps = [r.plan(p) for r, p in zip(reqs, propose_all([r.dec for r in reqs]))]
+        kept = torch.cat([st.kept for st in steps])
+        return steps, kept, build_step_batch(steps).canvas_rows
+
+    def logits_for(n: int) -> torch.Tensor:
+        x = torch.randn(n, V, generator=g) * 0.5
+        x[torch.arange(n), torch.randint(2, V, (n,), generator=g)] += torch.rand(n, generator=g) * 16
+        return x.to(dtype).to(device)
+
+    def step(reqs, x, on_device: bool):
+        steps, kept, firsts = plan(reqs)
+        x = x.clone()
+        stand_in = device.type == "cpu" and on_device
+        sync(device)
+        t = time.perf_counter()
+        with DeviceProxy() if stand_in else contextlib.nullcontext():
+            decode_step(mark(x) if stand_in else x, kept, MASK, reqs, steps, firsts, failed={})
+        sync(device)
+        dt = time.perf_counter() - t
+        for r, st in zip(reqs, steps):
+            r.stepped(st)
+        return dt
+
+    reqs = [DLLMRequest([2 + (i + j) % 97 for j in range(16)], 4 * L, L, make, MASK, 1, ignore_eos=True)
+            for i in range(R)]
+    def rows_of(reqs) -> int:  # the next step's logits rows (planned on a copy: planning marks a request)
+        return int(plan(copy.deepcopy(reqs))[1].sum())
+
+    for _ in range(2):  # into mid-decode: PSD verifies drafts from here
+        step(reqs, logits_for(rows_of(reqs)), on_device=False)
+    x = logits_for(rows_of(reqs))
+    out: dict = {"method": method, "requests": R, "rows": x.shape[0]}
+    original = dllm.decide_on_device
+    results = {}
+    for mode in ("host", "device"):
+        dllm.decide_on_device = original if mode == "device" else (lambda decoders: False)
+        times = []
+        try:
+            for i in range(args.iters + 3):
+                trial = copy.deepcopy(reqs)
+                dt = step(trial, x, on_device=mode == "device")
+                if i >= 3:
+                    times.append(dt)
+        finally:
+            dllm.decide_on_device = original
+        out[f"{mode}_ms"] = statistics.median(times) * 1e3
+        results[mode] = [r.tokens.tolist() for r in trial]
+    out["equal"] = results["host"] == results["device"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -167,6 +253,8 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.9)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--methods", default="confidence,psd",
+                    help="the engines' step of these methods, host- against device-decided (empty: none)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -174,15 +262,17 @@ def main() -> None:
         torch.cuda.set_device(device)  # (the capture's side stream is the current device's)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     rows = [case(int(r), args, device) for r in args.requests.split(",")]
-    for r in rows:
+    engine = [engine_case(m, int(r), args, device) for m in filter(None, args.methods.split(","))
+              for r in args.requests.split(",")]
+    for r in rows + engine:
         print(json.dumps(r), flush=True)
-    if not all(r["equal"] for r in rows):
+    if not all(r["equal"] for r in rows + engine):
         raise SystemExit("device_commit: the paths decided differently")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"device_commit_{device.type}"
     meta = {"device": name, "vocab": args.vocab, "block": args.block, "policy": args.policy,
             "threshold": args.threshold, "dtype": args.dtype, "torch": torch.__version__}
-    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows, "engine": engine}, indent=1) + "\n")
     cols = ["requests", "rows", "committed", "host_ms", "host_decide_ms", "device_ms"] + \
            (["graph_ms"] if device.type == "cuda" else []) + ["equal", "predictions_equal"]
     lines = [f"Deciding a {args.policy} step (threshold {args.threshold}), {args.dtype} logits of {args.vocab} "
@@ -191,6 +281,16 @@ def main() -> None:
              "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
         lines.append("| " + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols) + " |")
+    if engine:
+        cols = ["method", "requests", "rows", "host_ms", "device_ms", "equal"]
+        lines += ["", "The engines' step (`decode_step`: predictions, update, copies) of requests in mid-decode, decided "
+                  "on the host and where the logits are; ms from logits ready to the decoders stepped, median" +
+                  ("; on this CPU the device path runs on the tests' stand-in device: a dry run, its times are not "
+                   "a device's" if device.type == "cpu" else ""),
+                  "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in engine:
+            lines.append("| " + " | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols)
+                         + " |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
