@@ -33,8 +33,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, commit, first_max,
-                   host_rows)
+from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions, canvas_row_index,
+                   commit, first_max, first_max_tensor, host_rows)
 
 
 def topk_jump(state: torch.Tensor, pred: Prediction, k: int) -> torch.Tensor:
@@ -48,6 +48,8 @@ def topk_jump(state: torch.Tensor, pred: Prediction, k: int) -> torch.Tensor:
 
 
 class FreeDaveDecoder(BlockDecoder):
+    device_update = True  # :meth:`_decide_on_device`
+
     def __init__(self, block, mask_id, steps: int = 4):
         super().__init__(block, mask_id)
         self.steps = steps
@@ -85,12 +87,54 @@ class FreeDaveDecoder(BlockDecoder):
                 out[i] = Proposal(list(D[r, :nf, : d.state.numel()]), True, list(range(d.t + 1, d.t + 1 + nf)))
         return out
 
+    @staticmethod
+    def _decide(mask, preds, D, rows, n_fwd):
+        """L19-37's decisions on host data (numpy): ``(m [R], next states, the accepted draft's prediction
+        tokens and confidences [R, L])``."""
+        ar, K = np.arange(D.shape[0]), D.shape[1]
+        tok, conf = canvas_predictions(preds, rows, D, mask)
+        jump = np.where(first_max(conf), tok, D)  # one static step from each draft's own prediction
+        same = (jump[:, :-1] == D[:, 1:]).all(-1) & (np.arange(1, K) < n_fwd[:, None])
+        m = same.cumprod(-1).sum(-1)  # the accepted run: drafts 1..m each equal the step before
+        state = D[ar, m]
+        state = np.where(((state == mask).sum(-1) == 1)[:, None], jump[ar, m], state)  # L14-17
+        return m, torch.from_numpy(state), torch.from_numpy(tok[ar, m]), torch.from_numpy(conf[ar, m])
+
+    @staticmethod
+    def _decide_on_device(mask, preds: DeviceRowPredictions, D, rows, n_fwd):
+        """:meth:`_decide` where the predictions are (tensor ops), decision for decision: the drafts and their
+        rows go up in one copy, the decisions (with each block's count of non-finite predictions: one raises,
+        nothing is stepped) come back in one."""
+        R, K, L = D.shape
+        parts = [D, preds.logits_rows(rows), n_fwd]
+        up = torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64) for a in parts])).to(
+            preds.tokens.device, non_blocking=True)
+        Dd, at, nf = up[: R * K * L].view(R, K, L), up[R * K * L: 2 * R * K * L].view(R, K, L), up[2 * R * K * L:]
+        safe = at.clamp(min=0)
+        tok, conf = preds.tokens[safe], preds.conf[safe]
+        conf = torch.where((Dd != mask) | (at < 0), torch.full_like(conf, float("-inf")), conf)
+        jump = torch.where(first_max_tensor(conf), tok, Dd)
+        order = torch.arange(1, K, device=Dd.device)
+        same = (jump[:, :-1] == Dd[:, 1:]).all(-1) & (order < nf[:, None])
+        m = same.long().cumprod(-1).sum(-1)
+        ar = torch.arange(R, device=Dd.device)
+        state = Dd[ar, m]
+        state = torch.where(((state == mask).sum(-1) == 1)[:, None], jump[ar, m], state)
+        bad = (preds.conf[safe].isnan() & (at >= 0)).flatten(1).sum(-1)
+        out = torch.cat([state.double(), tok[ar, m].double(), conf[ar, m].double(), m[:, None].double(),
+                         bad[:, None].double()], 1).cpu()  # the step's one copy back (ids exact in float64)
+        if bool((out[:, -1] > 0).any()):  # host data
+            raise RuntimeError(f"non-finite logits at {int(out[:, -1].max())} of the request's prediction rows (NaN "
+                               "or inf in the model's output for its canvases): nothing to decode")
+        h = out.numpy()
+        return (h[:, 3 * L].astype(np.int64), torch.from_numpy(h[:, :L].astype(np.int64)),
+                torch.from_numpy(h[:, L: 2 * L].astype(np.int64)), out[:, 2 * L: 3 * L].to(preds.conf.dtype))
+
     @classmethod
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """L18-37 for every decoder: the longest run of drafts each equal to one static step of the one
         before (``m``), the jump to draft ``m`` with its prediction, and L14-17 (the first step: L2, m = 0)."""
-        mask = decoders[0].mask_id
-        R, ar = len(decoders), np.arange(len(decoders))
+        mask, R = decoders[0].mask_id, len(decoders)
         K = max(len(p.canvases) for p in proposals)
         L = max(d.state.numel() for d in decoders)
         D = np.full((R, K, L), -1, dtype=np.int64)  # the forwarded drafts, -1 past them
@@ -98,13 +142,9 @@ class FreeDaveDecoder(BlockDecoder):
             for k, c in enumerate(p.canvases):
                 D[r, k, : c.numel()] = c.numpy()
         n_fwd = np.array([len(p.canvases) for p in proposals])
-        tok, conf = canvas_predictions(preds, canvas_row_index(decoders, canvas_rows, K).numpy(), D, mask)
-        jump = np.where(first_max(conf), tok, D)  # one static step from each draft's own prediction
-        same = (jump[:, :-1] == D[:, 1:]).all(-1) & (np.arange(1, K) < n_fwd[:, None])
-        m = same.cumprod(-1).sum(-1)  # the accepted run: drafts 1..m each equal the step before
-        state, tok_m, conf_m = D[ar, m], tok[ar, m], conf[ar, m]
-        state = np.where(((state == mask).sum(-1) == 1)[:, None], jump[ar, m], state)  # L14-17
-        state, tok_m, conf_m = torch.from_numpy(state), torch.from_numpy(tok_m), torch.from_numpy(conf_m)
+        rows = canvas_row_index(decoders, canvas_rows, K).numpy()
+        decide = cls._decide_on_device if isinstance(preds, DeviceRowPredictions) else cls._decide
+        m, state, tok_m, conf_m = decide(mask, preds, D, rows, n_fwd)
         for r, (d, p, mm) in enumerate(zip(decoders, proposals, m.tolist())):
             L_d = d.state.numel()
             d.state, d.pred = state[r, :L_d], Prediction(tok_m[r, :L_d], conf_m[r, :L_d])
