@@ -111,7 +111,9 @@ class FreeDaveDecoder(BlockDecoder):
             preds.tokens.device, non_blocking=True)
         Dd, at, nf = up[: R * K * L].view(R, K, L), up[R * K * L: 2 * R * K * L].view(R, K, L), up[2 * R * K * L:]
         safe = at.clamp(min=0)
-        tok, conf = preds.tokens[safe], preds.conf[safe]
+        # (a position without logits: token -1, confidence -inf, as the host has a kept-row map's missing rows)
+        tok = torch.where(at < 0, torch.full_like(at, -1), preds.tokens[safe])
+        conf = preds.conf[safe]
         conf = torch.where((Dd != mask) | (at < 0), torch.full_like(conf, float("-inf")), conf)
         jump = torch.where(first_max_tensor(conf), tok, Dd)
         order = torch.arange(1, K, device=Dd.device)

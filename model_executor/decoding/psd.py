@@ -231,7 +231,9 @@ class PSDDecoder(BlockDecoder):
         Dd, at, Ed, Fd, size, ranks, sig = (up[a: a + n] for a, n in zip(np.cumsum([0] + sizes[:-1]).tolist(), sizes))
         Dd, at, Ed, Fd = Dd.view(R, N, L), at.view(R, N, L), Ed.view(R, N).bool(), Fd.view(R, N).bool()
         safe = at.clamp(min=0)
-        tok, conf = preds.tokens[safe], preds.conf[safe]
+        # (a position without logits: token -1, confidence -inf, as the host has a kept-row map's missing rows)
+        tok = torch.where(at < 0, torch.full_like(at, -1), preds.tokens[safe])
+        conf = preds.conf[safe]
         conf = torch.where((Dd != mask) | (at < 0), torch.full_like(conf, float("-inf")), conf)
         commits = first.policy(conf)  # on the device: the policy's tensor form
         acc = torch.zeros((R, N), dtype=torch.bool, device=Dd.device)
