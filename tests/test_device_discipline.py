@@ -57,11 +57,12 @@ def _on_device(engine, monkeypatch, proxy, steps):
 
 
 PENALTIES = LogitsRules(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
-# the spatial policies, PSD and FreeDave decide where the logits are (their one copy brings the decisions back);
-# the other methods decide on the host, after the predictions' one copy
+# the spatial policies, PSD, FreeDave and joint_threshold decide where the logits are (their one copy brings the
+# decisions back); the other methods decide on the host, after the predictions' one copy
 ONE_COPY = {**{m: "model_executor/decoding/policies.py:_update_on_device" for m in ("static", "confidence", "localleap")},
             "psd": "model_executor/decoding/psd.py:_decide_on_device",
-            "freedave": "model_executor/decoding/freedave.py:_decide_on_device"}
+            "freedave": "model_executor/decoding/freedave.py:_decide_on_device",
+            "joint_threshold": "model_executor/decoding/joint_threshold.py:update_batch"}
 CASES = [(m, "plain") for m in METHODS] + [("confidence", "logprobs"), ("spiffy", "logprobs"), ("confidence", "rules"),
                                            ("confidence", "penalties")]
 
@@ -117,7 +118,7 @@ def test_the_proxy_catches_mixing_and_reads():
 
 DEVICE_CASES = [("confidence", {"threshold": 0.3}), ("localleap", {"threshold": 0.5, "relaxed_threshold": 0.2}),
                 ("psd", {"threshold": 0.3, "depth": 3}), ("psd", {"threshold": 0.5, "depth": 3, "dag_shape": "skip"}),
-                ("freedave", {"steps": 3})]
+                ("freedave", {"steps": 3}), ("joint_threshold", {"threshold": 0.5, "edit_threshold": 0.6})]
 
 
 @pytest.mark.parametrize("method, knobs", DEVICE_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(DEVICE_CASES)])

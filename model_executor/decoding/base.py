@@ -420,11 +420,11 @@ def update_in_groups(update, key, decoders: list[BlockDecoder], proposals: list[
 
 def decide_on_device(decoders: list[BlockDecoder]) -> bool:
     """Whether a step of ``decoders`` (the step's logits on an accelerator) takes its decisions there: every one
-    of a method whose update has a device form (:attr:`BlockDecoder.device_update`: the spatial policies, PSD),
-    reading only its masked positions' predictions (no recorded distributions), without a grammar (whose
-    frontier rule runs on the host). Its update then gets :class:`DeviceRowPredictions` and makes the step's
+    of a method whose update has a device form (:attr:`BlockDecoder.device_update`: the spatial policies unless
+    they record distributions, PSD, FreeDave, joint_threshold), without a grammar (whose frontier rule runs on
+    the host). Its update then gets :class:`DeviceRowPredictions` and makes the step's
     one copy back: the next states and what the host's bookkeeping reads."""
-    return bool(decoders) and all(d.device_update and not d.reads_all_rows and d.grammar is None for d in decoders)
+    return bool(decoders) and all(d.device_update and d.grammar is None for d in decoders)
 
 
 def propose_all(decoders: list[BlockDecoder]) -> list[Proposal]:

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, Proposal, canvas_row_index, onehot_first_max, pad_rows
+from .base import BlockDecoder, DeviceRowPredictions, Proposal, canvas_row_index, onehot_first_max, pad_rows
 
 
 class JointThresholdDecoder(BlockDecoder):
     rewrites_tokens = True
+    device_update = True  # :meth:`update_batch` runs where the predictions are
 
     def __init__(self, block, mask_id, threshold: float = 0.9, edit_threshold: float = 0.9,
                  max_post_edit_steps: int = 16):
@@ -60,24 +61,43 @@ class JointThresholdDecoder(BlockDecoder):
 
     @classmethod
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
+        """Every decoder's step at once: its masked positions above ``threshold`` (or the top-1) filled, its
+        filled editable positions whose prediction differs above ``edit_threshold`` rewritten. Where the
+        predictions are on the device (:class:`~.base.DeviceRowPredictions`) the same tensor ops run there: the
+        states, thresholds and editable positions go up in one copy, the next states (with the edit counts and
+        each block's count of non-finite predictions: one raises, nothing is stepped) come back in one."""
         mask = decoders[0].mask_id
+        rows = canvas_row_index(decoders, canvas_rows, 1)[:, 0]  # [R, L] prediction rows, -1 past a block's end
         S = pad_rows([d.state for d in decoders], -1)  # [R, L], never the mask past a block's end
-        rows = canvas_row_index(decoders, canvas_rows, 1)[:, 0]  # [R, L], -1 past a block's end
+        editable = pad_rows([d.editable for d in decoders], False)
+        thr = torch.tensor([[d.threshold, d.edit_threshold] for d in decoders], dtype=torch.float64)
+        on_device = isinstance(preds, DeviceRowPredictions)
+        if on_device:  # logits rows, and the host arrays up in one copy (thresholds as their float64 bits)
+            R, L = S.shape
+            up = torch.cat([S.flatten(), torch.from_numpy(preds.logits_rows(rows.numpy())).flatten(),
+                            editable.flatten().long(), thr.view(torch.int64).flatten()]).to(preds.tokens.device,
+                                                                                           non_blocking=True)
+            S, rows = up[: R * L].view(R, L), up[R * L: 2 * R * L].view(R, L)
+            editable, thr = up[2 * R * L: 3 * R * L].view(R, L).bool(), up[3 * R * L:].view(torch.float64).view(R, 2)
         at = rows.clamp(min=0)
         T = torch.where(rows >= 0, preds.tokens[at], -1)
         C = torch.where(rows >= 0, preds.conf[at].double(), float("-inf"))
-        thr = torch.tensor([d.threshold for d in decoders], dtype=torch.float64)[:, None]
-        edit_thr = torch.tensor([d.edit_threshold for d in decoders], dtype=torch.float64)[:, None]
-        editable = pad_rows([d.editable for d in decoders], False)
         masked = S == mask
         full = ~masked.any(-1)  # [R]: a post-edit step
         conf_masked = C.masked_fill(~masked, float("-inf"))
-        unmask = masked & (conf_masked > thr)
+        unmask = masked & (conf_masked > thr[:, :1])
         unmask |= onehot_first_max(conf_masked) & ~unmask.any(-1, keepdim=True)
-        edit = editable & ~masked & (T != S) & (T >= 0) & (C > edit_thr)
+        edit = editable & ~masked & (T != S) & (T >= 0) & (C > thr[:, 1:])
         new = torch.where(unmask | edit, T, S)
-        n_edits = edit.sum(-1).tolist()
-        for d, row, f, e in zip(decoders, new, full.tolist(), n_edits):
+        n_edits = edit.sum(-1)
+        if on_device:
+            bad = (preds.conf[at].isnan() & (rows >= 0)).sum(-1)
+            out = torch.cat([new, n_edits[:, None], full[:, None].long(), bad[:, None]], 1).cpu()  # one copy back
+            if bool((out[:, -1] > 0).any()):  # host data
+                raise RuntimeError(f"non-finite logits at {int(out[:, -1].max())} of the request's prediction rows "
+                                   "(NaN or inf in the model's output for its canvases): nothing to decode")
+            new, n_edits, full = out[:, :-3], out[:, -3], out[:, -2].bool()
+        for d, row, f, e in zip(decoders, new, full.tolist(), n_edits.tolist()):
             d.state = row[: d.state.numel()]
             d.t += 1
             d.edits += e

@@ -149,8 +149,6 @@ class PolicyDecoder(BlockDecoder):
     ``record``: a list that receives ``(state, prediction with full probabilities, next state)`` per step
     (calibration, :mod:`psd_plugin.calibrate`; greedy)."""
 
-    device_update = True  # :meth:`_update_on_device`
-
     def __init__(self, block, mask_id, policy: Policy, record: list | None = None):
         super().__init__(block, mask_id)
         self.policy = policy
@@ -163,6 +161,10 @@ class PolicyDecoder(BlockDecoder):
     @property
     def reads_all_rows(self) -> bool:
         return self.record is not None
+
+    @property
+    def device_update(self) -> bool:  # :meth:`_update_on_device`; a recording decoder reads full distributions
+        return self.record is None
 
     @classmethod
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
