@@ -385,9 +385,9 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     (every stage writes a request's own rows only); without it (the reference engine) they raise.
 
     Where the logits are on an accelerator and every decoder's method decides there
-    (:func:`~model_executor.decoding.base.decide_on_device`: the spatial policies, PSD), the predictions stay there
-    (:class:`~model_executor.decoding.base.DeviceRowPredictions`): the methods' update decides on the device,
-    checks the blocks' predictions are finite, and makes the step's one copy (of the next states)."""
+    (:func:`~model_executor.decoding.base.decide_on_device`: every method but LoPA and Spiffy), the predictions
+    stay there (:class:`~model_executor.decoding.base.DeviceRowPredictions`): the methods' update decides on the
+    device, checks the blocks' predictions are finite, and makes the step's one copy (of the decisions)."""
     at = logits_map(kept)
     ruled = [i for i, r in enumerate(rules or ()) if r is not None]
     if ruled:

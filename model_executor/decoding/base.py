@@ -84,8 +84,8 @@ class RowPredictions:
 
 @dataclass
 class DeviceRowPredictions:
-    """A step's predictions left where the logits are, for decoders that decide there (the spatial policies:
-    :meth:`~.policies.PolicyDecoder.update_batch` with :func:`~.policies.commit_rows`): no copy to the host and
+    """A step's predictions left where the logits are, for decoders that decide there (:func:`decide_on_device`;
+    e.g. :meth:`~.policies.PolicyDecoder.update_batch` with :func:`~.policies.commit_rows`): no copy to the host and
     no scatter to the prediction rows (:func:`predict_rows` with ``on_device``). ``tokens``/``conf [M]`` are per
     logits row, on the logits' device; ``at`` (host) maps a prediction row to its logits row, as in
     :class:`RowPredictions`."""
