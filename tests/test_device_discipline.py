@@ -64,7 +64,8 @@ ONE_COPY = {**{m: "model_executor/decoding/policies.py:_update_on_device" for m 
             "freedave": "model_executor/decoding/freedave.py:_decide_on_device",
             "joint_threshold": "model_executor/decoding/joint_threshold.py:update_batch"}
 CASES = [(m, "plain") for m in METHODS] + [("confidence", "logprobs"), ("spiffy", "logprobs"), ("confidence", "rules"),
-                                           ("confidence", "penalties")]
+                                           ("confidence", "penalties"), ("confidence", "sampled"), ("psd", "sampled"),
+                                           ("freedave", "sampled")]
 
 
 @pytest.mark.parametrize("method, case", CASES, ids=[f"{m}-{c}" for m, c in CASES])
@@ -74,6 +75,7 @@ def test_decoding_with_device_logits_and_host_state(engine, prompts, monkeypatch
     predictions' one copy; for the spatial policies and PSD, which decide on the device, the decisions' one copy),
     plus at most once for what needs the logits themselves (Spiffy's top tokens, logprobs)."""
     options = {"plain": {}, "logprobs": {"logprobs": 2}, "penalties": {"rules": PENALTIES},
+               "sampled": {"temperature": 0.8, "seed": 3},
                "rules": {"rules": LogitsRules(logit_bias={5: 2.0, 9: -3.0}, min_tokens=3,
                                               stop_token_ids=(engine.spec.eos_token_id,))}}[case]
     if method == "spiffy":
