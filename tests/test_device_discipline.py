@@ -180,3 +180,35 @@ def test_methods_decide_on_the_device_and_a_nonfinite_block_fails_alone(method, 
     assert dev == host
     with pytest.raises(RuntimeError, match="non-finite"):
         run(True, 2, None)
+
+
+def test_uploads_go_through_one_pinned_buffer_per_key(monkeypatch):
+    """:class:`~model_executor.staging.Staging`: on a GPU each key's upload is copied into one pinned buffer,
+    reused while it is large enough and grown when not (the copy to the device leaves from it); on the host no
+    copy at all. (A CPU build cannot pin memory: the allocation is checked for ``pin_memory`` and made plain.)"""
+    from model_executor.staging import Staging
+
+    pinned = []
+    empty = torch.empty
+
+    def empty_pinned(*shape, pin_memory=False, **kw):
+        pinned.append(pin_memory)
+        return empty(*shape, **kw)
+
+    st = Staging()
+    host = torch.arange(6).view(2, 3)
+    assert st.upload("a", host, torch.device("cpu")) is host and not pinned
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "empty", empty_pinned)
+    with DeviceProxy():
+        dev = torch.device("cuda", 0)
+        first = st.upload("a", host, dev)
+        again = st.upload("a", host + 1, dev)
+        big = st.upload("a", torch.arange(5000), dev)
+        other = st.upload("b", host.double(), dev)
+        assert first.device.type == "cuda" and other.dtype == torch.float64
+    assert pinned == [True, True, True]  # "a" once, grown once; "b" once
+    assert torch.equal(again.as_subclass(torch.Tensor), host + 1) and torch.equal(big.as_subclass(torch.Tensor),
+                                                                                 torch.arange(5000))
+    bufs = st._buffers
+    assert bufs[("a", torch.long)].numel() == 5000 and bufs[("b", torch.float64)].numel() == 1 << 12

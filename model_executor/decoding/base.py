@@ -36,6 +36,7 @@ import math
 import numpy as np
 import torch
 
+from ..staging import Staging
 from .sampling import RowDraws, Sampling, draw_rows, row_draws
 
 
@@ -80,6 +81,11 @@ class RowPredictions:
         at = self.logits_of(torch.arange(self.tokens.numel())[rows])
         first = int(at[0]) if at.numel() else 0  # kept rows keep their order: a canvas's rows are contiguous
         return RowPredictions(self.logits[first: first + at.numel()], self.tokens[rows], self.conf[rows])
+
+
+# the uploads of the decoders' device-side decisions (each update reads its decisions back before the next one
+# uploads: model_executor.staging)
+DECISIONS = Staging()
 
 
 @dataclass

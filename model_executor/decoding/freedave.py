@@ -33,8 +33,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions, canvas_row_index,
-                   commit, first_max, first_max_tensor, host_rows)
+from .base import (DECISIONS, BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions,
+                   canvas_row_index, commit, first_max, first_max_tensor, host_rows)
 
 
 def topk_jump(state: torch.Tensor, pred: Prediction, k: int) -> torch.Tensor:
@@ -107,8 +107,8 @@ class FreeDaveDecoder(BlockDecoder):
         nothing is stepped) come back in one."""
         R, K, L = D.shape
         parts = [D, preds.logits_rows(rows), n_fwd]
-        up = torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64) for a in parts])).to(
-            preds.tokens.device, non_blocking=True)
+        up = DECISIONS.upload("freedave", torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64)
+                                                                         for a in parts])), preds.tokens.device)
         Dd, at, nf = up[: R * K * L].view(R, K, L), up[R * K * L: 2 * R * K * L].view(R, K, L), up[2 * R * K * L:]
         safe = at.clamp(min=0)
         # (a position without logits: token -1, confidence -inf, as the host has a kept-row map's missing rows)

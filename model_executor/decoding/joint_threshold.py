@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import BlockDecoder, DeviceRowPredictions, Proposal, canvas_row_index, onehot_first_max, pad_rows
+from .base import (DECISIONS, BlockDecoder, DeviceRowPredictions, Proposal, canvas_row_index, onehot_first_max,
+                   pad_rows)
 
 
 class JointThresholdDecoder(BlockDecoder):
@@ -74,9 +75,9 @@ class JointThresholdDecoder(BlockDecoder):
         on_device = isinstance(preds, DeviceRowPredictions)
         if on_device:  # logits rows, and the host arrays up in one copy (thresholds as their float64 bits)
             R, L = S.shape
-            up = torch.cat([S.flatten(), torch.from_numpy(preds.logits_rows(rows.numpy())).flatten(),
-                            editable.flatten().long(), thr.view(torch.int64).flatten()]).to(preds.tokens.device,
-                                                                                           non_blocking=True)
+            up = DECISIONS.upload("joint_threshold", torch.cat([
+                S.flatten(), torch.from_numpy(preds.logits_rows(rows.numpy())).flatten(), editable.flatten().long(),
+                thr.view(torch.int64).flatten()]), preds.tokens.device)
             S, rows = up[: R * L].view(R, L), up[R * L: 2 * R * L].view(R, L)
             editable, thr = up[2 * R * L: 3 * R * L].view(R, L).bool(), up[3 * R * L:].view(torch.float64).view(R, 2)
         at = rows.clamp(min=0)

@@ -29,8 +29,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .base import (BlockDecoder, DeviceRowPredictions, Proposal, canvas_predictions, canvas_row_index, first_max,
-                   first_max_tensor, groups, host_array, host_rows, onehot_first_max, pad_rows, predict_each)
+from .base import (DECISIONS, BlockDecoder, DeviceRowPredictions, Proposal, canvas_predictions, canvas_row_index,
+                   first_max, first_max_tensor, groups, host_array, host_rows, onehot_first_max, pad_rows, predict_each)
 
 Policy = Callable[[torch.Tensor], torch.Tensor]
 
@@ -212,7 +212,7 @@ class PolicyDecoder(BlockDecoder):
         mask = group[0].mask_id
         S = host_rows([(d.state,) for d in group])[0]
         rows = preds.logits_rows(canvas_row_index(group, canvas_rows, 1).numpy()[:, 0])
-        up = torch.from_numpy(np.stack([S, rows])).to(preds.tokens.device, non_blocking=True)
+        up = DECISIONS.upload("policies", torch.from_numpy(np.stack([S, rows])), preds.tokens.device)
         states, at = up[0], up[1]
         new = commit_rows(group[0].policy, preds.tokens, preds.conf, at, states, mask)
         bad = (preds.conf[at.clamp(min=0)].isnan() & (at >= 0)).sum(-1)

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions, canvas_row_index,
-                   groups, host_rows, update_in_groups)
+from .base import (DECISIONS, BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions,
+                   canvas_row_index, groups, host_rows, update_in_groups)
 from .policies import Policy, policy_key
 
 
@@ -226,8 +226,8 @@ class PSDDecoder(BlockDecoder):
                  else np.zeros(N, dtype=np.int64), np.array(flat, dtype=np.int64)]
         parts.append(sigma if sigma is not None else np.zeros(0, dtype=np.int64))
         sizes = [a.size for a in parts]
-        up = torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64) for a in parts])).to(
-            preds.tokens.device, non_blocking=True)
+        up = DECISIONS.upload("psd", torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64) for a in parts])),
+                              preds.tokens.device)
         Dd, at, Ed, Fd, size, ranks, sig = (up[a: a + n] for a, n in zip(np.cumsum([0] + sizes[:-1]).tolist(), sizes))
         Dd, at, Ed, Fd = Dd.view(R, N, L), at.view(R, N, L), Ed.view(R, N).bool(), Fd.view(R, N).bool()
         safe = at.clamp(min=0)

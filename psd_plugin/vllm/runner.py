@@ -27,6 +27,7 @@ from vllm.logger import init_logger
 from attention_backends.step_batch import StepBatch, current_step, set_step
 from attention_backends.vllm_backend import PSDMetadataBuilder
 from model_executor.dllm_request import engine_fault
+from model_executor.staging import Staging
 
 from . import compat
 from .config import RunnerProposer
@@ -52,7 +53,7 @@ class PSDRunnerMixin:
         super().__init__(*args, **kwargs)
         # a pipeline stage before the last has no drafter (vLLM reads it on every stage): the same placeholder
         compat.ensure_drafter(self, lambda: RunnerProposer(getattr(self, "vllm_config", None)))
-        self._staging: dict[str, torch.Tensor] = {}  # pinned host buffers of ``_upload`` (on a GPU)
+        self._staging = Staging()  # pinned host buffers of ``_upload`` (on a GPU)
         self._tp_group = False  # the tensor-parallel host group (None: one rank); looked up at the first step
         # requests that failed here (request id -> why), until vLLM removes them: they forward nothing more, and
         # are reported to the scheduler, which finishes them with an error (finish reason "error": a 500 for
@@ -165,17 +166,9 @@ class PSDRunnerMixin:
         return out
 
     def _upload(self, key: str, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``host`` on ``device`` without the host waiting: one copy from a pinned staging buffer of this
-        runner's (``key`` names it; reused every step, grown when needed). A host tensor where the device is the
-        host. Reuse is safe: every step waits for its predictions before the next step writes a buffer."""
-        if device.type == "cpu":
-            return host
-        buf = self._staging.get(key)
-        if buf is None or buf.numel() < host.numel() or buf.dtype != host.dtype:
-            buf = self._staging[key] = torch.empty(max(host.numel(), 1 << 12), dtype=host.dtype, pin_memory=True)
-        staged = buf[: host.numel()].view(host.shape)
-        staged.copy_(host)
-        return staged.to(device, non_blocking=True)
+        """``host`` on ``device`` without the host waiting (:class:`~model_executor.staging.Staging`; ``key`` names
+        the buffer). Reuse is safe: every step waits for its predictions before the next step writes a buffer."""
+        return self._staging.upload(key, host, device)
 
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         return True  # drafts are sized by the modes themselves, to the room each request has left
