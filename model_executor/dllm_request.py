@@ -30,6 +30,7 @@ from .decoding import (BlockDecoder, Proposal, RowPredictions, apply_rules, logi
 from .decoding.base import decide_on_device
 from .decoding.sampling import RowDraws, row_draws
 from .grammar import GrammarFrontier, constrain_rows, mask_frontiers
+from .staging import Staging
 
 
 @dataclass
@@ -371,7 +372,7 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], pr
 
 def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests: list[DLLMRequest],
                      steps: list[DLLMStep], firsts: list[list[int]], rules: list | None = None,
-                     failed: dict[int, Exception] | None = None) -> RowPredictions:
+                     failed: dict[int, Exception] | None = None, staging: Staging | None = None) -> RowPredictions:
     """What the decoders read of one forward's ``logits`` (the ``kept`` rows), both engines alike: the requests'
     rules applied (``rules``: per request of ``requests`` its :class:`~model_executor.decoding.LogitsRules` or
     None; :func:`~model_executor.decoding.apply_rules`), structured outputs' frontier rule (grammar masks before
@@ -387,7 +388,8 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     Where the logits are on an accelerator and every decoder's method decides there
     (:func:`~model_executor.decoding.base.decide_on_device`: every method but LoPA and Spiffy), the predictions
     stay there (:class:`~model_executor.decoding.base.DeviceRowPredictions`): the methods' update decides on the
-    device, checks the blocks' predictions are finite, and makes the step's one copy (of the decisions)."""
+    device, checks the blocks' predictions are finite, and makes the step's one copy (of the decisions); its
+    upload goes through the engine's ``staging`` (:class:`~model_executor.staging.Staging`; None: a plain copy)."""
     at = logits_map(kept)
     ruled = [i for i, r in enumerate(rules or ()) if r is not None]
     if ruled:
@@ -406,7 +408,9 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
             [r.dec for i, r in enumerate(requests) if not failed or i not in failed]):
         # the decoders decide where the logits are: the predictions stay there, and their update copies the next
         # states back (and checks each block's predictions are finite) in the step's one copy
-        return predict_rows(logits, mask_id=mask_id, kept=kept, draws=draws, on_device=True)
+        preds = predict_rows(logits, mask_id=mask_id, kept=kept, draws=draws, on_device=True)
+        preds.staging = staging  # the engine's pinned buffers, for the update's upload
+        return preds
     preds = predict_rows(logits, mask_id=mask_id, kept=kept, draws=draws)
     bad = preds.conf.isnan()
     if bool(bad.any()):  # host data; one reduction over the step's rows
@@ -454,8 +458,8 @@ def engine_fault(exc: BaseException) -> bool:
 
 def decode_step(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests: list[DLLMRequest],
                 steps: list[DLLMStep], firsts: list[list[int]], rules: list | None = None,
-                logprobs: list[int | None] | None = None, failed: dict[int, Exception] | None = None
-                ) -> RowPredictions:
+                logprobs: list[int | None] | None = None, failed: dict[int, Exception] | None = None,
+                staging: Staging | None = None) -> RowPredictions:
     """One forward's decoding, both engines alike: the requests' predictions (:func:`step_predictions`), every
     decoder updated at once (:func:`~model_executor.decoding.update_all`, a method at a time), and the
     log-probabilities of what each committed, for the requests whose ``logprobs[i]`` is not None
@@ -468,7 +472,7 @@ def decode_step(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests
     ``state``, never writes into it, so a decoder the batched update stepped holds its right next state, and
     one it did not step is untouched). Engine faults (:func:`engine_fault`) always raise; without ``failed``
     (the reference engine) everything raises."""
-    preds = step_predictions(logits, kept, mask_id, requests, steps, firsts, rules, failed)
+    preds = step_predictions(logits, kept, mask_id, requests, steps, firsts, rules, failed, staging)
     live = [i for i in range(len(requests)) if not failed or i not in failed]
     want = [i for i in live if logprobs is not None and logprobs[i] is not None]
     before = {i: requests[i].dec.state.clone() for i in want}

@@ -46,6 +46,7 @@ from .dllm_request import DLLMRequest, decode_step
 from .grammar import GrammarFrontier
 from .models.reference import ReferenceDLLM
 from .outputs import GenerationResult
+from .staging import Staging
 
 
 class ReferenceEngine:
@@ -55,6 +56,7 @@ class ReferenceEngine:
         """``attention_backend``: ``auto``, ``torch`` or ``flashinfer`` (:func:`attention_backends.prefix_attention.make_backend`);
         ``page_size``: tokens per page of the paged KV cache."""
         self.model = model
+        self.staging = Staging()  # pinned buffers of the decoders' uploads where they decide on the device
         self.spec = model.spec
         p = next(model.parameters())
         self.device = p.device
@@ -156,7 +158,7 @@ class ReferenceEngine:
         self.step_time["steps"] += 1
         firsts = batch.canvas_rows
         decode_step(logits, kept, self.spec.mask_token_id, [r for _, r in live], steps, firsts,
-                    [rules] * len(live), [logprobs] * len(live))
+                    [rules] * len(live), [logprobs] * len(live), staging=self.staging)
         for (_, r), st in zip(live, steps):
             r.stepped(st)
 

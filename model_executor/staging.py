@@ -5,9 +5,10 @@ pageable memory a copy to a CUDA device is staged by the driver, which may wait 
 kernels that read it behind the device's work.
 
 Reuse is safe where the owner reads something of the device back before it uploads under the same key again
-(a step's predictions or decisions): that read waits for the stream, the upload before it included. The
-runner (:mod:`psd_plugin.vllm.runner`) and the decoders' device-side decisions
-(:class:`~model_executor.decoding.base.DeviceRowPredictions`) each own one :class:`Staging`.
+(a step's predictions or decisions): that read waits for the stream, the upload before it included. Each
+engine owns one :class:`Staging` (the vLLM runner, :mod:`psd_plugin.vllm.runner`; the reference engine), used
+for its own uploads and, through :func:`~model_executor.dllm_request.decode_step`, by the decoders that decide
+on the device (:meth:`~model_executor.decoding.base.DeviceRowPredictions.upload`).
 """
 
 from __future__ import annotations

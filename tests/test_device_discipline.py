@@ -59,10 +59,8 @@ def _on_device(engine, monkeypatch, proxy, steps):
 PENALTIES = LogitsRules(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
 # the spatial policies, PSD, FreeDave and joint_threshold decide where the logits are (their one copy brings the
 # decisions back); the other methods decide on the host, after the predictions' one copy
-ONE_COPY = {**{m: "model_executor/decoding/policies.py:_update_on_device" for m in ("static", "confidence", "localleap")},
-            "psd": "model_executor/decoding/psd.py:_decide_on_device",
-            "freedave": "model_executor/decoding/freedave.py:_decide_on_device",
-            "joint_threshold": "model_executor/decoding/joint_threshold.py:update_batch"}
+ONE_COPY = {m: "model_executor/decoding/base.py:read_back"
+            for m in ("static", "confidence", "localleap", "psd", "freedave", "joint_threshold")}
 CASES = [(m, "plain") for m in METHODS] + [("confidence", "logprobs"), ("spiffy", "logprobs"), ("confidence", "rules"),
                                            ("confidence", "penalties"), ("confidence", "sampled"), ("psd", "sampled"),
                                            ("freedave", "sampled")]

@@ -83,11 +83,6 @@ class RowPredictions:
         return RowPredictions(self.logits[first: first + at.numel()], self.tokens[rows], self.conf[rows])
 
 
-# the uploads of the decoders' device-side decisions (each update reads its decisions back before the next one
-# uploads: model_executor.staging)
-DECISIONS = Staging()
-
-
 @dataclass
 class DeviceRowPredictions:
     """A step's predictions left where the logits are, for decoders that decide there (:func:`decide_on_device`;
@@ -100,6 +95,7 @@ class DeviceRowPredictions:
     tokens: torch.Tensor  # [M] on the logits' device: the argmax (or the draw) of each logits row
     conf: torch.Tensor  # [M] its probability (float32 at least)
     at: torch.Tensor | None = None  # [N] (host) logits row of each prediction row, -1: none; None: the same row
+    staging: Staging | None = None  # the engine's pinned upload buffers (model_executor.staging); None: plain copies
 
     logits_of = RowPredictions.logits_of
 
@@ -108,6 +104,42 @@ class DeviceRowPredictions:
         if self.at is None:
             return rows
         return np.where(rows >= 0, self.at.numpy()[np.maximum(rows, 0)], -1)
+
+    def upload(self, key: str, parts: list[np.ndarray]) -> list[torch.Tensor]:
+        """A decoder update's host arrays (integers, or bools) on the predictions' device in one copy (through
+        the engine's pinned buffer ``key``), each in its shape, as int64."""
+        flat = torch.from_numpy(np.concatenate([np.asarray(a).reshape(-1).astype(np.int64) for a in parts]))
+        dev = self.tokens.device
+        up = self.staging.upload(key, flat, dev) if self.staging is not None else flat.to(dev, non_blocking=True)
+        out, a = [], 0
+        for p in parts:
+            n = int(np.size(p))
+            out.append(up[a: a + n].view(np.shape(p)))
+            a += n
+        return out
+
+    def gather(self, at: torch.Tensor, canvases: torch.Tensor, mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`canvas_predictions` where the predictions are: tokens and confidences of the positions whose
+        logits rows are ``at`` (device, -1: none) of the canvases ``canvases`` (device); token -1 and confidence
+        -inf where a position has no logits row, confidence -inf where the canvas is not masked."""
+        safe = at.clamp(min=0)
+        tok = torch.where(at < 0, torch.full_like(at, -1), self.tokens[safe])
+        conf = self.conf[safe]
+        return tok, torch.where((canvases != mask_id) | (at < 0), torch.full_like(conf, float("-inf")), conf)
+
+    def read_back(self, cols: list[torch.Tensor], at: torch.Tensor) -> torch.Tensor:
+        """A decoder update's decisions (per block: ``cols``, each ``[R]`` or ``[R, n]``) to the host in the step's
+        one copy, as float64 ``[R, sum n]`` (token ids are exact in it, confidences widen exactly). The blocks'
+        predictions at ``at`` (their logits rows, -1: none) are checked finite in the same copy: a NaN (the
+        model's output held NaN or inf) raises, and the caller steps no decoder (:func:`decode_step` then steps
+        each alone, so only the block's request fails)."""
+        R = at.shape[0]
+        bad = (self.conf[at.clamp(min=0)].isnan() & (at >= 0)).reshape(R, -1).sum(-1)
+        out = torch.cat([c.reshape(R, -1).double() for c in cols] + [bad[:, None].double()], 1).cpu()
+        if bool((out[:, -1] > 0).any()):  # host data
+            raise RuntimeError(f"non-finite logits at {int(out[:, -1].max())} of the request's prediction rows (NaN "
+                               "or inf in the model's output for its canvases): nothing to decode")
+        return out[:, :-1]
 
 
 def logits_map(kept: torch.Tensor) -> torch.Tensor:

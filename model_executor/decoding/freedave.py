@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import (DECISIONS, BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions,
+from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions,
                    canvas_row_index, commit, first_max, first_max_tensor, host_rows)
 
 
@@ -106,15 +106,8 @@ class FreeDaveDecoder(BlockDecoder):
         rows go up in one copy, the decisions (with each block's count of non-finite predictions: one raises,
         nothing is stepped) come back in one."""
         R, K, L = D.shape
-        parts = [D, preds.logits_rows(rows), n_fwd]
-        up = DECISIONS.upload("freedave", torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64)
-                                                                         for a in parts])), preds.tokens.device)
-        Dd, at, nf = up[: R * K * L].view(R, K, L), up[R * K * L: 2 * R * K * L].view(R, K, L), up[2 * R * K * L:]
-        safe = at.clamp(min=0)
-        # (a position without logits: token -1, confidence -inf, as the host has a kept-row map's missing rows)
-        tok = torch.where(at < 0, torch.full_like(at, -1), preds.tokens[safe])
-        conf = preds.conf[safe]
-        conf = torch.where((Dd != mask) | (at < 0), torch.full_like(conf, float("-inf")), conf)
+        Dd, at, nf = preds.upload("freedave", [D, preds.logits_rows(rows), n_fwd])
+        tok, conf = preds.gather(at, Dd, mask)
         jump = torch.where(first_max_tensor(conf), tok, Dd)
         order = torch.arange(1, K, device=Dd.device)
         same = (jump[:, :-1] == Dd[:, 1:]).all(-1) & (order < nf[:, None])
@@ -122,12 +115,7 @@ class FreeDaveDecoder(BlockDecoder):
         ar = torch.arange(R, device=Dd.device)
         state = Dd[ar, m]
         state = torch.where(((state == mask).sum(-1) == 1)[:, None], jump[ar, m], state)
-        bad = (preds.conf[safe].isnan() & (at >= 0)).flatten(1).sum(-1)
-        out = torch.cat([state.double(), tok[ar, m].double(), conf[ar, m].double(), m[:, None].double(),
-                         bad[:, None].double()], 1).cpu()  # the step's one copy back (ids exact in float64)
-        if bool((out[:, -1] > 0).any()):  # host data
-            raise RuntimeError(f"non-finite logits at {int(out[:, -1].max())} of the request's prediction rows (NaN "
-                               "or inf in the model's output for its canvases): nothing to decode")
+        out = preds.read_back([state, tok[ar, m], conf[ar, m], m], at)
         h = out.numpy()
         return (h[:, 3 * L].astype(np.int64), torch.from_numpy(h[:, :L].astype(np.int64)),
                 torch.from_numpy(h[:, L: 2 * L].astype(np.int64)), out[:, 2 * L: 3 * L].to(preds.conf.dtype))

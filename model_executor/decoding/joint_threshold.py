@@ -26,9 +26,10 @@ unmask and one edit mask for the batch.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from .base import (DECISIONS, BlockDecoder, DeviceRowPredictions, Proposal, canvas_row_index, onehot_first_max,
+from .base import (BlockDecoder, DeviceRowPredictions, Proposal, canvas_row_index, onehot_first_max,
                    pad_rows)
 
 
@@ -74,12 +75,9 @@ class JointThresholdDecoder(BlockDecoder):
         thr = torch.tensor([[d.threshold, d.edit_threshold] for d in decoders], dtype=torch.float64)
         on_device = isinstance(preds, DeviceRowPredictions)
         if on_device:  # logits rows, and the host arrays up in one copy (thresholds as their float64 bits)
-            R, L = S.shape
-            up = DECISIONS.upload("joint_threshold", torch.cat([
-                S.flatten(), torch.from_numpy(preds.logits_rows(rows.numpy())).flatten(), editable.flatten().long(),
-                thr.view(torch.int64).flatten()]), preds.tokens.device)
-            S, rows = up[: R * L].view(R, L), up[R * L: 2 * R * L].view(R, L)
-            editable, thr = up[2 * R * L: 3 * R * L].view(R, L).bool(), up[3 * R * L:].view(torch.float64).view(R, 2)
+            S, rows, editable, thr = preds.upload("joint_threshold", [
+                S.numpy(), preds.logits_rows(rows.numpy()), editable.numpy(), thr.numpy().view(np.int64)])
+            editable, thr = editable.bool(), thr.view(torch.float64)
         at = rows.clamp(min=0)
         T = torch.where(rows >= 0, preds.tokens[at], -1)
         C = torch.where(rows >= 0, preds.conf[at].double(), float("-inf"))
@@ -91,13 +89,9 @@ class JointThresholdDecoder(BlockDecoder):
         edit = editable & ~masked & (T != S) & (T >= 0) & (C > thr[:, 1:])
         new = torch.where(unmask | edit, T, S)
         n_edits = edit.sum(-1)
-        if on_device:
-            bad = (preds.conf[at].isnan() & (rows >= 0)).sum(-1)
-            out = torch.cat([new, n_edits[:, None], full[:, None].long(), bad[:, None]], 1).cpu()  # one copy back
-            if bool((out[:, -1] > 0).any()):  # host data
-                raise RuntimeError(f"non-finite logits at {int(out[:, -1].max())} of the request's prediction rows "
-                                   "(NaN or inf in the model's output for its canvases): nothing to decode")
-            new, n_edits, full = out[:, :-3], out[:, -3], out[:, -2].bool()
+        if on_device:  # the step's one copy back
+            out = preds.read_back([new, n_edits, full], rows).long()
+            new, n_edits, full = out[:, :-2], out[:, -2], out[:, -1].bool()
         for d, row, f, e in zip(decoders, new, full.tolist(), n_edits.tolist()):
             d.state = row[: d.state.numel()]
             d.t += 1

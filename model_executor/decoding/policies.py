@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .base import (DECISIONS, BlockDecoder, DeviceRowPredictions, Proposal, canvas_predictions, canvas_row_index,
+from .base import (BlockDecoder, DeviceRowPredictions, Proposal, canvas_predictions, canvas_row_index,
                    first_max, first_max_tensor, groups, host_array, host_rows, onehot_first_max, pad_rows, predict_each)
 
 Policy = Callable[[torch.Tensor], torch.Tensor]
@@ -212,16 +212,8 @@ class PolicyDecoder(BlockDecoder):
         mask = group[0].mask_id
         S = host_rows([(d.state,) for d in group])[0]
         rows = preds.logits_rows(canvas_row_index(group, canvas_rows, 1).numpy()[:, 0])
-        up = DECISIONS.upload("policies", torch.from_numpy(np.stack([S, rows])), preds.tokens.device)
-        states, at = up[0], up[1]
-        new = commit_rows(group[0].policy, preds.tokens, preds.conf, at, states, mask)
-        bad = (preds.conf[at.clamp(min=0)].isnan() & (at >= 0)).sum(-1)
-        out = torch.cat([new, bad[:, None].to(new.dtype)], 1).cpu()  # the step's one copy back
-        nonfinite = out[:, -1].numpy()
-        if nonfinite.any():
-            n = int(nonfinite.max())
-            raise RuntimeError(f"non-finite logits at {n} of the request's prediction rows (NaN or inf in the "
-                               "model's output for its canvases): nothing to decode")
+        states, at = preds.upload("policies", [S, rows])
+        out = preds.read_back([commit_rows(group[0].policy, preds.tokens, preds.conf, at, states, mask)], at).long()
         for r, d in enumerate(group):
             d.state = out[r, : d.state.numel()]
             d.t += 1

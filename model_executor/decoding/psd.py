@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .base import (DECISIONS, BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions,
+from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions,
                    canvas_row_index, groups, host_rows, update_in_groups)
 from .policies import Policy, policy_key
 
@@ -222,24 +222,16 @@ class PSDDecoder(BlockDecoder):
                     if new[-1] < L:  # (else node k exists in no block of the step)
                         edges.append((k, p, len(flat), len(new)))
                         flat.extend(new)
-        parts = [D, preds.logits_rows(node_rows), E, F, np.array([len(s) for s in dag.sets]) if sigma is not None
-                 else np.zeros(N, dtype=np.int64), np.array(flat, dtype=np.int64)]
-        parts.append(sigma if sigma is not None else np.zeros(0, dtype=np.int64))
-        sizes = [a.size for a in parts]
-        up = DECISIONS.upload("psd", torch.from_numpy(np.concatenate([a.reshape(-1).astype(np.int64) for a in parts])),
-                              preds.tokens.device)
-        Dd, at, Ed, Fd, size, ranks, sig = (up[a: a + n] for a, n in zip(np.cumsum([0] + sizes[:-1]).tolist(), sizes))
-        Dd, at, Ed, Fd = Dd.view(R, N, L), at.view(R, N, L), Ed.view(R, N).bool(), Fd.view(R, N).bool()
-        safe = at.clamp(min=0)
-        # (a position without logits: token -1, confidence -inf, as the host has a kept-row map's missing rows)
-        tok = torch.where(at < 0, torch.full_like(at, -1), preds.tokens[safe])
-        conf = preds.conf[safe]
-        conf = torch.where((Dd != mask) | (at < 0), torch.full_like(conf, float("-inf")), conf)
+        size = np.array([len(s) for s in dag.sets]) if sigma is not None else np.zeros(N, dtype=np.int64)
+        Dd, at, Ed, Fd, size, ranks, sig = preds.upload("psd", [
+            D, preds.logits_rows(node_rows), E, F, size, np.array(flat, dtype=np.int64),
+            sigma if sigma is not None else np.zeros(0, dtype=np.int64)])
+        Ed, Fd = Ed.bool(), Fd.bool()
+        tok, conf = preds.gather(at, Dd, mask)
         commits = first.policy(conf)  # on the device: the policy's tensor form
         acc = torch.zeros((R, N), dtype=torch.bool, device=Dd.device)
         acc[:, 0] = True
         if sigma is not None:
-            sig = sig.view(R, L)
             for k in range(1, N):
                 ok = torch.zeros(R, dtype=torch.bool, device=Dd.device)
                 for kk, p, a, n in edges:
@@ -256,13 +248,7 @@ class PSDDecoder(BlockDecoder):
             best = torch.zeros(R, dtype=torch.long, device=Dd.device)
         ar = torch.arange(R, device=Dd.device)
         state = torch.where(commits[ar, best] & Fd[ar, best][:, None], tok[ar, best], Dd[ar, best])
-        bad = (preds.conf[safe].isnan() & (at >= 0)).flatten(1).sum(-1)
-        # one copy back, as float64 (token ids are exact in it, confidences widen exactly)
-        out = torch.cat([state.double(), tok[ar, best].double(), conf[ar, best].double(), best[:, None].double(),
-                         acc.double(), bad[:, None].double()], 1).cpu()
-        if bool((out[:, -1] > 0).any()):  # host data
-            raise RuntimeError(f"non-finite logits at {int(out[:, -1].max())} of the request's prediction rows (NaN "
-                               "or inf in the model's output for its canvases): nothing to decode")
+        out = preds.read_back([state, tok[ar, best], conf[ar, best], best, acc], at)
         h = out.numpy()
         return (h[:, 3 * L].astype(np.int64), h[:, 3 * L + 1: 3 * L + 1 + N] > 0,
                 torch.from_numpy(h[:, :L].astype(np.int64)), torch.from_numpy(h[:, L: 2 * L].astype(np.int64)),

@@ -374,7 +374,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         failed: dict[int, Exception] = {}
         self._contain("decoding its step", rids, decode_step, logits, self._kept, self.spec.mask_token_id,
                       [served[i].req for i in decoding], [steps[i] for i in decoding],
-                      [canvas_rows[i] for i in decoding], [served[i].rules for i in decoding], asked, failed)
+                      [canvas_rows[i] for i in decoding], [served[i].rules for i in decoding], asked, failed,
+                      self._staging)
         for n, e in failed.items():
             self._fail(rids[n], "decoding its step", e)
 
