@@ -156,6 +156,15 @@ class StageClock:
 
             counted.__counted__ = True
             EngineCore.step = counted
+        queued = EngineCore.step_with_batch_queue  # the engine core's step under async scheduling
+        if not hasattr(queued, "__counted__"):
+            def counted_queued(core, *args, **kwargs):
+                out = queued(core, *args, **kwargs)
+                self.steps += bool(out[1])
+                return out
+
+            counted_queued.__counted__ = True
+            EngineCore.step_with_batch_queue = counted_queued
         return missing
 
 
@@ -250,11 +259,13 @@ def ar_engine(max_num_seqs: int, ignore_eos: bool, max_tokens: int):
 
 
 def dllm_engine(method: str, cache: str, max_num_seqs: int, ignore_eos: bool, max_tokens: int):
+    """The dLLM engine of ``method`` (``METHOD+async``: with ``async_scheduling``)."""
     from psd_plugin.vllm.engine import VLLMEngine
 
     model = ROOT / "psd_plugin" / "checkpoints" / "dream-tiny"
     engine = VLLMEngine(model, max_num_seqs=max_num_seqs, max_model_len=512)
-    knobs = method_knobs(method, model, "vLLM")
+    method, _, mode = method.partition("+")
+    knobs = {**method_knobs(method, model, "vLLM"), **({"async_scheduling": True} if mode == "async" else {})}
 
     def generate(batch):
         res = engine.generate(batch, max_tokens=max_tokens, block_size=8, method=method, cache=cache,
@@ -310,6 +321,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--name", default="step_stages")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="each dLLM config again with speculative_config async_scheduling (METHOD+async)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="every request decodes --max-tokens (steady steps); default: each stops at its EOS, as served")
     ap.add_argument("--merge", help="TREE=FILE,...: merge runs' JSON files into one report (nothing is run)")
@@ -323,7 +336,9 @@ def main() -> None:
         print("not timed (not in this vLLM / plugin):", ", ".join(missing))
     prompts = held_out_prompts(16)
     concurrency = [int(x) for x in args.concurrency.split(",")]
-    configs = [("ar", None)] + [(m, c) for m in args.methods.split(",") for c in args.caches.split(",")]
+    modes = ["", "+async"] if args.async_scheduling else [""]
+    configs = [("ar", None)] + [(m + a, c) for m in args.methods.split(",") for c in args.caches.split(",")
+                                for a in modes]
     rows, traces = [], {}
     for rep in range(args.repeat):
         for method, cache in configs:

@@ -46,7 +46,11 @@ TINY = [("AR (same shape)", None, True),
         ("confidence suffix32-last t0.98", {"decoding": "confidence", "suffix": 32, "refresh": "last",
                                             "threshold": 0.98}, True),
         ("PSD chain d3", {"decoding": "psd"}, True),
-        ("PSD skip d3", {"decoding": "psd", "dag_shape": "skip"}, False)]
+        ("PSD skip d3", {"decoding": "psd", "dag_shape": "skip"}, False),
+        # async scheduling (vLLM's batch queue: the next step scheduled and the last one's output processed while
+        # a step runs; vLLM's AR above runs with it by default on a GPU); ms/forward counts its cut steps too
+        ("confidence async", {"decoding": "confidence", "async_scheduling": True}, True),
+        ("PSD chain d3 async", {"decoding": "psd", "async_scheduling": True}, True)]
 # vLLM captures graphs up to 512 rows by default (min(max_num_seqs x (1 + num_speculative_tokens) x 2, 512));
 # a dLLM step of one request with prefix cache and long answers has up to ~200 rows a canvas, so PSD's canvases
 # and most steps of 16 requests run eagerly there. These also run with graphs captured up to WIDE_GRAPH_ROWS.
@@ -54,6 +58,8 @@ WIDE, WIDE_GRAPH_ROWS = ("confidence", "PSD chain d3"), 2048
 BIG = [("AR Llama-3-8B", None),
        ("static (1 canvas)", {"decoding": "static"}),
        ("PSD chain d3 (4 canvases)", {"decoding": "psd"}),
+       ("static (1 canvas) async", {"decoding": "static", "async_scheduling": True}),
+       ("PSD chain d3 (4 canvases) async", {"decoding": "psd", "async_scheduling": True}),
        ("PSD skip d3 (7 canvases)", {"decoding": "psd", "dag_shape": "skip"})]
 LLADA_8B = {"architectures": ["LLaDAModelLM"], "model_type": "llada", "activation_type": "silu", "block_type": "llama",
             "d_model": 4096, "n_layers": 32, "n_heads": 32, "n_kv_heads": 32, "mlp_hidden_size": 12288,

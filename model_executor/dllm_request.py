@@ -269,6 +269,21 @@ class DLLMRequest:
         return DLLMStep(w0, w1, b0, b1, torch.from_numpy(rows), keep, sch.shift, sch.kept_suffix((b0, b1), self.total),
                         proposal, torch.from_numpy(kept.reshape(-1)))
 
+    def step_after(self, step: DLLMStep) -> tuple[int, int, int, int] | None:
+        """``(w0, rows, extra rows, logits rows)`` of the step after ``step`` (planned, not yet forwarded) if
+        ``step`` does not complete its block: what an engine that schedules a step before the last one's outcome
+        guesses (:mod:`psd_plugin.vllm.scheduler` under async scheduling). A block's steps after its first
+        forward one window, the same each step, in every cache mode (``step`` the first: the window of a later
+        step from what it leaves cached); the canvases and logits rows are ``step``'s (a canvas's masks only
+        shrink; a drafting method's canvases vary, and the runner fits what does not). None for a replay."""
+        if step.rebuild or step.committed or step.tail is not None:
+            return None
+        w0, w1 = step.w0, step.w1
+        if self.fresh:  # step is its block's first
+            w0, w1 = self.schedule.window((step.b0, step.b1), self.total, fresh=False, cached=step.keep,
+                                          prompt_len=self.prompt_len)
+        return w0, w1 - w0, (step.num_canvases - 1) * (w1 - w0), step.num_logits_rows
+
     def first_step(self, j: int) -> DLLMStep:
         """Block ``j``'s first step again, as it was then: the block and every position after it masks, the
         window read from :attr:`cached`. Forwarding it restores the K/V that later

@@ -225,3 +225,51 @@ def test_narrow_steps_are_refused_where_they_do_not_apply(tiny_checkpoints):
         parse_config('{"refresh": "prompt"}', DecodeKnobs)
     with pytest.raises(ValueError, match=r"Expected `int` >= 0 - at `\$.suffix`"):
         eng.generate([[1, 2, 3]], suffix=-1)
+
+
+@pytest.mark.parametrize("family, cache, suffix, refresh", [
+    ("llada", "prefix", None, "full"), ("llada", "dual", None, "full"), ("dream", "none", None, "full"),
+    ("dream", "dual", 0, "full"), ("dream", "prefix", 5, "last"), ("sdar", "block", None, "full"),
+    ("llada2", "block", None, "full")])
+@pytest.mark.parametrize("method", ["static", "confidence", "psd", "lopa", "freedave", "joint_threshold"])
+def test_the_step_after_a_step_that_leaves_its_block_open_is_the_guessed_one(monkeypatch, tiny_checkpoints, family,
+                                                                             method, cache, suffix, refresh):
+    """What an async scheduler schedules before a step's outcome (:meth:`DLLMRequest.step_after`): whenever a step
+    leaves its block open, the request's next step forwards the guessed rows (window start, scheduled rows), and
+    its logits rows are within the guess for a one-canvas method; a step that completes a block is followed by
+    the next block's first step (the one step an async engine cuts)."""
+    from model_executor.decode_config import DecodeKnobs, resolve
+    from model_executor.dllm_request import DLLMRequest
+
+    eng = ReferenceEngine.from_pretrained(tiny_checkpoints[family])
+    block = eng.spec.attention_block or 4
+    knobs = DecodeKnobs(cache=cache, suffix=suffix, refresh=refresh, threshold=0.3)
+    cfg = resolve(method, knobs, eng.spec, block_size=block)
+    trace: dict = {}
+    plan, stepped = DLLMRequest.plan, DLLMRequest.stepped
+
+    def planning(self, proposal):
+        st = plan(self, proposal)
+        trace.setdefault(id(self), []).append([(st.w0, st.num_scheduled, st.num_logits_rows), self.step_after(st)])
+        return st
+
+    def stepping(self, step):
+        blk = self.blk
+        out = stepped(self, step)
+        trace[id(self)][-1].append(self.done or self.blk != blk)  # the step completed its block
+        return out
+
+    monkeypatch.setattr(DLLMRequest, "plan", planning)
+    monkeypatch.setattr(DLLMRequest, "stepped", stepping)
+    eng.generate(_prompts(6), max_tokens=3 * block + 1, config=cfg)
+    open_steps = ends = 0
+    for steps in trace.values():
+        for (geo, guess, ended), (nxt, _, _) in zip(steps, steps[1:]):
+            if ended:
+                ends += 1
+                continue
+            open_steps += 1
+            assert guess is not None and guess[:2] == nxt[:2], (geo, guess, nxt)
+            if method not in ("psd", "lopa", "freedave"):
+                assert guess[2] == 0 and nxt[2] <= guess[3], (geo, guess, nxt)
+    assert open_steps > 0 and ends > 0, (open_steps, ends)

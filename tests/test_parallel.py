@@ -242,6 +242,9 @@ def test_two_rank_server_under_32_concurrent_streams(heldout_prompts, tp_server)
     _served_as_alone((heldout_prompts * 3)[:32], tp_server())
 
 
+# CI's time: opt-in with PSD_TP_MATRIX=1 (86 s in CI on 2026-12-05); LLaDA2's data parallelism (its experts in
+# lockstep across the ranks, the harder case) runs in CI below
+@pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
 def test_two_data_parallel_ranks_answer_as_one(heldout_prompts):
     _served_as_alone(heldout_prompts, None, "--data-parallel-size", "2", "--max-num-seqs", "8")
 
@@ -256,13 +259,12 @@ def test_llada2_with_two_data_parallel_ranks_answers_as_one(tiny_checkpoints, ra
 
 # ------------------------------------------------------------------------------------ pipeline stages
 PP = {"pipeline_parallel_size": 2}
-# every family; a drafting and a lossless method; the prefix, dual and block caches (SDAR / LLaDA2 with a prefix
-# hit on whole attention blocks); PSD_TP_MATRIX=1 runs every method on every family
+# CI: a bidirectional model with a drafting method and the prefix cache, a block-causal MoE with a lossless one
+# and the block cache (a prefix hit on whole attention blocks); PSD_TP_MATRIX=1 runs every method on every family
+# and cache (Dream with FreeDave and the dual cache, SDAR with LoPA ran in CI until 2026-12-06)
 PP_CASES = ([(f, m, c) for f in ("llada", "dream") for c in ("prefix", "dual") for m in METHODS]
             + [(f, m, None) for f in ("sdar", "llada2") for m in METHODS]
-            if os.environ.get("PSD_TP_MATRIX") else
-            [("llada", "psd", "prefix"), ("dream", "freedave", "dual"), ("sdar", "lopa", None),
-             ("llada2", "spiffy", None)])
+            if os.environ.get("PSD_TP_MATRIX") else [("llada", "psd", "prefix"), ("llada2", "spiffy", None)])
 
 
 @pytest.mark.parametrize("family, method, cache", PP_CASES)
@@ -328,6 +330,8 @@ def test_a_killed_worker_fails_the_requests_and_the_server_exits(heldout_prompts
     _killed_worker_ends_the_server(tp_server(), heldout_prompts, -1)
 
 
+# CI's time: opt-in with PSD_TP_MATRIX=1 (47 s in CI on 2026-12-05); the killed tensor-parallel worker above runs
+@pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
 def test_a_killed_pipeline_stage_fails_the_requests_and_the_server_exits(heldout_prompts):
     """The same with two pipeline stages, the first stage's worker killed (the last stage then waits on hidden
     states that never come): the requests fail and the server exits within the bound."""

@@ -129,16 +129,19 @@ def test_disconnects_mid_stream_are_aborted_and_leave_the_rest_alone(dllm_server
 
     async def run():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as s:
-            quitters = [_stream(s, url, "llada-tiny", p, max_tokens=192, stop_after=1, ignore_eos=True)
-                        for p in prompts[:16]]
+            # min_tokens bans EOS over the whole answer: each quitter decodes 256 real tokens (85-160 forwards
+            # for 192 on the reference engine), where ignore_eos alone let a block past EOS commit in one forward
+            # and a quitter could finish before a busy front end next wrote to it (then nothing is left to abort)
+            quitters = [_stream(s, url, "llada-tiny", p, max_tokens=256, min_tokens=256, stop_after=1,
+                                ignore_eos=True) for p in prompts[:16]]
             stayers = [_stream(s, url, "llada-tiny", p) for p in prompts[16:32]]
             res = await asyncio.gather(*quitters, *stayers)
             return res[16:], await _stream(s, url, "llada-tiny", prompts[0])
     stayed, after = asyncio.run(run())
     assert stayed == reference(prompts[16:32]) and after == reference(prompts[:1])[0]
-    # every disconnected stream is aborted in the engine (192 tokens past EOS: none finishes first), and nothing
+    # every disconnected stream is aborted in the engine (256 tokens, EOS banned: none finishes first), and nothing
     # is left running; the server notices a disconnect when it next writes to it, so this is waited for (a
-    # generous deadline: a request left running would have finished its 192 tokens long before)
+    # generous deadline: a request left running would have finished its 256 tokens long before)
     deadline = time.monotonic() + 120
     while True:
         gone = _aborted(dllm_server) - aborted

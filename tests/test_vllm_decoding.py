@@ -526,7 +526,7 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
 
 
 def preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, family, cache,
-                             llm_kw=None):
+                             llm_kw=None, spec=None):
     from vllm import LLM, SamplingParams
 
     from psd_plugin.vllm.scheduler import DLLMScheduler
@@ -543,7 +543,7 @@ def preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, ran
     ref = [r for pair in zip(greedy, sampled) for r in pair] + greedy[len(sampled):]
     llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=128, block_size=16,
               num_gpu_blocks_override=9, **(llm_kw or {}),
-              speculative_config={"method": "psd", "decoding": "psd", "cache": cache})
+              speculative_config={"method": "psd", "decoding": "psd", "cache": cache, **(spec or {})})
     try:
         params = [SamplingParams(max_tokens=32, temperature=0) if i % 2 == 0 else
                   SamplingParams(max_tokens=32, temperature=0.8, seed=i // 2) for i in range(len(prompts))]

@@ -178,7 +178,7 @@ def test_make_model_runner_builds_the_mixin_over_the_v1_gpu_runner(registered, m
     monkeypatch.setattr(GPUModelRunner, "__init__", gpu_runner_init)
     worker = object.__new__(DLLMGPUWorker)
     worker.vllm_config = SimpleNamespace(additional_config=args.additional_config, model_config=model_config,
-                                         scheduler_config=SimpleNamespace(max_num_batched_tokens=2048),
+                                         scheduler_config=SimpleNamespace(max_num_batched_tokens=2048, async_scheduling=False),
                                          parallel_config=SimpleNamespace(pipeline_parallel_size=1))
     worker.device, worker.use_v2_model_runner = "cuda:0", False
     runner = worker._make_model_runner()

@@ -21,7 +21,7 @@ from . import compat
 
 def install() -> None:
     """The front-end hooks (idempotent; called from ``psd_plugin.register`` in every vLLM process)."""
-    from .config import translate
+    from .config import enable_async_scheduling, translate
     from .validation import install as install_validation
 
     def make(original):
@@ -31,5 +31,14 @@ def install() -> None:
 
         return create_speculative_config
 
+    def make_engine_config(original):
+        def create_engine_config(self, *args, **kwargs):
+            config = original(self, *args, **kwargs)
+            enable_async_scheduling(config)
+            return config
+
+        return create_engine_config
+
     compat.wrap("vllm.engine.arg_utils", "EngineArgs", "create_speculative_config", make)
+    compat.wrap("vllm.engine.arg_utils", "EngineArgs", "create_engine_config", make_engine_config)
     install_validation()

@@ -16,6 +16,7 @@ classes (``AttentionBackend``, ``AttentionImpl``, ``AttentionMetadataBuilder``),
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Iterator
 
 import numpy as np
@@ -47,6 +48,8 @@ RUNNER_HOOKS = {
     "_dummy_sampler_run": ("self", "hidden_states"),
     # the rejection sampler's indices, which the dLLM runner does not read: its draft counts alone
     "_calc_spec_decode_metadata": ("self", "num_draft_tokens", "cu_num_scheduled_tokens"),
+    # async scheduling: the last step's deferred decode runs first (DLLMRunnerMixin.execute_model)
+    "execute_model": ("self", "scheduler_output", "intermediate_tensors"),
 }
 
 # Methods of vLLM's V1 ``Scheduler`` that psd-plugin's schedulers override.
@@ -64,7 +67,7 @@ SCHEDULER_HOOKS = {
 # Attributes read or set on a live runner / scheduler / input batch.
 RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups", "model_config", "scheduler_config",
                      "device", "input_ids", "positions", "max_num_tokens", "kv_cache_config", "model", "vllm_config",
-                     "drafter", "intermediate_tensors")
+                     "drafter", "intermediate_tensors", "use_async_scheduling", "use_async_spec_decode")
 INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators",
                           "block_table")
 WORKER_ATTRIBUTES = ("model_runner", "parallel_config")
@@ -158,10 +161,15 @@ DATA_FIELDS = {
     "vllm.v1.request:RequestStatus": ("WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "WAITING", "RUNNING"),
     "vllm.v1.core.sched.output:SchedulerOutput": ("scheduled_spec_decode_tokens", "scheduled_cached_reqs",
                                                   "scheduled_new_reqs", "num_scheduled_tokens",
-                                                  "total_num_scheduled_tokens"),
+                                                  "total_num_scheduled_tokens", "preempted_req_ids"),
     "vllm.v1.core.sched.output:NewRequestData": ("req_id", "block_ids", "num_computed_tokens"),
     "vllm.v1.core.kv_cache_manager:KVCacheManager": ("allocate_slots", "get_block_ids"),
-    "vllm.v1.core.sched.output:CachedRequestData": ("resumed_req_ids",),
+    "vllm.v1.core.sched.output:CachedRequestData": ("resumed_req_ids", "req_ids", "num_computed_tokens",
+                                                    "num_output_tokens"),
+    # async scheduling: what the plugin sets after vLLM's config checks, and what it refuses beside it
+    "vllm.config.scheduler:SchedulerConfig": ("async_scheduling",),
+    "vllm.config.parallel:ParallelConfig": ("distributed_executor_backend", "tensor_parallel_size",
+                                            "pipeline_parallel_size", "data_parallel_size"),
     "vllm.v1.worker.gpu_input_batch:CachedRequestState": ("prompt_token_ids", "output_token_ids",
                                                           "sampling_params"),
     "vllm.v1.worker.utils:AttentionGroup": ("metadata_builders",),
@@ -230,7 +238,10 @@ FUNCTIONS = (
 # attention backend's page layout: ``attention_backends`` imports nothing of psd_plugin, so it reads vLLM's
 # name itself).
 OBJECTS = {("vllm.platforms", "current_platform"): ("is_cpu", "is_cuda", "device_type", "device_name",
-                                                    "supported_dtypes")}
+                                                    "supported_dtypes"),
+           # async scheduling: the deferred output's base (its one method), and vLLM's shared empty output
+           ("vllm.v1.outputs", "AsyncModelRunnerOutput"): ("get_output",),
+           ("vllm.v1.outputs", "EMPTY_MODEL_RUNNER_OUTPUT"): ("sampled_token_ids", "req_ids")}
 
 # vLLM's CPU attention ops, which the project's backend calls on the CPU over vLLM's head-major pages
 # (``attention_backends/vllm_cpu_attention.py``), with the keywords it passes; ``_get_attn_isa`` picks the kernel as
@@ -249,6 +260,7 @@ CPU_ATTENTION_ISA = ("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa")
 # Front-end functions wrapped at registration (module, class, method).
 FRONT_END_PATCHES = (
     ("vllm.engine.arg_utils", "EngineArgs", "create_speculative_config"),  # "method": "psd" -> custom_class
+    ("vllm.engine.arg_utils", "EngineArgs", "create_engine_config"),  # async scheduling on after vLLM's checks
     ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs"),  # per-request validation (400s)
     # its refusals, raised after a streamed Responses request started, as an ``error`` event (not a cut stream)
     ("vllm.entrypoints.openai.responses.serving", "OpenAIServingResponses", "responses_stream_generator"),
@@ -422,6 +434,90 @@ def shipped_plans(scheduler_output) -> dict:
     return getattr(scheduler_output, PLANS_ATTR, None) or {}
 
 
+TICKET_ATTR = "psd_ticket"  # the attribute the runner adds to a step's ModelRunnerOutput under async scheduling
+
+
+def attach_ticket(output, ticket):
+    """``output`` (a step's ``ModelRunnerOutput``) carrying the runner's ticket for the scheduler: under async
+    scheduling vLLM's engine core no longer calls ``take_draft_token_ids`` (``EngineCore.post_step``), and the
+    output reaches the scheduler's ``update_from_output`` whole (a dataclass, pickled whole between processes).
+    vLLM's shared empty output is copied first."""
+    from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+    if ticket is None:
+        return output
+    if output is EMPTY_MODEL_RUNNER_OUTPUT:
+        output = dataclasses.replace(output)
+    setattr(output, TICKET_ATTR, ticket)
+    return output
+
+
+def ticket_of(output):
+    """What :func:`attach_ticket` attached (None: nothing)."""
+    return getattr(output, TICKET_ATTR, None)
+
+
+def async_scheduling(vllm_config) -> bool:
+    """Whether the engine runs vLLM's async scheduling (its batch queue of two steps)."""
+    return bool(vllm_config.scheduler_config.async_scheduling)
+
+
+def set_async_scheduling(vllm_config, on: bool) -> None:
+    """vLLM 0.32 turns async scheduling off for a ``custom_class`` proposer (``VllmConfig.__post_init__``) and the
+    CPU platform off everywhere (``CpuPlatform.check_and_update_config``); set after both. The engine core reads
+    it for its batch queue (``VllmConfig.max_concurrent_batches``: 2) and skips ``take_draft_token_ids``."""
+    vllm_config.scheduler_config.async_scheduling = on
+
+
+def executor_backend(vllm_config) -> str | None:
+    """The distributed executor backend's name (None: vLLM picks; one process per model: ``uni``)."""
+    b = vllm_config.parallel_config.distributed_executor_backend
+    return b if b is None or isinstance(b, str) else getattr(b, "__name__", str(b))
+
+
+def keep_runner_synchronous(runner) -> None:
+    """vLLM's runner bookkeeping as without async scheduling (the host holds each step's sampled tokens, the
+    drafts arrive as the scheduler's): the plugin's runner decodes on the host and defers that decode itself
+    (``DLLMRunnerMixin.sample_tokens``), so vLLM's device-side scatter of the last step's tokens and its
+    optimistic draft accounting (``GPUModelRunner._update_states``, ``_bookkeeping_sync``) stay off."""
+    runner.use_async_scheduling = False
+    if hasattr(runner, "use_async_spec_decode"):
+        runner.use_async_spec_decode = False
+
+
+def scheduled_rows(scheduler_output) -> dict[str, tuple[int, int]]:
+    """Per request continuing from an earlier step: (its first scheduled position, rows scheduled)."""
+    cached = scheduler_output.scheduled_cached_reqs
+    n = scheduler_output.num_scheduled_tokens
+    return {rid: (int(start), n[rid]) for rid, start in zip(cached.req_ids, cached.num_computed_tokens) if rid in n}
+
+
+def replace_scheduled_drafts(scheduler_output, req_id: str, drafts: list[int]) -> None:
+    """The draft tokens a request's step forwards, in place of the scheduler's placeholders of the same length
+    (the ids the scheduler could not know when it scheduled the step: async scheduling)."""
+    old = scheduler_output.scheduled_spec_decode_tokens[req_id]
+    if len(old) != len(drafts):
+        raise ValueError(f"request {req_id}: {len(drafts)} drafts in place of {len(old)} scheduled")
+    scheduler_output.scheduled_spec_decode_tokens[req_id] = list(drafts)
+
+
+def align_output_counts(runner, scheduler_output) -> None:
+    """Under async scheduling the schedule of step N + 1 was made before step N's output reached the scheduler,
+    so its count of each request's output tokens lags the runner's by what N emitted; vLLM's runner would cut its
+    own record back to it (``GPUModelRunner._update_states``: ``num_output_tokens``). The runner's count stands."""
+    cached = scheduler_output.scheduled_cached_reqs
+    counts = cached.num_output_tokens
+    for i, rid in enumerate(cached.req_ids):
+        state = runner.requests.get(rid)
+        if state is not None and counts[i] < len(state.output_token_ids):
+            counts[i] = len(state.output_token_ids)
+
+
+def input_capacity(runner) -> int:
+    """Rows vLLM's persistent input buffers hold (a forward's scheduled and extra rows together)."""
+    return runner.input_ids.gpu.shape[0]
+
+
 def scheduled_req_ids(scheduler_output) -> list[str]:
     """The requests a schedule (or a step's output of it) covers."""
     return list(scheduler_output.num_scheduled_tokens)
@@ -429,6 +525,11 @@ def scheduled_req_ids(scheduler_output) -> list[str]:
 
 def scheduled_drafts(scheduler_output, req_id: str) -> list[int]:
     return list(scheduler_output.scheduled_spec_decode_tokens.get(req_id) or [])
+
+
+def preempted_req_ids(scheduler_output) -> set[str]:
+    """Requests this schedule preempted (back to vLLM's waiting queue, their K/V freed)."""
+    return set(scheduler_output.preempted_req_ids or ())
 
 
 def resumed_req_ids(scheduler_output) -> set[str]:

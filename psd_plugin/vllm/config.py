@@ -94,6 +94,12 @@ class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True
     # positions in any order under the frontier rule, and free whitespace is a likely token at every one of them:
     # with ``any`` the tiny models wrote whitespace until max_tokens (docs/benchmarks.md, structured outputs)
     json_whitespace: Literal["compact", "any"] = "compact"
+    # the next step scheduled while this one runs (vLLM's async scheduling, its batch queue of two steps; vLLM's
+    # ``--async-scheduling`` sets it too): the scheduler schedules each request's next rows from its planned step
+    # before that step's outcome is known, the runner decodes a step when the next one begins, and a step whose
+    # guess was wrong (its block completed) is cut. One engine process per model (no tensor, pipeline or data
+    # parallelism yet); docs/architecture.md, "Overlap"
+    async_scheduling: bool = False
 
 
 class PrestoSpeculativeConfig(TreeKnobs, forbid_unknown_fields=True, kw_only=True):
@@ -429,11 +435,46 @@ def translate(engine_args, target_model_config, target_parallel_config) -> None:
                           f"up to {one_step} logits rows ({resolved.max_canvases()} canvases of a {resolved.block_size}"
                           f"-token block with decoding {resolved.method!r}); allowed: {one_step} or more, or unset")
     cfg = msgspec.structs.replace(cfg, block_size=resolved.block_size, cache=resolved.cache)
+    cfg = _async_scheduling(engine_args, cfg, target_parallel_config)
     _select(engine_args, target_parallel_config, "psd", cfg, resolved.block_size, platform)
     extra = {k: v for k, v in engine_args.additional_config.items() if k != GRAPH_KEY}
     if resolved.graph is not None:  # shipped as loaded: the other processes do not read the file again
         extra[GRAPH_KEY] = msgspec.to_builtins(resolved.graph)
     engine_args.additional_config = extra
+
+
+def _async_scheduling(engine_args, cfg: PSDSpeculativeConfig, parallel_config) -> PSDSpeculativeConfig:
+    """The speculative config with ``async_scheduling`` set when the user asked for it (the knob, or vLLM's
+    ``--async-scheduling``), after checking what it runs with. vLLM refuses async scheduling for a
+    ``custom_class`` proposer, so ``engine_args`` is told off here and the engine's config on again once vLLM built
+    it (:func:`enable_async_scheduling`)."""
+    if engine_args.async_scheduling:
+        cfg = msgspec.structs.replace(cfg, async_scheduling=True)
+    if not cfg.async_scheduling:
+        return cfg
+    for name, n in (("tensor_parallel_size", parallel_config.tensor_parallel_size),
+                    ("pipeline_parallel_size", parallel_config.pipeline_parallel_size),
+                    ("data_parallel_size", parallel_config.data_parallel_size)):
+        if n > 1:
+            raise ConfigError(f"speculative_config.async_scheduling with {name} {n}: psd-plugin's async scheduling "
+                              f"runs in one engine process so far; allowed: {name} 1, or async_scheduling false")
+    engine_args.async_scheduling = False
+    return cfg
+
+
+def enable_async_scheduling(vllm_config) -> None:
+    """Async scheduling on for an engine whose dLLM config asks for it (:func:`_async_scheduling`); called on the
+    ``VllmConfig`` vLLM built (``EngineArgs.create_engine_config``, wrapped by :func:`psd_plugin.vllm.install`),
+    before any engine process reads it."""
+    raw = (vllm_config.additional_config or {}).get("psd")
+    if not isinstance(raw, dict) or not raw.get("async_scheduling"):
+        return
+    backend = compat.executor_backend(vllm_config)
+    if backend not in (None, "uni"):
+        raise ConfigError(f"distributed_executor_backend {backend!r}: psd-plugin's async scheduling decodes a step "
+                          "in the engine core's thread (vLLM's one-process executor); allowed: uni, or "
+                          "speculative_config.async_scheduling false")
+    compat.set_async_scheduling(vllm_config, True)
 
 
 def translate_presto(engine_args, target_model_config, target_parallel_config, raw: dict) -> None:

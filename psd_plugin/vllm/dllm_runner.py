@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.outputs import SamplerOutput
+from vllm.v1.outputs import AsyncModelRunnerOutput, SamplerOutput
 
 from attention_backends.step_batch import Rows, StepBatch, build_step_batch
 from model_executor.decoding import LogitsRules, merge_stats, predict_rows, propose_all
@@ -115,6 +115,19 @@ def request_rules(sp) -> LogitsRules | None:
     return rules if rules.active else None
 
 
+class DeferredOutput(AsyncModelRunnerOutput):
+    """A step's output under async scheduling: the step's decode runs when the next step begins
+    (:meth:`DLLMRunnerMixin.execute_model`), or when vLLM's engine core asks for this output first."""
+
+    def __init__(self, runner, grammar_output):
+        self.runner, self.grammar_output, self.output = runner, grammar_output, None
+
+    def get_output(self):
+        if self.output is None:
+            self.runner._finish_deferred()
+        return self.output
+
+
 @dataclass
 class _Served:
     """A request in this runner: its decoding state machine (phase, planned step, drafts: all in ``req``), its
@@ -158,6 +171,13 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._forward_t0: float | None = None
         self._want_lp: dict[int, int] = {}  # this step: batch row -> logprobs asked (requests decoding)
         self._no_indices: torch.Tensor | None = None  # _calc_spec_decode_metadata's empty index fields
+        # async scheduling (vLLM's batch queue): a step's decode waits for the next step's start; vLLM's own
+        # bookkeeping stays synchronous (it sees every step decoded before the next begins)
+        self.overlap = compat.async_scheduling(vllm_config)
+        if self.overlap:
+            compat.keep_runner_synchronous(self)
+        self._deferred: DeferredOutput | None = None
+        self.step_time["deferred"] = 0  # steps whose decode ran while vLLM scheduled the next one
 
     # ------------------------------------------------------------------ per-request decoding state
     def _served(self, req_id: str) -> _Served:
@@ -246,6 +266,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 except Exception as e:
                     self._fail(rid, "planning its step", e)
             entries.append(entry)
+        if self.overlap:
+            self._fit(entries, req_ids)
         self.batch = self._build(entries, req_ids)
         self._publish(self.batch)
         # logits only for the rows the decoders read (a rebuild's: none); vLLM computes at least one row
@@ -297,6 +319,25 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                     f"vLLM scheduled {n} rows from position {start} with {len(drafts)} drafts, {s.cuts} steps in a "
                     f"row, where the request planned {st.num_scheduled} rows from {st.w0} with {len(st.drafts)}")
         return Rows(n, start)
+
+    def _fit(self, entries: list, req_ids: list[str]) -> None:
+        """Under async scheduling the scheduler budgeted each step's extra canvases and logits rows on a guess
+        (the request's last step's); where the planned drafts outgrew it past vLLM's input buffers or the logits
+        budget, the steps with the most extra rows are cut (counted; the scheduler schedules them again from the
+        plan, budgeted exactly)."""
+        cap, budget = compat.input_capacity(self), self.logits_budget
+        steps = [i for i, e in enumerate(entries) if not isinstance(e, Rows) and e.num_canvases > 1]
+        rows = sum(e.n if isinstance(e, Rows) else e.num_scheduled + (e.num_canvases - 1) * e.seg_len for e in entries)
+        logits = sum(0 if isinstance(e, Rows) else e.num_logits_rows for e in entries)
+        for i in sorted(steps, key=lambda i: -(entries[i].num_canvases - 1) * entries[i].seg_len):
+            if rows <= cap and logits <= budget:
+                return
+            e = entries[i]
+            rows -= (e.num_canvases - 1) * e.seg_len
+            logits -= e.num_logits_rows
+            entries[i] = Rows(e.num_scheduled, e.w0)
+            self._stepping.pop(i, None)
+            self.step_time["cut_steps"] += 1
 
     def _stage_step(self, s: _Served, shipped):
         """A stage before the last decodes nothing: a request's step is what the last stage planned and the
@@ -421,10 +462,19 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             # planned: a replay past a narrow window has rows but no drafts; under pipeline parallelism the step
             # itself travels to the other stages (without its proposal, which only this stage's decoder reads)
             plan = dataclasses.replace(st, proposal=None) if st and self.pp_size > 1 else None
-            nexts.append(NextStep(st.w0, (st.num_canvases - 1) * st.seg_len, st.num_logits_rows, True, plan) if st
-                         else NextStep(NO_REWIND))
+            nexts.append(self._ticket(self._served(rid), st, plan) if st else NextStep(NO_REWIND))
         self.set_next_drafts(req_ids, drafts, nexts)
         return drafts
+
+    def _ticket(self, s: _Served, st, plan) -> NextStep:
+        """The scheduler's view of a request's planned step ``st``; under async scheduling with the step after
+        it as guessed (:meth:`~model_executor.dllm_request.DLLMRequest.step_after`)."""
+        then = None
+        if self.overlap and (after := s.req.step_after(st)) is not None:
+            w0, rows, extra, logits = after
+            then = NextStep(w0, extra, logits, True, num_scheduled=rows)
+        return NextStep(st.w0, (st.num_canvases - 1) * st.seg_len, st.num_logits_rows, True, plan,
+                        num_scheduled=st.num_scheduled, then=then)
 
     def _next(self, s: _Served, proposals: dict):
         """The request's next step, planned from its proposal (or its next replay); None when it is done."""
@@ -455,7 +505,50 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 out.append(None)
         return out
 
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        """Under async scheduling the last step is decoded first (its commits, then each request's next step),
+        and the scheduled placeholder drafts of a step planned as scheduled become its canvas ids; then vLLM's
+        step as ever."""
+        if self.overlap:
+            if self._deferred is not None:
+                self.step_time["deferred"] += 1
+                self._finish_deferred()
+            self._adopt_plans(scheduler_output)
+        return super().execute_model(scheduler_output, *args, **kwargs)
+
+    def _adopt_plans(self, scheduler_output) -> None:
+        """The scheduler scheduled each continuing request's step before this runner planned it (async
+        scheduling), with placeholder drafts; where the planned step is the scheduled one (its rows and draft
+        count), its drafts replace them, so vLLM lays out its ids. Another schedule is a cut step (:meth:`_entry`)."""
+        compat.align_output_counts(self, scheduler_output)
+        for rid, (start, n) in compat.scheduled_rows(scheduler_output).items():
+            s = self.served.get(rid)
+            st = None if s is None or rid in self.failed else s.req.step
+            if st is None or start != st.w0 or n != st.num_scheduled:
+                continue
+            drafts = compat.scheduled_drafts(scheduler_output, rid)
+            if drafts and len(drafts) == len(st.drafts) and drafts != st.drafts:
+                compat.replace_scheduled_drafts(scheduler_output, rid, st.drafts)
+
+    def _finish_deferred(self) -> None:
+        """The deferred step's decode (:meth:`sample_tokens`), its ticket on its output."""
+        d, self._deferred = self._deferred, None
+        if d is None or d.output is not None:
+            return
+        with torch.inference_mode():
+            out = self._sample_tokens(d.grammar_output)
+        d.output = compat.attach_ticket(out, self.take_draft_token_ids())
+
     def sample_tokens(self, grammar_output):
+        """The step's decode (:meth:`_sample`) and next canvases (:meth:`propose_draft_token_ids`); under async
+        scheduling deferred to the next step's start (:class:`DeferredOutput`), so vLLM schedules that step and
+        processes the previous one's output while the device runs this one."""
+        if self.overlap:
+            self._deferred = DeferredOutput(self, grammar_output)
+            return self._deferred
+        return self._sample_tokens(grammar_output)
+
+    def _sample_tokens(self, grammar_output):
         out = super().sample_tokens(grammar_output)
         # prompt logprobs (computed in the prefill forward) travel with the request's first emitted block:
         # the scheduler sends nothing for a step that emits no token

@@ -112,6 +112,11 @@ class DLLMScheduler(Scheduler):
         self.pipeline = self.vllm_config.parallel_config.pipeline_parallel_size > 1
         self.in_flight: dict[str, int] = {}  # request -> its scheduled steps whose output is not processed yet
         self.deferred: dict[str, tuple] = {}  # request -> its drafts and NextStep, applied after that output
+        # async scheduling (vLLM's batch queue of two steps): each request's next step is scheduled while its last
+        # one runs, from that step's plan (NextStep.then); the ticket arrives with the step's output
+        self.overlap = compat.async_scheduling(self.vllm_config)
+        self.scheduled_rows: dict[str, tuple[int, int]] = {}  # request -> (w0, rows) of its latest scheduled step
+        self.guessed_steps = 0  # steps scheduled before the outcome of the request's step in flight
 
     def add_request(self, request) -> None:
         text = (request.sampling_params.extra_args or {}).get(GRAMMAR_ARG) if request.sampling_params else None
@@ -125,9 +130,11 @@ class DLLMScheduler(Scheduler):
 
     def schedule(self, throttle_prefills: bool = False):
         self.next_steps = {k: v for k, v in self.next_steps.items() if k in self.requests}
-        if self.pipeline:
+        if self.pipeline or self.overlap:
             self.in_flight = {k: v for k, v in self.in_flight.items() if k in self.requests}
             self.deferred = {k: v for k, v in self.deferred.items() if k in self.requests}
+            self.scheduled_rows = {k: v for k, v in self.scheduled_rows.items() if k in self.requests}
+        guessed = self._guess() if self.overlap else {}
         self.failing &= self.requests.keys()
         for rid, why in self.grammars.poll(self.requests):
             logger.error("psd-plugin: request %s fails: %s", rid, why)
@@ -148,7 +155,7 @@ class DLLMScheduler(Scheduler):
             if need <= 0:  # nothing to forward (its step is in flight): vLLM passes it by, it takes no budget
                 kept.append(r)
                 continue
-            nxt = self.next_steps.get(r.request_id, UNPLANNED)
+            nxt = guessed.get(r.request_id) or self.next_steps.get(r.request_id, UNPLANNED)
             more = nxt.extra_rows
             if nxt.planned and (need + more > budget or nxt.logits_rows > logits):
                 continue  # waits for the next step, whole
@@ -162,16 +169,60 @@ class DLLMScheduler(Scheduler):
             with compat.scheduling_only(self, kept, max(1, self.max_num_scheduled_tokens - extra)):
                 out = super().schedule(throttle_prefills)
         self._first_canvases(out, self.max_num_scheduled_tokens - extra - out.total_num_scheduled_tokens, logits)
-        if self.pipeline:  # (one step at a time otherwise: its output is processed before its drafts arrive)
+        if self.overlap:
+            self._after_guess(out, guessed)
+        if self.pipeline or self.overlap:  # (one step at a time otherwise: its output comes before its drafts)
             scheduled = compat.scheduled_req_ids(out)
             for rid in scheduled:
                 self.in_flight[rid] = self.in_flight.get(rid, 0) + 1
+        if self.pipeline:
             # the planned steps, for the stages that lay them out without decoding
             compat.ship_plans(out, {rid: nxt.plan for rid in scheduled
                                     if (nxt := self.next_steps.get(rid)) is not None and nxt.plan is not None})
         if not out.total_num_scheduled_tokens:  # nothing to run: rather than an empty step, wait for a grammar
             self.grammars.wait(0.01)
         return out
+
+    def _guess(self) -> dict:
+        """Async scheduling: each running request whose step N is in flight gets step N + 1 now, before N's
+        outcome: the ticket of its last processed step planned N (``next_steps``); if N was scheduled as planned,
+        N + 1 is the step after it as its block goes on (``NextStep.then``), else N is cut and N + 1 is the planned
+        one. Its drafts are placeholders (the runner writes the ids it plans); ``num_computed_tokens`` goes back
+        to the step's start. Returns request id -> the step scheduled for it (its budget's rows); a request with
+        no guess (a replay, a plain prefill in flight) passes this step by. What these set is put back for the
+        requests the step does not take (:meth:`_after_guess`)."""
+        guessed = {}
+        self._saved = {}
+        for r in self.running:
+            rid = r.request_id
+            nxt = self.next_steps.get(rid)
+            if not self.in_flight.get(rid) or rid in self.failing or nxt is None or not nxt.planned:
+                continue
+            step = nxt.then if nxt.same_rows(*self.scheduled_rows.get(rid, (-1, -1))) else nxt
+            drafts = -1 if step is None else step.recompute_from + step.num_scheduled - r.num_tokens
+            if drafts < 0:
+                continue
+            self._saved[rid] = (r.num_computed_tokens, list(r.spec_token_ids))
+            r.spec_token_ids = [self.mask_id] * drafts
+            r.num_computed_tokens = step.recompute_from
+            guessed[rid] = step
+        return guessed
+
+    def _after_guess(self, out, guessed: dict) -> None:
+        """Record what this step scheduled (each request's first row and rows); put back what :meth:`_guess` set
+        on the requests it did not take."""
+        rows = out.num_scheduled_tokens
+        for rid in compat.scheduled_req_ids(out):
+            r = self.requests[rid]
+            self.scheduled_rows[rid] = (r.num_computed_tokens - rows[rid], rows[rid])
+        self.guessed_steps += sum(rid in rows for rid in guessed)
+        for rid, (computed, drafts) in self._saved.items():
+            if rid not in rows and (r := self.requests.get(rid)) is not None and compat.is_running(r):
+                r.num_computed_tokens, r.spec_token_ids = computed, drafts
+        self._saved = {}
+        for rid in compat.preempted_req_ids(out):  # its runner plans again from the re-prefill
+            self.next_steps.pop(rid, None)
+            self.scheduled_rows.pop(rid, None)
 
     def _first_canvases(self, out, room: int, logits: int) -> None:
         """Append each newly admitted request's first canvas to its prompt prefill (module docstring), while the
@@ -204,6 +255,8 @@ class DLLMScheduler(Scheduler):
         return spec_decoding_stats
 
     def update_from_output(self, scheduler_output, model_runner_output):
+        if self.overlap:
+            return self._update_overlapped(scheduler_output, model_runner_output)
         out = super().update_from_output(scheduler_output, model_runner_output)
         if not self.in_flight:
             return out
@@ -218,6 +271,44 @@ class DLLMScheduler(Scheduler):
                     and compat.is_running(r):
                 set_next(r, *update)
         return out
+
+    def _update_overlapped(self, scheduler_output, model_runner_output):
+        """Async scheduling: step N's output, while N + 1 is in flight. vLLM's rollback of N's rejected drafts is
+        undone for the requests N + 1 already rescheduled (their ``num_computed_tokens`` is N + 1's); the ticket
+        on the output (:func:`.compat.ticket_of`) plans each request's next step, applied at once to a request
+        with nothing in flight and read by :meth:`_guess` for the others."""
+        sched = compat.scheduled_req_ids(scheduler_output)
+        again = {rid: r.num_computed_tokens for rid in sched
+                 if self.in_flight.get(rid, 0) > 1 and (r := self.requests.get(rid)) is not None}
+        out = super().update_from_output(scheduler_output, model_runner_output)
+        for rid, computed in again.items():
+            if (r := self.requests.get(rid)) is not None and compat.is_running(r):
+                r.num_computed_tokens = computed
+        for rid in sched:
+            if (left := self.in_flight.get(rid, 0) - 1) > 0:
+                self.in_flight[rid] = left
+            else:
+                self.in_flight.pop(rid, None)
+        ticket = compat.ticket_of(model_runner_output)
+        if ticket is not None:
+            self._take_ticket(ticket)
+        return out
+
+    def _take_ticket(self, ticket: PSDDraftTokenIds) -> None:
+        """A step's ticket under async scheduling: each running request's next step is planned; one with nothing
+        in flight gets its drafts now (as a synchronous engine), the others at the next :meth:`_guess`. A request
+        preempted meanwhile forgets it (its runner plans again from the re-prefill). Failures as ever."""
+        for rid, drafts, nxt in zip(ticket.req_ids, ticket.draft_token_ids, ticket.next_steps):
+            r = self.requests.get(rid)
+            if r is None or r.is_finished():
+                continue
+            if not compat.is_running(r):
+                self.next_steps.pop(rid, None)
+                continue
+            self.next_steps[rid] = nxt
+            if not self.in_flight.get(rid):
+                set_next(r, drafts, nxt)
+        apply_draft_updates(self, PSDDraftTokenIds([], [], [], ticket.failed))
 
     def update_draft_token_ids(self, draft_token_ids: PSDDraftTokenIds) -> None:
         apply_draft_updates(self, draft_token_ids, self.deferred)

@@ -1,0 +1,175 @@
+"""Async scheduling on the dLLM path (``speculative_config`` ``async_scheduling``, or vLLM's
+``--async-scheduling``): vLLM's engine core keeps two steps in its batch queue, so step N + 1 is scheduled while
+step N runs and step N's output is processed while N + 1 runs. The scheduler schedules each request's next rows
+from its planned step (:meth:`~model_executor.dllm_request.DLLMRequest.step_after`), the runner decodes step N
+when N + 1 begins and writes N + 1's canvas ids into the rows scheduled for them; a request whose block completed
+at N gets a cut step at N + 1 (its rows decode nothing). Every output equals the reference engine's in tokens and
+decoding forwards: every method, each cache, every family, greedy and sampled, under preemption. Configurations it
+does not run with yet are refused, naming the field."""
+
+import os
+
+import pytest
+import torch
+
+from model_executor.engine import ReferenceEngine
+from psd_plugin import DEFAULT_DLLM
+
+vllm = pytest.importorskip("vllm")
+
+from test_vllm_decoding import METHODS, _generate, _knobs, _psd_stats, preemption_keeps_outputs  # noqa: E402
+
+pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("in_process_vllm")]
+FULL = os.environ.get("PSD_FULL_MATRIX") == "1"
+
+
+@pytest.fixture(scope="module")
+def heldout_prompts():
+    from psd_plugin.evaluate import encode, load
+    from psd_plugin.train.tasks import load_heldout
+
+    _, tok = load(DEFAULT_DLLM)
+    return [encode(tok, r["prompt"]) for r in load_heldout()[::151][:14]]
+
+
+@pytest.fixture(scope="module")
+def random_prompts():
+    g = torch.Generator().manual_seed(0)
+    return [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (3, 9, 17, 30, 41)]
+
+
+def _async_llm(path, method, cache=None, **spec):
+    from vllm import LLM
+
+    knobs = {**_knobs(path, method), **({"cache": cache} if cache else {})}
+    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+              speculative_config={"method": "psd", "decoding": method, "async_scheduling": True, **knobs, **spec})
+    assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+    return llm, knobs
+
+
+def _reference(path, prompts, method, knobs, **kw):
+    engine = ReferenceEngine.from_pretrained(path)
+    if method == "spiffy":
+        from model_executor.decoding import load_graph
+
+        knobs = {**knobs, "graph": load_graph(knobs["graph"])}
+    return engine.generate(prompts, max_tokens=32, block_size=engine.spec.attention_block or 8, method=method,
+                           **knobs, **kw)
+
+
+def _check(llm, prompts, ref, block=8, **kw):
+    tokens, nfe = _generate(llm, prompts, 32, merged=False, **kw)  # (model calls: NFE + cut steps)
+    for i, (t, n, r) in enumerate(zip(tokens, nfe, ref)):
+        assert t == r.token_ids and n == r.nfe, f"prompt {i}: vLLM {t} in {n} forwards, reference {r.token_ids} in {r.nfe}"
+    st = _psd_stats(llm)["step_time"]
+    assert st["deferred"] > 0, st  # the engine ran with its batch queue: steps decoded when the next began
+    # a missed guess (a completed block) costs one cut step; never more than one per block
+    blocks = sum(-(-len(r.token_ids) // block) for r in ref)
+    assert st["cut_steps"] <= blocks, (st, blocks)
+    return st
+
+
+CACHES = [("prefix", "dual")[i % 2] for i in range(len(METHODS))]
+
+
+@pytest.mark.parametrize("method, cache", [(m, c) for m in METHODS for c in ("prefix", "dual")] if FULL else
+                         list(zip(METHODS, CACHES)))
+def test_every_method_equals_the_reference_engine(heldout_prompts, method, cache):
+    llm, knobs = _async_llm(DEFAULT_DLLM, method, cache)
+    try:
+        _check(llm, heldout_prompts, _reference(DEFAULT_DLLM, heldout_prompts, method, knobs))
+    finally:
+        del llm
+
+
+@pytest.mark.parametrize("family, cache, method", [("dream", "dual", "psd"), ("sdar", "block", "confidence"),
+                                                   ("llada2", "block", "lopa")])
+def test_every_family_equals_the_reference_engine(tiny_checkpoints, random_prompts, family, cache, method):
+    path = tiny_checkpoints[family]
+    llm, knobs = _async_llm(path, method, cache)
+    try:
+        block = ReferenceEngine.from_pretrained(path).spec.attention_block or 8
+        _check(llm, random_prompts, _reference(path, random_prompts, method, knobs), block)
+    finally:
+        del llm
+
+
+def test_sampled_requests_draw_the_reference_engines_tokens(heldout_prompts):
+    """Seeded sampled requests beside greedy ones: a draw is a function of the seed, position and step, whatever
+    step vLLM scheduled it in."""
+    from vllm import SamplingParams
+
+    n = len(heldout_prompts)
+    ref = _reference(DEFAULT_DLLM, heldout_prompts, "psd", {}, temperature=0.8, top_p=0.9, seed=0)
+    llm, _ = _async_llm(DEFAULT_DLLM, "psd")
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts],
+                            [SamplingParams(max_tokens=32, temperature=0.8, top_p=0.9, seed=i) for i in range(n)],
+                            use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [r.token_ids for r in ref]
+    finally:
+        del llm
+
+
+@pytest.mark.parametrize("family, cache", [("llada", "dual"), ("sdar", "block")])
+def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, family, cache):
+    """A KV cache too small for the batch: vLLM preempts requests while their next step is already scheduled;
+    they resume and every output stays the reference's (greedy and sampled)."""
+    preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, family, cache,
+                             spec={"async_scheduling": True})
+
+
+def test_vllms_flag_turns_it_on_and_what_it_cannot_run_with_is_refused(heldout_prompts):
+    from vllm import LLM
+
+    llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_model_len=256, async_scheduling=True,
+              speculative_config={"method": "psd", "decoding": "confidence"})
+    try:
+        assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
+        assert (llm.llm_engine.vllm_config.additional_config or {})["psd"]["async_scheduling"]
+        _check(llm, heldout_prompts[:4], _reference(DEFAULT_DLLM, heldout_prompts[:4], "confidence", {}))
+    finally:
+        del llm
+    for kw, field in (({"tensor_parallel_size": 2}, "tensor_parallel_size 2"),
+                      ({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2")):
+        with pytest.raises(ValueError, match=rf"speculative_config.async_scheduling with {field}: .*allowed: "):
+            LLM(model=str(DEFAULT_DLLM), dtype="float32", speculative_config={"method": "psd",
+                                                                              "async_scheduling": True}, **kw)
+    with pytest.raises(ValueError, match=r"distributed_executor_backend 'mp': .*allowed: uni"):
+        LLM(model=str(DEFAULT_DLLM), dtype="float32", distributed_executor_backend="mp",
+            speculative_config={"method": "psd", "async_scheduling": True})
+
+
+def test_drafts_that_outgrow_the_guessed_budget_are_cut_not_overflowed(monkeypatch, heldout_prompts):
+    """The scheduler budgets a step it schedules on a guess with the request's last canvases; PSD's drafts then
+    vary, and with a step budget this tight the planned rows exceed vLLM's buffers or the logits budget in some
+    steps: the runner cuts the steps with the most extra rows (they run at the next step, budgeted exactly) and
+    every output stays the reference's."""
+    from vllm import LLM, SamplingParams
+
+    from psd_plugin.vllm import compat
+    from psd_plugin.vllm.dllm_runner import DLLMRunnerMixin, Rows
+
+    fitted = []
+    fit = DLLMRunnerMixin._fit
+
+    def spy(self, entries, req_ids):
+        before = sum(not isinstance(e, Rows) for e in entries)
+        fit(self, entries, req_ids)
+        fitted.append(before - sum(not isinstance(e, Rows) for e in entries))
+
+    monkeypatch.setattr(DLLMRunnerMixin, "_fit", spy)
+    ref = _reference(DEFAULT_DLLM, heldout_prompts, "psd", {"cache": "prefix"})
+    llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_model_len=128,
+              max_num_batched_tokens=150, max_num_seqs=8,
+              speculative_config={"method": "psd", "decoding": "psd", "cache": "prefix", "async_scheduling": True})
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts],
+                            SamplingParams(max_tokens=32, temperature=0), use_tqdm=False)
+        stats = compat.request_stats(llm)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [r.token_ids for r in ref]
+        assert [stats[o.request_id]["nfe"] for o in outs] == [r.nfe for r in ref]
+    finally:
+        del llm
+    assert any(fitted), "no step outgrew its guessed budget: the test does not exercise the fit"
