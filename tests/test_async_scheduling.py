@@ -173,3 +173,29 @@ def test_drafts_that_outgrow_the_guessed_budget_are_cut_not_overflowed(monkeypat
     finally:
         del llm
     assert any(fitted), "no step outgrew its guessed budget: the test does not exercise the fit"
+
+
+@pytest.mark.parametrize("method, cache", [("confidence", "prefix"), ("psd", "dual")])
+def test_answers_that_fill_the_context(random_prompts, tiny_checkpoints, method, cache):
+    """Prompt + max_tokens = max_model_len (what the OpenAI server gives a request without max_tokens): a step
+    guessed while the last one completes a block would hold that block's tokens before its placeholders, past
+    the context; such a request waits a step instead, and every output is the reference's."""
+    from vllm import LLM, SamplingParams
+
+    from psd_plugin.vllm import compat
+
+    path, L = tiny_checkpoints["llada"], 96
+    ref = ReferenceEngine.from_pretrained(path)
+    want = [ref.generate([p], max_tokens=L - len(p), method=method, cache=cache, block_size=8)[0]
+            for p in random_prompts]
+    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=L,
+              speculative_config={"method": "psd", "decoding": method, "cache": cache, "async_scheduling": True})
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in random_prompts],
+                            [SamplingParams(max_tokens=L - len(p), temperature=0) for p in random_prompts],
+                            use_tqdm=False)
+        stats = compat.request_stats(llm)
+        assert [list(o.outputs[0].token_ids) for o in outs] == [r.token_ids for r in want]
+        assert [stats[o.request_id]["nfe"] for o in outs] == [r.nfe for r in want]
+    finally:
+        del llm

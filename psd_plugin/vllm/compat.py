@@ -62,6 +62,8 @@ SCHEDULER_HOOKS = {
     "update_from_output": ("self", "scheduler_output", "model_runner_output"),
     "make_spec_decoding_stats": ("self", "spec_decoding_stats", "num_draft_tokens", "num_accepted_tokens",
                                  "num_invalid_spec_tokens", "request_id"),
+    # async scheduling: a preempted request's in-flight step is decoded already; its output is never dropped
+    "_preempt_request": ("self", "request", "timestamp", "drop_stale_output"),
 }
 
 # Attributes read or set on a live runner / scheduler / input batch.
@@ -73,7 +75,7 @@ INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_s
 WORKER_ATTRIBUTES = ("model_runner", "parallel_config")
 SCHEDULER_ATTRIBUTES = ("running", "requests", "max_num_scheduled_tokens", "max_num_running_reqs", "max_num_active_reqs",
                         "num_sampled_tokens_per_step", "num_spec_tokens", "log_stats", "kv_cache_manager",
-                        "vllm_config", "grammar_compile_error_reqs")
+                        "vllm_config", "grammar_compile_error_reqs", "max_model_len")
 
 # The attention backend (``attention_backends.vllm_backend``) subclasses vLLM's backend classes: per class
 # ("module:Class") the methods it overrides or calls by position (the builder's ``__init__``), with their

@@ -139,6 +139,7 @@ class _Served:
     recorded: bool = False
     prefilling: bool = False  # vLLM prefills its prompt in chunks and has not finished: no canvas planned yet
     cuts: int = 0  # consecutive steps vLLM scheduled it otherwise than planned (more than MAX_CUTS: it fails)
+    fit_cuts: int = 0  # consecutive steps cut to fit the step's rows (async scheduling: ``_fit``)
     t0: float = field(default_factory=time.perf_counter)
 
 
@@ -323,21 +324,26 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def _fit(self, entries: list, req_ids: list[str]) -> None:
         """Under async scheduling the scheduler budgeted each step's extra canvases and logits rows on a guess
         (the request's last step's); where the planned drafts outgrew it past vLLM's input buffers or the logits
-        budget, the steps with the most extra rows are cut (counted; the scheduler schedules them again from the
-        plan, budgeted exactly)."""
+        budget, steps are cut: those cut fewest times in a row first (no request starves), then those with the most
+        extra rows (counted; the plan stays, and the next step scheduled for it forwards it)."""
         cap, budget = compat.input_capacity(self), self.logits_budget
         steps = [i for i, e in enumerate(entries) if not isinstance(e, Rows) and e.num_canvases > 1]
         rows = sum(e.n if isinstance(e, Rows) else e.num_scheduled + (e.num_canvases - 1) * e.seg_len for e in entries)
         logits = sum(0 if isinstance(e, Rows) else e.num_logits_rows for e in entries)
-        for i in sorted(steps, key=lambda i: -(entries[i].num_canvases - 1) * entries[i].seg_len):
+        order = sorted(steps, key=lambda i: (self._stepping[i].fit_cuts if i in self._stepping else 0,
+                                             -(entries[i].num_canvases - 1) * entries[i].seg_len))
+        for i in order:
             if rows <= cap and logits <= budget:
-                return
+                break
             e = entries[i]
             rows -= (e.num_canvases - 1) * e.seg_len
             logits -= e.num_logits_rows
             entries[i] = Rows(e.num_scheduled, e.w0)
-            self._stepping.pop(i, None)
+            if (s := self._stepping.pop(i, None)) is not None:
+                s.fit_cuts += 1
             self.step_time["cut_steps"] += 1
+        for s in self._stepping.values():
+            s.fit_cuts = 0
 
     def _stage_step(self, s: _Served, shipped):
         """A stage before the last decodes nothing: a request's step is what the last stage planned and the

@@ -117,6 +117,7 @@ class DLLMScheduler(Scheduler):
         self.overlap = compat.async_scheduling(self.vllm_config)
         self.scheduled_rows: dict[str, tuple[int, int]] = {}  # request -> (w0, rows) of its latest scheduled step
         self.guessed_steps = 0  # steps scheduled before the outcome of the request's step in flight
+        self.cut: set[str] = set()  # requests whose step in flight is a cut one (a guess that missed)
 
     def add_request(self, request) -> None:
         text = (request.sampling_params.extra_args or {}).get(GRAMMAR_ARG) if request.sampling_params else None
@@ -130,6 +131,7 @@ class DLLMScheduler(Scheduler):
 
     def schedule(self, throttle_prefills: bool = False):
         self.next_steps = {k: v for k, v in self.next_steps.items() if k in self.requests}
+        self.cut &= self.requests.keys()
         if self.pipeline or self.overlap:
             self.in_flight = {k: v for k, v in self.in_flight.items() if k in self.requests}
             self.deferred = {k: v for k, v in self.deferred.items() if k in self.requests}
@@ -179,8 +181,8 @@ class DLLMScheduler(Scheduler):
             # the planned steps, for the stages that lay them out without decoding
             compat.ship_plans(out, {rid: nxt.plan for rid in scheduled
                                     if (nxt := self.next_steps.get(rid)) is not None and nxt.plan is not None})
-        if not out.total_num_scheduled_tokens:  # nothing to run: rather than an empty step, wait for a grammar
-            self.grammars.wait(0.01)
+        if not out.total_num_scheduled_tokens and not self.in_flight:  # nothing to run (and no step in flight
+            self.grammars.wait(0.01)  # whose output is due): rather than an empty step, wait for a grammar
         return out
 
     def _guess(self) -> dict:
@@ -198,9 +200,15 @@ class DLLMScheduler(Scheduler):
             nxt = self.next_steps.get(rid)
             if not self.in_flight.get(rid) or rid in self.failing or nxt is None or not nxt.planned:
                 continue
-            step = nxt.then if nxt.same_rows(*self.scheduled_rows.get(rid, (-1, -1))) else nxt
+            if nxt.same_rows(*self.scheduled_rows.get(rid, (-1, -1))):
+                step = nxt.then
+            else:  # the step in flight is not the planned one: the runner cuts it, and the planned one comes now
+                step = nxt
+                self.cut.add(rid)
             drafts = -1 if step is None else step.recompute_from + step.num_scheduled - r.num_tokens
-            if drafts < 0:
+            # the step in flight may complete a block: vLLM's runner then holds that block's tokens before these
+            # placeholders, in rows of max_model_len (a guess that would not fit then waits a step)
+            if drafts < 0 or step.recompute_from + step.num_scheduled + self.cfg.block_size > self.max_model_len:
                 continue
             self._saved[rid] = (r.num_computed_tokens, list(r.spec_token_ids))
             r.spec_token_ids = [self.mask_id] * drafts
@@ -246,6 +254,9 @@ class DLLMScheduler(Scheduler):
 
     def make_spec_decoding_stats(self, spec_decoding_stats, num_draft_tokens, num_accepted_tokens,
                                  num_invalid_spec_tokens, request_id):
+        if request_id in self.cut:  # a cut step (async scheduling) is no decoding forward
+            self.cut.discard(request_id)
+            return spec_decoding_stats
         if not self.log_stats or not num_draft_tokens:
             return None
         if spec_decoding_stats is None:
@@ -271,6 +282,14 @@ class DLLMScheduler(Scheduler):
                     and compat.is_running(r):
                 set_next(r, *update)
         return out
+
+    def _preempt_request(self, request, timestamp, drop_stale_output: bool = False) -> None:
+        """vLLM drops a preempted request's in-flight output when asked to (``reset_prefix_cache`` of running
+        requests, a KV connector's pending hand-off); under async scheduling the runner has already decoded that
+        step, so its tokens are delivered (the runner's request state holds them)."""
+        if self.overlap and self.in_flight.get(request.request_id):
+            drop_stale_output = False
+        super()._preempt_request(request, timestamp, drop_stale_output)
 
     def _update_overlapped(self, scheduler_output, model_runner_output):
         """Async scheduling: step N's output, while N + 1 is in flight. vLLM's rollback of N's rejected drafts is
