@@ -124,11 +124,16 @@ def test_vllms_flag_turns_it_on_and_what_it_cannot_run_with_is_refused(heldout_p
     from vllm import LLM
 
     llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_model_len=256, async_scheduling=True,
-              speculative_config={"method": "psd", "decoding": "confidence"})
+              disable_log_stats=False, speculative_config={"method": "psd", "decoding": "confidence"})
     try:
         assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
         assert (llm.llm_engine.vllm_config.additional_config or {})["psd"]["async_scheduling"]
-        _check(llm, heldout_prompts[:4], _reference(DEFAULT_DLLM, heldout_prompts[:4], "confidence", {}))
+        ref = _reference(DEFAULT_DLLM, heldout_prompts, "confidence", {})
+        st = _check(llm, heldout_prompts, ref)
+        assert st["cut_steps"] > 0  # blocks completed under a guess
+        # vLLM's spec-decode metrics in dLLM terms (one draft = one decoding forward): cut steps are none
+        drafts = sum(m.value for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_drafts")
+        assert drafts == sum(r.nfe for r in ref), (drafts, sum(r.nfe for r in ref))
     finally:
         del llm
     for kw, field in (({"tensor_parallel_size": 2}, "tensor_parallel_size 2"),
