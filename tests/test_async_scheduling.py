@@ -70,11 +70,14 @@ def _check(llm, prompts, ref, block=8, **kw):
     return st
 
 
-CACHES = [("prefix", "dual")[i % 2] for i in range(len(METHODS))]
+# CI: a one-canvas policy, a drafting method, a lossless one with its draft graph, the editing decoder (the
+# async path is the same for every method but for its canvases: the policies share PolicyDecoder's code);
+# PSD_FULL_MATRIX=1: every method with both caches (all passed 2026-12-06)
+CI_CASES = [("confidence", "dual"), ("psd", "prefix"), ("spiffy", "dual"), ("joint_threshold", "prefix")]
 
 
 @pytest.mark.parametrize("method, cache", [(m, c) for m in METHODS for c in ("prefix", "dual")] if FULL else
-                         list(zip(METHODS, CACHES)))
+                         CI_CASES)
 def test_every_method_equals_the_reference_engine(heldout_prompts, method, cache):
     llm, knobs = _async_llm(DEFAULT_DLLM, method, cache)
     try:
@@ -112,7 +115,7 @@ def test_sampled_requests_draw_the_reference_engines_tokens(heldout_prompts):
         del llm
 
 
-@pytest.mark.parametrize("family, cache", [("llada", "dual"), ("sdar", "block")])
+@pytest.mark.parametrize("family, cache", [("llada", "dual"), ("sdar", "block")] if FULL else [("llada", "dual")])
 def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts, random_prompts, family, cache):
     """A KV cache too small for the batch: vLLM preempts requests while their next step is already scheduled;
     they resume and every output stays the reference's (greedy and sampled)."""

@@ -102,7 +102,9 @@ def test_random_models_follow_the_schema(tiny_checkpoints, tok, family, method):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", (torch.float64, torch.float32))
+# CI: float32 (what vLLM serves here); float64 too with PSD_FULL_MATRIX=1 (40 s of CI's time)
+@pytest.mark.parametrize("dtype", (torch.float64, torch.float32) if os.environ.get("PSD_FULL_MATRIX") else
+                         (torch.float32,))
 @pytest.mark.parametrize("lossless,base", (("freedave", "static"), ("spiffy", "static"),
                                            ("spiffy", "confidence")))
 def test_lossless_methods_equal_their_base_policy_under_the_grammar(tok, mixed_prompts, dtype, lossless, base):
