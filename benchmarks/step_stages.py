@@ -133,6 +133,15 @@ class StageClock:
         timed.__wrapped_stage__ = stage
         return timed
 
+    def _counted(self, step):
+        def counted(core, *args, **kwargs):
+            out = step(core, *args, **kwargs)
+            self.steps += bool(out[1])
+            return out
+
+        counted.__counted__ = True
+        return counted
+
     def install(self) -> list[str]:
         """Wrap every stage of :data:`STAGES` (each once: on the class that defines it); returns what is missing."""
         missing = []
@@ -147,24 +156,11 @@ class StageClock:
                 setattr(owner, attr, self.wrap(fn, stage))
         from vllm.v1.engine.core import EngineCore
 
-        step = EngineCore.step
-        if not hasattr(step, "__counted__"):
-            def counted(core, *args, **kwargs):
-                out = step(core, *args, **kwargs)
-                self.steps += bool(out[1])
-                return out
-
-            counted.__counted__ = True
-            EngineCore.step = counted
-        queued = EngineCore.step_with_batch_queue  # the engine core's step under async scheduling
-        if not hasattr(queued, "__counted__"):
-            def counted_queued(core, *args, **kwargs):
-                out = queued(core, *args, **kwargs)
-                self.steps += bool(out[1])
-                return out
-
-            counted_queued.__counted__ = True
-            EngineCore.step_with_batch_queue = counted_queued
+        # the engine core's step (``step_with_batch_queue`` under async scheduling): the steps that ran the model
+        for name in ("step", "step_with_batch_queue"):
+            step = getattr(EngineCore, name)
+            if not hasattr(step, "__counted__"):
+                setattr(EngineCore, name, self._counted(step))
         return missing
 
 

@@ -150,3 +150,22 @@ def mixed_prompts(tokenizer_dir):
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     return [encode(tok, r["prompt"]) for t in TASKS for r in load_heldout(t)[:2]]
+
+
+@pytest.fixture(scope="session")
+def heldout_prompts():
+    """Fourteen held-out prompts of the embedded dLLM's tasks, every task, mixed lengths."""
+    from psd_plugin.evaluate import encode, load
+    from psd_plugin.train.tasks import load_heldout
+
+    _, tok = load(DEFAULT_DLLM)
+    return [encode(tok, r["prompt"]) for r in load_heldout()[::151][:14]]
+
+
+@pytest.fixture(scope="session")
+def random_prompts():
+    """Five random prompts of 5-45 tokens (for the random checkpoints)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (3, 9, 17, 30, 41)]

@@ -10,7 +10,6 @@ does not run with yet are refused, naming the field."""
 import os
 
 import pytest
-import torch
 
 from model_executor.engine import ReferenceEngine
 from psd_plugin import DEFAULT_DLLM
@@ -21,21 +20,6 @@ from test_vllm_decoding import METHODS, _generate, _knobs, _psd_stats, preemptio
 
 pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("in_process_vllm")]
 FULL = os.environ.get("PSD_FULL_MATRIX") == "1"
-
-
-@pytest.fixture(scope="module")
-def heldout_prompts():
-    from psd_plugin.evaluate import encode, load
-    from psd_plugin.train.tasks import load_heldout
-
-    _, tok = load(DEFAULT_DLLM)
-    return [encode(tok, r["prompt"]) for r in load_heldout()[::151][:14]]
-
-
-@pytest.fixture(scope="module")
-def random_prompts():
-    g = torch.Generator().manual_seed(0)
-    return [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (3, 9, 17, 30, 41)]
 
 
 def _async_llm(path, method, cache=None, **spec):

@@ -54,23 +54,6 @@ def two_ranks():
     envs.disable_envs_cache()
 
 
-@pytest.fixture(scope="module")
-def heldout_prompts():
-    from psd_plugin.evaluate import encode, load
-    from psd_plugin.train.tasks import load_heldout
-
-    _, tok = load(DEFAULT_DLLM)
-    return [encode(tok, r["prompt"]) for r in load_heldout()[::151][:14]]
-
-
-@pytest.fixture(scope="module")
-def random_prompts():
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    return [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (3, 9, 17, 30, 41)]
-
-
 # CI: the decoders whose rank-sensitive paths no other test here runs on two ranks (PSD on the default model and
 # cache, joint_threshold's edits; the confidence policy runs in the sampling and structured-output tests, LoPA and
 # Spiffy on the random checkpoints below); PSD_TP_MATRIX=1 runs every method

@@ -27,22 +27,6 @@ METHODS = ("static", "confidence", "localleap", "lopa", "freedave", "spiffy", "p
 pytestmark = pytest.mark.usefixtures("in_process_vllm")
 
 
-@pytest.fixture(scope="module")
-def heldout_prompts():
-    from psd_plugin.evaluate import encode, load
-    from psd_plugin.train.tasks import load_heldout
-
-    _, tok = load(DEFAULT_DLLM)
-    rows = load_heldout()[::151][:14]  # every task, mixed lengths
-    return [encode(tok, r["prompt"]) for r in rows]
-
-
-@pytest.fixture(scope="module")
-def random_prompts():
-    g = torch.Generator().manual_seed(0)
-    return [[1, 3] + torch.randint(5, 500, (n,), generator=g).tolist() + [4] for n in (3, 9, 17, 30, 41)]
-
-
 def _dynamo_graphs() -> int:
     """Graphs Dynamo has captured in this process (the engine core runs in it: ``in_process_vllm``)."""
     from torch._dynamo.utils import counters
