@@ -3,6 +3,7 @@ JSON output, eval, the demo and calibration through the command itself, in a sub
 vLLM (marked ``engine``)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -133,6 +134,9 @@ def test_the_command_exits_with_status_2():
 
 
 @pytest.mark.engine
+# CI's time (41 s): opt-in with PSD_FULL_MATRIX=1; calibration itself runs in CI (test_vllm_decoding's graphs for
+# the random checkpoints, test_decoding)
+@pytest.mark.skipif(not os.environ.get("PSD_FULL_MATRIX"), reason="opt-in: PSD_FULL_MATRIX=1")
 def test_calibrate_command(tmp_path, capsys):
     f = tmp_path / "p.jsonl"
     f.write_text("".join(json.dumps({"prompt": f"Sort the list: {i} 3 1"}) + "\n" for i in range(6)))

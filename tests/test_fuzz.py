@@ -47,7 +47,8 @@ pytestmark = pytest.mark.slow
 
 MAX_MODEL_LEN = 256
 SEED = 49
-MAX_EXAMPLES = 6  # Hypothesis-generated requests per endpoint, besides the examples and coverage cases
+# Hypothesis-generated requests per endpoint, besides the examples and coverage cases (CI: 3, for its time)
+MAX_EXAMPLES = 6 if os.environ.get("PSD_FULL_MATRIX") else 3
 MAX_EXAMPLES_RESPONSES = 50  # POST /v1/responses: generated requests only
 MIN_REQUESTS = 2000  # per server (the PRESTO server's fewer endpoints: PRESTO_MIN_REQUESTS)
 # the PRESTO server is fuzzed where its path differs from the dLLM server's (its request checks and tree decoding:

@@ -63,17 +63,19 @@ def test_two_ranks_equal_the_reference_every_method(heldout_prompts, method):
 
 
 @pytest.mark.parametrize("method", METHODS if os.environ.get("PSD_TP_MATRIX") else ("psd",))
+# CI's time (45 min on 2026-12-06): opt-in with PSD_TP_MATRIX=1; the prefix cache on 2 ranks runs in CI
+@pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
 def test_two_ranks_dual_cache(heldout_prompts, method):
     _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache="dual", llm_kw=TP)
 
 
-# CI runs the layouts that differ (below); PSD_TP_MATRIX=1 runs every method on every random family and cache
+# CI runs LLaDA2 (block-causal attention, sharded experts, Spiffy's drafts); PSD_TP_MATRIX=1 runs every method on
+# every random family and cache (Dream's shifted logits with the dual cache and PSD, SDAR with LoPA ran in CI until
+# 2026-12-06, when CI reached 45 minutes)
 _CACHES = {"dream": (None, "dual"), "sdar": (None,), "llada2": (None,)}  # None: the family's default
 RANDOM_CASES = ([(f, m, c) for f, caches in _CACHES.items() for c in caches for m in METHODS]
                 if os.environ.get("PSD_TP_MATRIX") else
-                # Dream's shifted logits with its dual cache and drafts, SDAR's block-causal attention with branches,
-                # LLaDA2's sharded experts with Spiffy's drafts
-                [("dream", "psd", "dual"), ("sdar", "lopa", None), ("llada2", "spiffy", None)])
+                [("llada2", "spiffy", None)])
 
 
 @pytest.mark.parametrize("family, method, cache", RANDOM_CASES)
@@ -95,6 +97,8 @@ def test_two_ranks_with_replicated_kv_heads_and_experts(tiny_checkpoints, random
                   inspect=hit)  # the hit's prefill of the rest of its prompt carries its first canvas
 
 
+# CI's time (45 min on 2026-12-06): opt-in with PSD_TP_MATRIX=1; LLaDA2's sharded experts on 2 ranks run in CI
+@pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
 def test_llada2_with_expert_parallelism_equals_the_reference(tiny_checkpoints, random_prompts):
     """LLaDA2 with vLLM's expert parallelism over two ranks (each rank two of the four experts, whole; vLLM's
     all-reduce sums the ranks' shares): the reference engine's tokens and forwards, with drafts (PSD). On a CPU
@@ -105,6 +109,8 @@ def test_llada2_with_expert_parallelism_equals_the_reference(tiny_checkpoints, r
 
 # W4A16 on two ranks (its groups split with the row-parallel inputs): opt-in with PSD_TP_MATRIX=1
 @pytest.mark.parametrize("scheme", ("W8A8", "W4A16") if os.environ.get("PSD_TP_MATRIX") else ("W8A8",))
+# CI's time (45 min on 2026-12-06): opt-in with PSD_TP_MATRIX=1; quantized checkpoints on one rank run in CI (test_quantization)
+@pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
 def test_quantized_checkpoint_on_two_ranks(tmp_path, scheme):
     """A quantized dream-tiny sharded over two ranks (each its share of the int8 / int4 weights and their scales,
     the groups of 32 split with the inputs of the row-parallel layers) decodes as one rank does against the
@@ -114,6 +120,8 @@ def test_quantized_checkpoint_on_two_ranks(tmp_path, scheme):
     quantized_dream_decodes_as_the_reference_engine(tmp_path, scheme, llm_kw=TP)
 
 
+# CI's time (45 min on 2026-12-06): opt-in with PSD_TP_MATRIX=1; PRESTO on one rank runs in CI
+@pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
 def test_presto_on_two_ranks_is_the_targets_greedy_decoding(heldout_prompts):
     """PRESTO: the AR target sharded over the ranks; the drafter is placed once per rank (each rank drafts
     the same trees from the same tokens, so no tree is sent between ranks)."""
@@ -153,6 +161,8 @@ def _sampled(llm_kw, prompts):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+# CI's time (45 min on 2026-12-06): opt-in with PSD_TP_MATRIX=1; the ranks' shared seeds are checked every step by the layout digest
+@pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
 def test_sampling_is_the_same_on_one_and_two_ranks(heldout_prompts):
     one, two = _sampled(None, heldout_prompts), _sampled(TP, heldout_prompts)
     n = len(heldout_prompts)
@@ -235,6 +245,8 @@ def test_two_data_parallel_ranks_answer_as_one(heldout_prompts):
     _served_as_alone(heldout_prompts, None, "--data-parallel-size", "2", "--max-num-seqs", "8")
 
 
+# CI's time (45 min on 2026-12-06): opt-in with PSD_TP_MATRIX=1; 58 s
+@pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
 def test_llada2_with_two_data_parallel_ranks_answers_as_one(tiny_checkpoints, random_prompts):
     """LLaDA2 with vLLM's MoE data parallelism: two engine ranks, each its own requests, in lockstep through the
     expert layers (the ranks agree on each forward's rows, the plugin's extra canvas rows included: the runner
@@ -245,12 +257,12 @@ def test_llada2_with_two_data_parallel_ranks_answers_as_one(tiny_checkpoints, ra
 
 # ------------------------------------------------------------------------------------ pipeline stages
 PP = {"pipeline_parallel_size": 2}
-# CI: a bidirectional model with a drafting method and the prefix cache, a block-causal MoE with a lossless one
-# and the block cache (a prefix hit on whole attention blocks); PSD_TP_MATRIX=1 runs every method on every family
-# and cache (Dream with FreeDave and the dual cache, SDAR with LoPA ran in CI until 2026-12-06)
+# CI: a bidirectional model with a drafting method and the prefix cache; PSD_TP_MATRIX=1 runs every method on every
+# family and cache (Dream with FreeDave and the dual cache, SDAR with LoPA, LLaDA2 with Spiffy ran in CI until
+# 2026-12-06)
 PP_CASES = ([(f, m, c) for f in ("llada", "dream") for c in ("prefix", "dual") for m in METHODS]
             + [(f, m, None) for f in ("sdar", "llada2") for m in METHODS]
-            if os.environ.get("PSD_TP_MATRIX") else [("llada", "psd", "prefix"), ("llada2", "spiffy", None)])
+            if os.environ.get("PSD_TP_MATRIX") else [("llada", "psd", "prefix")])
 
 
 @pytest.mark.parametrize("family, method, cache", PP_CASES)
@@ -269,6 +281,8 @@ def test_two_pipeline_stages_equal_the_reference(tiny_checkpoints, random_prompt
     _check_parity(tiny_checkpoints[family], prompts, method, cache=cache, llm_kw=kw)
 
 
+# CI's time (45 min on 2026-12-06): opt-in with PSD_TP_MATRIX=1; preemption on one stage runs in CI
+@pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
 def test_preemption_under_two_pipeline_stages_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts,
                                                             random_prompts):
     """vLLM preempts and resumes requests (a KV cache of 8 usable pages) while another step is in flight: a
@@ -390,6 +404,8 @@ def test_ranks_that_lay_out_different_steps_fail_the_step(tmp_path, rows, agree)
         assert all("ranks disagree on the step's layout" in m for m in got.values()), got
 
 
+# CI's time (45 min on 2026-12-06): opt-in with PSD_TP_MATRIX=1; structured outputs on one rank run in CI
+@pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
 def test_structured_outputs_on_two_ranks(heldout_prompts):
     """Each rank compiles the request's grammar and applies the frontier rule on the gathered logits: JSON,
     regex, choice and free requests in one batch, tokens and forwards equal to the reference engine's."""

@@ -15,6 +15,7 @@
 import asyncio
 import itertools
 import json
+import os
 import re
 import time
 import urllib.error
@@ -302,6 +303,9 @@ def test_sigterm_under_load(dllm_server, prompts):
     assert time.monotonic() - t0 < 60
 
 
+# CI's time (48 s): opt-in with PSD_FUZZ_PRESTO=1, with the PRESTO server's fuzz; PRESTO's serving paths run in CI
+# in test_containment_presto and test_vllm_presto
+@pytest.mark.skipif(not os.environ.get("PSD_FUZZ_PRESTO"), reason="opt-in: PSD_FUZZ_PRESTO=1")
 def test_presto_server_under_load(prompts):
     """64 concurrent streams on the AR + PRESTO server equal plain AR greedy decoding; malformed requests get a
     4xx beside good ones that get a 200, and the server lives."""

@@ -8,6 +8,7 @@ the prompt's prefill forward of the plugin's dLLM runner.
 """
 
 import dataclasses
+import os
 import shutil
 
 import pytest
@@ -64,6 +65,9 @@ def test_vllm_class_matches_reference(tiny_checkpoints, family, dtype):
 
 
 @pytest.mark.engine
+# CI's time (about 35 s each when CI reached 45 minutes, 2026-12-06): opt-in with PSD_FULL_MATRIX=1; the compiled
+# LLaDA class (test_vllm_decoding) and the compiled server (test_server) run in CI
+@pytest.mark.skipif(not os.environ.get("PSD_FULL_MATRIX"), reason="opt-in: PSD_FULL_MATRIX=1")
 @pytest.mark.parametrize("family", ["sdar", "llada2"])
 def test_compiled_class_matches_reference(tiny_checkpoints, family):
     """Without ``enforce_eager`` vLLM compiles the decoder layers (its CPU default: one Dynamo trace, Inductor,
