@@ -82,6 +82,25 @@ def test_every_family_equals_the_reference_engine(tiny_checkpoints, random_promp
         del llm
 
 
+def test_a_step_of_missed_guesses_alone_runs_no_forward(heldout_prompts):
+    """One request at a time: the step scheduled after a request's last one (and after each block it completed)
+    is a guess that missed, the only rows of its step; that step runs no forward, and the outputs stay the
+    reference engine's."""
+    prompts = heldout_prompts[:6]
+    ref = _reference(DEFAULT_DLLM, prompts, "confidence", {}, cache="dual")
+    llm, _ = _async_llm(DEFAULT_DLLM, "confidence", "dual")
+    try:
+        for p, r in zip(prompts, ref):
+            tokens, nfe = _generate(llm, [p], 32, merged=False)
+            assert (tokens[0], nfe[0]) == (r.token_ids, r.nfe)
+        st = _psd_stats(llm)["step_time"]
+        # every request's step after its last is wasted, and every cut step (a block completed under a guess)
+        assert st["skipped_forwards"] >= len(prompts) + st["cut_steps"], st
+        assert st["forwards"] == sum(r.nfe for r in ref), st  # the forwards that ran: the decoding ones
+    finally:
+        del llm
+
+
 def test_sampled_requests_draw_the_reference_engines_tokens(heldout_prompts):
     """Seeded sampled requests beside greedy ones: a draw is a function of the seed, position and step, whatever
     step vLLM scheduled it in."""

@@ -48,7 +48,9 @@ RUNNER_HOOKS = {
     "_dummy_sampler_run": ("self", "hidden_states"),
     # the rejection sampler's indices, which the dLLM runner does not read: its draft counts alone
     "_calc_spec_decode_metadata": ("self", "num_draft_tokens", "cu_num_scheduled_tokens"),
-    # async scheduling: the last step's deferred decode runs first (DLLMRunnerMixin.execute_model)
+    # async scheduling: the last step's deferred decode runs first (DLLMRunnerMixin.execute_model); a step of
+    # wasted rows alone runs no forward
+    "_model_forward": ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
     "execute_model": ("self", "scheduler_output", "intermediate_tensors"),
 }
 

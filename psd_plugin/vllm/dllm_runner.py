@@ -179,6 +179,11 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             compat.keep_runner_synchronous(self)
         self._deferred: DeferredOutput | None = None
         self.step_time["deferred"] = 0  # steps whose decode ran while vLLM scheduled the next one
+        # forwards: the model's forwards run; skipped_forwards: steps whose every row was wasted (guesses that
+        # missed, finished or failed requests), which ran none (:meth:`_model_forward`)
+        self.step_time["forwards"] = self.step_time["skipped_forwards"] = 0
+        self._wasted: set[int] = set()  # this step: batch rows whose forward nothing reads
+        self._skip_forward = False
 
     # ------------------------------------------------------------------ per-request decoding state
     def _served(self, req_id: str) -> _Served:
@@ -256,7 +261,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 except Exception as e:
                     self._fail(rid, "resuming after a preemption", e)
                 self.step_time["resumed"] += 1
-        entries, self._stepping = [], {}
+        entries, self._stepping, self._wasted = [], {}, set()
         plans = compat.shipped_plans(scheduler_output)
         for i, rid in enumerate(req_ids):
             n, start = int(qsl[i + 1]) - int(qsl[i]), int(computed[i])
@@ -266,9 +271,16 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                     entry = self._entry(i, rid, n, start, scheduler_output, rid in resumed, plans.get(rid))
                 except Exception as e:
                     self._fail(rid, "planning its step", e)
+            if rid in self.failed:
+                self._wasted.add(i)
             entries.append(entry)
         if self.overlap:
             self._fit(entries, req_ids)
+        # async scheduling: a step scheduled on guesses that all missed (a lone request that finished, blocks that
+        # completed) forwards nothing anyone reads: its rows' K/V lies at or after the next real step's window
+        # start, which rewrites it (Rows), so the forward is skipped (on one rank: every rank decides alike only
+        # where nothing else runs: async scheduling refuses tensor, pipeline and data parallelism)
+        self._skip_forward = self.overlap and self.pp_size == 1 and len(self._wasted) == len(entries) > 0
         self.batch = self._build(entries, req_ids)
         self._publish(self.batch)
         # logits only for the rows the decoders read (a rebuild's: none); vLLM computes at least one row
@@ -281,6 +293,20 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._forward_t0 = time.perf_counter()
         idx = self._upload("logits_rows", idx.to(logits_indices.dtype), logits_indices.device)
         return idx, spec_meta, max_sampled
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None, inputs_embeds=None,
+                       **model_kwargs):
+        """The model's forward, or, for a step whose every row is wasted (:meth:`_prepare_inputs`), zero hidden
+        states of its rows' shape: that step decodes nothing and its logits are read by no one."""
+        if not self._skip_forward:
+            self.step_time["forwards"] += 1
+            return super()._model_forward(input_ids=input_ids, positions=positions,
+                                          intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds,
+                                          **model_kwargs)
+        self._skip_forward = False
+        self.step_time["skipped_forwards"] += 1
+        rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        return torch.zeros(rows, self.model_config.get_hidden_size(), dtype=self.dtype, device=self.device)
 
     def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
         """vLLM's rejection-sampling metadata of the step's drafts. This runner reads none of its indices (the
@@ -312,7 +338,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             s.cuts = 0
             return st
         # a prefill (a re-prefill after a preemption too), or a step vLLM cut short: its rows decode nothing
+        if s.req.done:  # it finished at the step before, which this one was scheduled on a guess of
+            self._wasted.add(i)
         if st is not None and not resumed:
+            self._wasted.add(i)
             self.step_time["cut_steps"] += 1
             s.cuts += 1
             if s.cuts > MAX_CUTS:  # the plan and vLLM's schedule disagree for good: the request would spin
@@ -339,6 +368,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             rows -= (e.num_canvases - 1) * e.seg_len
             logits -= e.num_logits_rows
             entries[i] = Rows(e.num_scheduled, e.w0)
+            self._wasted.add(i)
             if (s := self._stepping.pop(i, None)) is not None:
                 s.fit_cuts += 1
             self.step_time["cut_steps"] += 1

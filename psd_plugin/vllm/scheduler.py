@@ -116,7 +116,6 @@ class DLLMScheduler(Scheduler):
         # one runs, from that step's plan (NextStep.then); the ticket arrives with the step's output
         self.overlap = compat.async_scheduling(self.vllm_config)
         self.scheduled_rows: dict[str, tuple[int, int]] = {}  # request -> (w0, rows) of its latest scheduled step
-        self.guessed_steps = 0  # steps scheduled before the outcome of the request's step in flight
         self.cut: set[str] = set()  # requests whose step in flight is a cut one (a guess that missed)
 
     def add_request(self, request) -> None:
@@ -223,7 +222,6 @@ class DLLMScheduler(Scheduler):
         for rid in compat.scheduled_req_ids(out):
             r = self.requests[rid]
             self.scheduled_rows[rid] = (r.num_computed_tokens - rows[rid], rows[rid])
-        self.guessed_steps += sum(rid in rows for rid in guessed)
         for rid, (computed, drafts) in self._saved.items():
             if rid not in rows and (r := self.requests.get(rid)) is not None and compat.is_running(r):
                 r.num_computed_tokens, r.spec_token_ids = computed, drafts
