@@ -4,8 +4,9 @@ step N runs and step N's output is processed while N + 1 runs. The scheduler sch
 from its planned step (:meth:`~model_executor.dllm_request.DLLMRequest.step_after`), the runner decodes step N
 when N + 1 begins and writes N + 1's canvas ids into the rows scheduled for them; a request whose block completed
 at N gets a cut step at N + 1 (its rows decode nothing). Every output equals the reference engine's in tokens and
-decoding forwards: every method, each cache, every family, greedy and sampled, under preemption. Configurations it
-does not run with yet are refused, naming the field."""
+decoding forwards: every method, each cache, every family, greedy and sampled, under preemption; a step of missed
+guesses alone runs no forward. Two tensor-parallel ranks: ``tests/test_parallel.py``. Configurations it does not run
+with yet are refused, naming the field."""
 
 import os
 
@@ -142,14 +143,19 @@ def test_vllms_flag_turns_it_on_and_what_it_cannot_run_with_is_refused(heldout_p
         assert drafts == sum(r.nfe for r in ref), (drafts, sum(r.nfe for r in ref))
     finally:
         del llm
-    for kw, field in (({"tensor_parallel_size": 2}, "tensor_parallel_size 2"),
-                      ({"pipeline_parallel_size": 2}, "pipeline_parallel_size 2")):
-        with pytest.raises(ValueError, match=rf"speculative_config.async_scheduling with {field}: .*allowed: "):
-            LLM(model=str(DEFAULT_DLLM), dtype="float32", speculative_config={"method": "psd",
-                                                                              "async_scheduling": True}, **kw)
-    with pytest.raises(ValueError, match=r"distributed_executor_backend 'mp': .*allowed: uni"):
-        LLM(model=str(DEFAULT_DLLM), dtype="float32", distributed_executor_backend="mp",
+    with pytest.raises(ValueError, match=r"speculative_config.async_scheduling with pipeline_parallel_size 2: "
+                                         r".*allowed: "):
+        LLM(model=str(DEFAULT_DLLM), dtype="float32", pipeline_parallel_size=2,
             speculative_config={"method": "psd", "async_scheduling": True})
+    # (tensor parallelism runs: tests/test_parallel.py) an executor other than vLLM's one-process and multiprocess
+    from types import SimpleNamespace
+
+    from psd_plugin.vllm.config import enable_async_scheduling
+
+    ray = SimpleNamespace(additional_config={"psd": {"async_scheduling": True}},
+                          parallel_config=SimpleNamespace(distributed_executor_backend="ray"))
+    with pytest.raises(ValueError, match=r"distributed_executor_backend 'ray': .*allowed: uni, mp"):
+        enable_async_scheduling(ray)
 
 
 def test_drafts_that_outgrow_the_guessed_budget_are_cut_not_overflowed(monkeypatch, heldout_prompts):

@@ -69,6 +69,22 @@ def test_two_ranks_dual_cache(heldout_prompts, method):
     _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache="dual", llm_kw=TP)
 
 
+@pytest.mark.parametrize("method, cache", [("psd", "dual"), ("confidence", "prefix")] if os.environ.get("PSD_TP_MATRIX")
+                         else [("psd", "dual")])
+def test_two_ranks_with_async_scheduling(heldout_prompts, method, cache):
+    """Async scheduling on two ranks (vLLM's multiprocess executor): the output rank's step output is asked for
+    from vLLM's output thread while the next step may begin, the other rank decodes it when the next step begins;
+    both decode alike (the per-step layout check), and the answers are the reference engine's, in its forwards."""
+    from test_vllm_decoding import _psd_stats
+
+    def deferred(llm):
+        stats = _psd_stats(llm)  # the output rank's
+        assert stats["step_time"]["deferred"] > 0 and stats["step_time"]["skipped_forwards"] > 0, stats["step_time"]
+
+    _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache=cache, merged=False, llm_kw=TP, inspect=deferred,
+                  spec={"async_scheduling": True})
+
+
 # CI runs LLaDA2 (block-causal attention, sharded experts, Spiffy's drafts); PSD_TP_MATRIX=1 runs every method on
 # every random family and cache (Dream's shifted logits with the dual cache and PSD, SDAR with LoPA ran in CI until
 # 2026-12-06, when CI reached 45 minutes)

@@ -100,7 +100,9 @@ def _graph(path):
 
 
 def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True, merged=True, llm_kw=None, inspect=None,
-                  **more):
+                  spec=None, **more):
+    """vLLM's tokens and decoding forwards equal the reference engine's; ``more``: knobs of both, ``spec``: of
+    vLLM's speculative config alone (``async_scheduling``)."""
     knobs = {**_knobs(path, method), **more}
     if cache is not None:
         knobs["cache"] = cache
@@ -112,7 +114,7 @@ def _check_parity(path, prompts, method, max_tokens=32, cache=None, eager=True, 
 
         ref_knobs["graph"] = load_graph(knobs["graph"])
     ref = ref_engine.generate(prompts, max_tokens=max_tokens, block_size=block, method=method, **ref_knobs)
-    llm = _llm(path, eager=eager, llm_kw=llm_kw, decoding=method, **knobs)
+    llm = _llm(path, eager=eager, llm_kw=llm_kw, decoding=method, **knobs, **(spec or {}))
     try:
         tokens, nfe = _generate(llm, prompts, max_tokens, merged=merged)
         if inspect is not None:  # the caller's checks of the engine (its metrics...)

@@ -452,12 +452,12 @@ def _async_scheduling(engine_args, cfg: PSDSpeculativeConfig, parallel_config) -
         cfg = msgspec.structs.replace(cfg, async_scheduling=True)
     if not cfg.async_scheduling:
         return cfg
-    for name, n in (("tensor_parallel_size", parallel_config.tensor_parallel_size),
-                    ("pipeline_parallel_size", parallel_config.pipeline_parallel_size),
+    for name, n in (("pipeline_parallel_size", parallel_config.pipeline_parallel_size),
                     ("data_parallel_size", parallel_config.data_parallel_size)):
         if n > 1:
             raise ConfigError(f"speculative_config.async_scheduling with {name} {n}: psd-plugin's async scheduling "
-                              f"runs in one engine process so far; allowed: {name} 1, or async_scheduling false")
+                              f"runs one engine core with its tensor-parallel ranks so far; allowed: {name} 1, or "
+                              "async_scheduling false")
     engine_args.async_scheduling = False
     return cfg
 
@@ -470,9 +470,9 @@ def enable_async_scheduling(vllm_config) -> None:
     if not isinstance(raw, dict) or not raw.get("async_scheduling"):
         return
     backend = compat.executor_backend(vllm_config)
-    if backend not in (None, "uni"):
-        raise ConfigError(f"distributed_executor_backend {backend!r}: psd-plugin's async scheduling decodes a step "
-                          "in the engine core's thread (vLLM's one-process executor); allowed: uni, or "
+    if backend not in (None, "uni", "mp"):
+        raise ConfigError(f"distributed_executor_backend {backend!r}: psd-plugin's async scheduling runs on vLLM's "
+                          "one-process and multiprocess executors; allowed: uni, mp, or "
                           "speculative_config.async_scheduling false")
     compat.set_async_scheduling(vllm_config, True)
 

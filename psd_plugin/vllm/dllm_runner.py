@@ -32,6 +32,7 @@ stay those of an uninterrupted run under every ``refresh`` and ``suffix``.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -124,7 +125,7 @@ class DeferredOutput(AsyncModelRunnerOutput):
 
     def get_output(self):
         if self.output is None:
-            self.runner._finish_deferred()
+            self.runner._finish_deferred(self)
         return self.output
 
 
@@ -178,6 +179,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         if self.overlap:
             compat.keep_runner_synchronous(self)
         self._deferred: DeferredOutput | None = None
+        # under tensor parallelism vLLM's worker asks for a step's output from its own thread (WorkerProc's async
+        # output thread, on the output rank) while the next step may begin on the worker's: one decode at a time
+        self._deferred_lock = threading.Lock()
         self.step_time["deferred"] = 0  # steps whose decode ran while vLLM scheduled the next one
         # forwards: the model's forwards run; skipped_forwards: steps whose every row was wasted (guesses that
         # missed, finished or failed requests), which ran none (:meth:`_model_forward`)
@@ -278,10 +282,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             self._fit(entries, req_ids)
         # async scheduling: a step scheduled on guesses that all missed (a lone request that finished, blocks that
         # completed) forwards nothing anyone reads: its rows' K/V lies at or after the next real step's window
-        # start, which rewrites it (Rows), so the forward is skipped (on one rank: every rank decides alike only
-        # where nothing else runs: async scheduling refuses tensor, pipeline and data parallelism)
-        self._skip_forward = self.overlap and self.pp_size == 1 and len(self._wasted) == len(entries) > 0
+        # start, which rewrites it (Rows), so the forward is skipped (tensor-parallel ranks check that they agree
+        # with the layout: PSDRunnerMixin._check_ranks; async scheduling refuses pipeline and data parallelism)
         self.batch = self._build(entries, req_ids)
+        self._skip_forward = self.overlap and self.pp_size == 1 and len(self._wasted) == len(entries) > 0
         self._publish(self.batch)
         # logits only for the rows the decoders read (a rebuild's: none); vLLM computes at least one row
         kept = [e.kept.numpy() for e in entries if not isinstance(e, Rows)]
@@ -399,6 +403,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                     self._fail(req_ids[i], "laying out its step", err)
                     entries[i] = Rows(e.num_scheduled, e.w0)
                     self._stepping.pop(i, None)
+                    self._wasted.add(i)
         return build_step_batch(entries)
 
     def _dummy_sampler_run(self, hidden_states):
@@ -566,14 +571,19 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             if drafts and len(drafts) == len(st.drafts) and drafts != st.drafts:
                 compat.replace_scheduled_drafts(scheduler_output, rid, st.drafts)
 
-    def _finish_deferred(self) -> None:
-        """The deferred step's decode (:meth:`sample_tokens`), its ticket on its output."""
-        d, self._deferred = self._deferred, None
-        if d is None or d.output is not None:
-            return
-        with torch.inference_mode():
-            out = self._sample_tokens(d.grammar_output)
-        d.output = compat.attach_ticket(out, self.take_draft_token_ids())
+    def _finish_deferred(self, d: DeferredOutput | None = None) -> None:
+        """The deferred step's decode (:meth:`sample_tokens`), its ticket on its output; ``d``: the output asked
+        for (vLLM's output thread; a step's is always the one deferred: the next step decodes it first), else
+        the one deferred, if any."""
+        with self._deferred_lock:
+            d = self._deferred if d is None else d
+            if d is None or d.output is not None:
+                return
+            assert d is self._deferred, "a deferred step's output asked for after the next step began"
+            self._deferred = None
+            with torch.inference_mode():
+                out = self._sample_tokens(d.grammar_output)
+            d.output = compat.attach_ticket(out, self.take_draft_token_ids())
 
     def sample_tokens(self, grammar_output):
         """The step's decode (:meth:`_sample`) and next canvases (:meth:`propose_draft_token_ids`); under async
@@ -600,6 +610,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         return out
 
     def psd_stats(self) -> dict:
+        # the last step's decode is deferred until the next step; on a tensor-parallel rank whose output vLLM does
+        # not read, nothing else runs it: these counters include it
+        self._finish_deferred()
         t = dict(self.totals)
         t["tpf"] = t["tokens"] / max(1, t["nfe"])
         t["failed"] = self.failures
