@@ -41,6 +41,10 @@ CONFIGS = [  # name, model ("dllm", "ar": the --dllm, --ar checkpoint), speculat
     ("dLLM LoPA dual", "dllm", {"method": "psd", "decoding": "lopa", "cache": "dual"}),
     ("dLLM PSD dual", "dllm", {"method": "psd", "decoding": "psd", "cache": "dual"}),
     ("dLLM FreeDave dual", "dllm", {"method": "psd", "decoding": "freedave", "cache": "dual"}),
+    # async scheduling (the next step scheduled while this one runs; docs/architecture.md "Overlap")
+    ("dLLM confidence dual async", "dllm", {"method": "psd", "decoding": "confidence", "cache": "dual",
+                                            "async_scheduling": True}),
+    ("dLLM PSD dual async", "dllm", {"method": "psd", "decoding": "psd", "cache": "dual", "async_scheduling": True}),
     # the narrower steps (an approximation: docs/methods.md): a block's first step keeps the K/V cached so far
     ("dLLM confidence refresh-last", "dllm", {"method": "psd", "decoding": "confidence", "refresh": "last"}),
     ("dLLM PSD refresh-last", "dllm", {"method": "psd", "decoding": "psd", "refresh": "last"}),

@@ -1,6 +1,7 @@
 """Reliability of the served paths (slow: one real server per module, on loopback).
 
-- Load: 64 concurrent streaming clients on the dLLM server (confidence decoding, which samples too) and on the
+- Load: 64 concurrent streaming clients on the dLLM server (confidence decoding, which samples too, with vLLM's
+  ``--async-scheduling``: every test here runs while a step is in flight) and on the
   AR + PRESTO server; no request is lost and every greedy output equals the same prompt decoded alone by the
   reference engine.
 - Faults: clients that disconnect mid-stream next to clients that finish; the finishing ones are unaffected, the
@@ -58,9 +59,14 @@ def dllm_server():
     from psd_plugin.vllm.server import start
 
     # request logging at INFO whatever this process's environment says (the abort lines are read from the log)
-    # eager: the servers' tests are about serving (the compiled model is test_server's and the engine tests')
+    # eager: the servers' tests are about serving (the compiled model is test_server's and the engine tests');
+    # async scheduling (vLLM's flag): load, disconnects, malformed requests and SIGTERM while a step is in flight
+    # (the fuzz and server tests serve without it)
     srv = start(["--max-model-len", "512", "--max-num-seqs", "64", "--dtype", "float32", "--enable-log-requests",
-                 "--enforce-eager", "--speculative-config", json.dumps(SPEC)], env={"VLLM_LOGGING_LEVEL": "INFO"})
+                 "--enforce-eager", "--async-scheduling", "--speculative-config", json.dumps(SPEC)],
+                env={"VLLM_LOGGING_LEVEL": "INFO"})
+    with open(srv.log) as f:
+        assert "psd-plugin: async scheduling on" in f.read(), f"the engine runs without async scheduling ({srv.log})"
     yield srv
     code = srv.stop()  # test_sigterm_under_load stops it first
     assert code == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"

@@ -243,9 +243,11 @@ def test_dllm_json_is_compact_unless_asked(json_whitespace, disable, free):
 
 @pytest.mark.engine
 # CI: static and localleap commit through the confidence policy's code (PolicyDecoder); PSD_FULL_MATRIX=1 runs them
-@pytest.mark.parametrize("method", METHODS if os.environ.get("PSD_FULL_MATRIX") else
-                         ("confidence", "lopa", "freedave", "spiffy", "psd"))
-def test_vllm_equals_the_reference_engine_under_each_constraint(in_process_vllm, tok, mixed_prompts, method):
+# and under async scheduling (a request's next step scheduled before its grammar saw the last one's commits)
+@pytest.mark.parametrize("method, overlap", [(m, False) for m in (METHODS if os.environ.get("PSD_FULL_MATRIX") else
+                                                                  ("confidence", "lopa", "freedave", "spiffy", "psd"))]
+                         + [("confidence", True), ("psd", True)])
+def test_vllm_equals_the_reference_engine_under_each_constraint(in_process_vllm, tok, mixed_prompts, method, overlap):
     """One batch mixing JSON-schema, regex, choice and free requests: each request's tokens and forwards are the
     reference engine's, and each constraint holds."""
     from vllm import SamplingParams
@@ -259,7 +261,7 @@ def test_vllm_equals_the_reference_engine_under_each_constraint(in_process_vllm,
     V = eng.spec.vocab_size
     grammars = [None if k is None else _compiled(tok, V, k, v) for k, v in cons]
     ref = eng.generate(prompts, max_tokens=MAX_TOKENS, method=method, grammar=grammars, **_knobs(method))
-    llm = _vllm_llm(method)
+    llm = _vllm_llm(method, **({"async_scheduling": True} if overlap else {}))
     try:
         params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0,
                                  structured_outputs=None if k is None else SO(**{k: v})) for k, v in cons]

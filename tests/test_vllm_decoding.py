@@ -355,16 +355,18 @@ def _ignoring_eos(monkeypatch) -> None:
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("max_num_seqs", [1, 3])
-def test_continuous_batching_and_per_request_max_tokens(monkeypatch, heldout_prompts, max_num_seqs):
+@pytest.mark.parametrize("max_num_seqs, overlap", [(1, False), (3, False), (3, True)])
+def test_continuous_batching_and_per_request_max_tokens(monkeypatch, heldout_prompts, max_num_seqs, overlap):
     """max_num_seqs 1 (batch size 1) and 3 (requests join and leave between steps); per-request max_tokens,
-    across EOS (``ignore_eos``): the reference engine's tokens and forwards, decoding past EOS too."""
+    across EOS (``ignore_eos``): the reference engine's tokens and forwards, decoding past EOS too; with async
+    scheduling (``overlap``: requests join while a step is in flight) too."""
     from vllm import LLM, SamplingParams
 
     ref_engine = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
     lengths = [8 + 5 * (i % 5) for i in range(len(heldout_prompts))]
     llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_num_seqs=max_num_seqs,
-              speculative_config={"method": "psd", "decoding": "psd", "depth": 3})
+              speculative_config={"method": "psd", "decoding": "psd", "depth": 3,
+                                  **({"async_scheduling": True} if overlap else {})})
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts],
                             [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in lengths],
@@ -386,11 +388,13 @@ def test_continuous_batching_and_per_request_max_tokens(monkeypatch, heldout_pro
 
 
 @pytest.mark.engine
-def test_sampling_options(heldout_prompts):
-    """seeded sampling, n, stop strings; unsupported options rejected; the engine keeps serving."""
+@pytest.mark.parametrize("overlap", (False, True))
+def test_sampling_options(heldout_prompts, overlap):
+    """seeded sampling, n, stop strings; unsupported options rejected; the engine keeps serving (with async
+    scheduling too: a stop string ends a request whose next step is in flight)."""
     from vllm import SamplingParams
 
-    llm = _llm(DEFAULT_DLLM, decoding="confidence")
+    llm = _llm(DEFAULT_DLLM, decoding="confidence", **({"async_scheduling": True} if overlap else {}))
     try:
         prompts = [{"prompt_token_ids": p} for p in heldout_prompts[:4]]
         a = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=7), use_tqdm=False)
@@ -652,8 +656,8 @@ def test_every_method_serves_a_request_that_fills_the_context(tiny_checkpoints, 
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("method", ("confidence", "psd"))
-def test_request_options_match_reference(heldout_prompts, method):
+@pytest.mark.parametrize("method, overlap", (("confidence", False), ("psd", False), ("psd", True)))
+def test_request_options_match_reference(heldout_prompts, method, overlap):
     """logit_bias, allowed_token_ids, bad_words (one token), min_tokens and (confidence) the penalties in vLLM
     give the reference engine's tokens under the same rules, and do what they say; top_k 1 with temperature is
     greedy. Multi-token bad_words, an allowed set of only the mask token and penalties with a drafting method are
@@ -680,7 +684,7 @@ def test_request_options_match_reference(heldout_prompts, method):
         cases += [(dict(repetition_penalty=2.5), LogitsRules(repetition_penalty=2.5)),
                   (dict(presence_penalty=1.5, frequency_penalty=0.5),
                    LogitsRules(presence_penalty=1.5, frequency_penalty=0.5))]
-    llm = _llm(DEFAULT_DLLM, decoding=method)
+    llm = _llm(DEFAULT_DLLM, decoding=method, **({"async_scheduling": True} if overlap else {}))
     try:
         for options, rules in cases:
             want = ref.generate(prompts, max_tokens=24, block_size=8, method=method, rules=rules)
@@ -712,8 +716,8 @@ def test_request_options_match_reference(heldout_prompts, method):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("method", ("confidence", "psd"))
-def test_logprobs_equal_the_reference_engine(heldout_prompts, method):
+@pytest.mark.parametrize("method, overlap", (("confidence", False), ("psd", False), ("confidence", True)))
+def test_logprobs_equal_the_reference_engine(heldout_prompts, method, overlap):
     """logprobs=k: each returned token's log-probability under the state canvas's distribution of the forward
     that committed it, and the k most likely tokens', as the reference engine gives them; all <= 0, the
     token's own entry always there, ranks consistent; greedy tokens are their forward's most likely (rank 1)
@@ -723,7 +727,7 @@ def test_logprobs_equal_the_reference_engine(heldout_prompts, method):
     prompts = heldout_prompts[:8]
     want = ReferenceEngine.from_pretrained(DEFAULT_DLLM).generate(prompts, max_tokens=24, block_size=8,
                                                                   method=method, logprobs=2)
-    llm = _llm(DEFAULT_DLLM, decoding=method)
+    llm = _llm(DEFAULT_DLLM, decoding=method, **({"async_scheduling": True} if overlap else {}))
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=24, temperature=0, logprobs=2), use_tqdm=False)

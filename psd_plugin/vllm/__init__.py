@@ -21,7 +21,7 @@ from . import compat
 
 def install() -> None:
     """The front-end hooks (idempotent; called from ``psd_plugin.register`` in every vLLM process)."""
-    from .config import enable_async_scheduling, translate
+    from .config import enable_async_scheduling, keeping_async_scheduling, translate
     from .validation import install as install_validation
 
     def make(original):
@@ -41,4 +41,24 @@ def install() -> None:
 
     compat.wrap("vllm.engine.arg_utils", "EngineArgs", "create_speculative_config", make)
     compat.wrap("vllm.engine.arg_utils", "EngineArgs", "create_engine_config", make_engine_config)
+    compat.wrap("vllm.config.vllm", "VllmConfig", "__post_init__", keeping_async_scheduling)
     install_validation()
+    _log_through_vllm()
+
+
+def _log_through_vllm() -> None:
+    """The project's log lines through vLLM's handler at vLLM's level (``VLLM_LOGGING_LEVEL``): vLLM configures
+    its own ``vllm`` logger only, so the plugin's INFO lines (its periodic TPF report, async scheduling on) would
+    go to an unconfigured root logger and be lost. Left alone where the application configured the root logger
+    (its handlers receive them as they propagate)."""
+    import logging
+
+    handlers = logging.getLogger("vllm").handlers
+    if not handlers or logging.getLogger().handlers:
+        return
+    for name in ("psd_plugin", "model_executor", "attention_backends"):
+        ours = logging.getLogger(name)
+        if not ours.handlers:
+            for h in handlers:
+                ours.addHandler(h)
+            ours.setLevel(logging.getLogger("vllm").level)

@@ -265,6 +265,8 @@ CPU_ATTENTION_ISA = ("vllm.v1.attention.backends.cpu_attn", "_get_attn_isa")
 FRONT_END_PATCHES = (
     ("vllm.engine.arg_utils", "EngineArgs", "create_speculative_config"),  # "method": "psd" -> custom_class
     ("vllm.engine.arg_utils", "EngineArgs", "create_engine_config"),  # async scheduling on after vLLM's checks
+    # and kept on when an engine-core process checks its config again (``EngineCoreProc._perform_handshakes``)
+    ("vllm.config.vllm", "VllmConfig", "__post_init__"),
     ("vllm.v1.engine.input_processor", "InputProcessor", "process_inputs"),  # per-request validation (400s)
     # its refusals, raised after a streamed Responses request started, as an ``error`` event (not a cut stream)
     ("vllm.entrypoints.openai.responses.serving", "OpenAIServingResponses", "responses_stream_generator"),

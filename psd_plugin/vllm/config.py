@@ -477,6 +477,24 @@ def enable_async_scheduling(vllm_config) -> None:
     compat.set_async_scheduling(vllm_config, True)
 
 
+def keeping_async_scheduling(post_init):
+    """``VllmConfig.__post_init__`` that keeps the async scheduling :func:`enable_async_scheduling` set: an
+    engine-core process checks its config again after its handshake, and vLLM 0.32 refuses async scheduling for a
+    ``custom_class`` proposer there (the CPU platform turns it off). The check runs as on the config vLLM built
+    (async scheduling off), and it is set on again after."""
+
+    def __post_init__(self):
+        raw = (self.additional_config or {}).get("psd") if hasattr(self, "scheduler_config") else None
+        again = isinstance(raw, dict) and bool(raw.get("async_scheduling")) and compat.async_scheduling(self)
+        if again:
+            compat.set_async_scheduling(self, False)
+        post_init(self)
+        if again:
+            compat.set_async_scheduling(self, True)
+
+    return __post_init__
+
+
 def translate_presto(engine_args, target_model_config, target_parallel_config, raw: dict) -> None:
     """Rewrite ``engine_args`` for PRESTO mode (the AR-target branch of :func:`translate`)."""
     from model_executor.decoding.ngram import NGramModel

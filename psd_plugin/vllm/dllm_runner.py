@@ -178,6 +178,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.overlap = compat.async_scheduling(vllm_config)
         if self.overlap:
             compat.keep_runner_synchronous(self)
+            logger.info("psd-plugin: async scheduling on: each step is scheduled while the last one runs")
         self._deferred: DeferredOutput | None = None
         # under tensor parallelism vLLM's worker asks for a step's output from its own thread (WorkerProc's async
         # output thread, on the output rank) while the next step may begin on the worker's: one decode at a time
