@@ -275,8 +275,13 @@ class DLLMRequest:
         guesses (:mod:`psd_plugin.vllm.scheduler` under async scheduling). A block's steps after its first
         forward one window, the same each step, in every cache mode (``step`` the first: the window of a later
         step from what it leaves cached); the canvases and logits rows are ``step``'s (a canvas's masks only
-        shrink; a drafting method's canvases vary, and the runner fits what does not). None for a replay."""
+        shrink; a drafting method's canvases vary, and the runner fits what does not). None for a replay, and
+        where ``step`` certainly completes its block: one mask left, which every decoder that does not rewrite
+        its tokens commits (the engine then schedules nothing for the request until ``step``'s outcome, instead
+        of a step that would be cut)."""
         if step.rebuild or step.committed or step.tail is not None:
+            return None
+        if self.grammar is None and not self.dec.rewrites_tokens and self.dec.masks_left == 1:
             return None
         w0, w1 = step.w0, step.w1
         if self.fresh:  # step is its block's first

@@ -237,7 +237,8 @@ def test_the_step_after_a_step_that_leaves_its_block_open_is_the_guessed_one(mon
     """What an async scheduler schedules before a step's outcome (:meth:`DLLMRequest.step_after`): whenever a step
     leaves its block open, the request's next step forwards the guessed rows (window start, scheduled rows), and
     its logits rows are within the guess for a one-canvas method; a step that completes a block is followed by
-    the next block's first step (the one step an async engine cuts)."""
+    the next block's first step (the one step an async engine cuts), unless it certainly completed it (one mask
+    left): then there is no guess, and that step did complete its block."""
     from model_executor.decode_config import DecodeKnobs, resolve
     from model_executor.dllm_request import DLLMRequest
 
@@ -262,8 +263,12 @@ def test_the_step_after_a_step_that_leaves_its_block_open_is_the_guessed_one(mon
     monkeypatch.setattr(DLLMRequest, "plan", planning)
     monkeypatch.setattr(DLLMRequest, "stepped", stepping)
     eng.generate(_prompts(6), max_tokens=3 * block + 1, config=cfg)
-    open_steps = ends = 0
+    open_steps = ends = certain = 0
     for steps in trace.values():
+        for geo, guess, ended in steps:
+            if guess is None:  # no guess: a certain completion
+                assert ended, geo
+                certain += 1
         for (geo, guess, ended), (nxt, _, _) in zip(steps, steps[1:]):
             if ended:
                 ends += 1
@@ -273,3 +278,5 @@ def test_the_step_after_a_step_that_leaves_its_block_open_is_the_guessed_one(mon
             if method not in ("psd", "lopa", "freedave"):
                 assert guess[2] == 0 and nxt[2] <= guess[3], (geo, guess, nxt)
     assert open_steps > 0 and ends > 0, (open_steps, ends)
+    if method == "static":  # one commit a step: every block's last step is certain
+        assert certain == ends + len(trace), (certain, ends)

@@ -79,7 +79,7 @@ def test_two_ranks_with_async_scheduling(heldout_prompts, method, cache):
 
     def deferred(llm):
         stats = _psd_stats(llm)  # the output rank's
-        assert stats["step_time"]["deferred"] > 0 and stats["step_time"]["skipped_forwards"] > 0, stats["step_time"]
+        assert stats["step_time"]["deferred"] > 0, stats["step_time"]
 
     _check_parity(DEFAULT_DLLM, heldout_prompts, method, cache=cache, merged=False, llm_kw=TP, inspect=deferred,
                   spec={"async_scheduling": True})

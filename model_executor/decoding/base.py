@@ -406,6 +406,12 @@ class BlockDecoder:
         return not self.has_masks
 
     @property
+    def masks_left(self) -> int:
+        """How many masks the state holds (host data: a numpy count)."""
+        s = self.state
+        return int((s.numpy() == self.mask_id).sum()) if s.device.type == "cpu" else int(self.masked.sum())
+
+    @property
     def has_masks(self) -> bool:
         """Whether the state still holds a mask (host data: a numpy scan, where two small torch ops and a
         ``bool`` cost several times more)."""
