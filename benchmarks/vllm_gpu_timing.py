@@ -106,14 +106,20 @@ def measure(llm, prompts, params, dllm: bool) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         walls.append(time.perf_counter() - t0)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    steps = {}
     if dllm:
         stats = compat.request_stats(llm)
         nfe = [stats[o.request_id]["nfe"] for o in outs]
+        # the engine's steps since it started (warm-up and every rep): under async scheduling the forwards run,
+        # the steps that skipped theirs (guesses that missed alone) and the cut ones
+        st = compat.psd_stats(llm)["step_time"]
+        steps = {k: st.get(k, 0) for k in ("steps", "forwards", "skipped_forwards", "cut_steps", "deferred")}
     else:
         nfe = [len(t) for t in tokens]  # one forward a token (the prefill's included)
     wall = statistics.median(walls)
     n_tok = sum(map(len, tokens))
     return {"n": len(prompts), "wall_s": round(wall, 4), "walls": [round(w, 4) for w in walls], "tokens": n_tok,
+            "engine_steps": steps,
             "nfe_mean": round(sum(nfe) / len(nfe), 2), "tpf": round(n_tok / max(1, sum(nfe)), 3),
             "tok_s": round(n_tok / wall, 1), "ms_per_forward": round(1e3 * wall / max(1, max(nfe)), 3),
             "token_ids": tokens}
