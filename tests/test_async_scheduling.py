@@ -122,6 +122,59 @@ def test_a_certain_block_completion_is_not_guessed(heldout_prompts):
         del llm
 
 
+def test_the_next_step_waits_for_a_decode_on_vllms_output_thread():
+    """Under tensor parallelism vLLM's output thread asks for step N's output (and so decodes it) while the
+    worker's thread may begin step N + 1: N + 1 starts only once N is decoded, N is decoded once, and a decode
+    that raised raises again when asked (no second decode)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from psd_plugin.vllm.dllm_runner import DeferredOutput, DLLMRunnerMixin
+
+    class Base:
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            return "N + 1 ran"
+
+    class Runner(DLLMRunnerMixin, Base):
+        def __init__(self, fail=False):  # the state the deferred decode touches
+            self.overlap, self.device, self.fail = True, torch.device("cpu"), fail
+            self._deferred_lock, self._deferred, self.step_time = threading.Lock(), None, {"deferred": 0}
+            self.decodes, self.seen = 0, None
+
+        def _sample_tokens(self, grammar_output):
+            time.sleep(0.3)  # a long decode
+            self.decodes += 1
+            if self.fail:
+                raise RuntimeError("an engine fault")
+            return SimpleNamespace()
+
+        def take_draft_token_ids(self):
+            return None
+
+        def _adopt_plans(self, scheduler_output):  # N + 1's first use of the runner's state
+            self.seen = self._deferred is None and d.output is not None
+
+    runner = Runner()
+    d = runner._deferred = DeferredOutput(runner, None)
+    out_thread = threading.Thread(target=d.get_output)
+    out_thread.start()
+    time.sleep(0.05)  # the output thread is decoding N
+    assert runner.execute_model(None) == "N + 1 ran"
+    out_thread.join()
+    assert runner.seen and runner.decodes == 1 and runner.step_time["deferred"] == 1
+
+    runner = Runner(fail=True)
+    d = runner._deferred = DeferredOutput(runner, None)
+    with pytest.raises(RuntimeError, match="an engine fault"):
+        d.get_output()
+    with pytest.raises(RuntimeError, match="an engine fault"):
+        d.get_output()
+    assert runner.decodes == 1
+
+
 def test_sampled_requests_draw_the_reference_engines_tokens(heldout_prompts):
     """Seeded sampled requests beside greedy ones: a draw is a function of the seed, position and step, whatever
     step vLLM scheduled it in."""

@@ -47,18 +47,15 @@ def install() -> None:
 
 
 def _log_through_vllm() -> None:
-    """The project's log lines through vLLM's handler at vLLM's level (``VLLM_LOGGING_LEVEL``): vLLM configures
-    its own ``vllm`` logger only, so the plugin's INFO lines (its periodic TPF report, async scheduling on) would
-    go to an unconfigured root logger and be lost. Left alone where the application configured the root logger
-    (its handlers receive them as they propagate)."""
+    """The project's log lines through vLLM's ``vllm`` logger (its handler, level and format, as vLLM configures
+    them, later reconfigurations too): vLLM configures that logger only, so the plugin's INFO lines (its periodic
+    TPF report, async scheduling on) would go to an unconfigured root logger and be lost. The project's loggers
+    become its children. Left alone where the application configured the root logger (its handlers receive
+    them as they propagate)."""
     import logging
 
-    handlers = logging.getLogger("vllm").handlers
-    if not handlers or logging.getLogger().handlers:
+    vllm_logger = logging.getLogger("vllm")
+    if not vllm_logger.handlers or logging.getLogger().handlers:
         return
     for name in ("psd_plugin", "model_executor", "attention_backends"):
-        ours = logging.getLogger(name)
-        if not ours.handlers:
-            for h in handlers:
-                ours.addHandler(h)
-            ours.setLevel(logging.getLogger("vllm").level)
+        logging.getLogger(name).parent = vllm_logger

@@ -466,7 +466,8 @@ def enable_async_scheduling(vllm_config) -> None:
     """Async scheduling on for an engine whose dLLM config asks for it (:func:`_async_scheduling`); called on the
     ``VllmConfig`` vLLM built (``EngineArgs.create_engine_config``, wrapped by :func:`psd_plugin.vllm.install`),
     before any engine process reads it."""
-    raw = (vllm_config.additional_config or {}).get("psd")
+    extra = vllm_config.additional_config
+    raw = extra.get("psd") if isinstance(extra, dict) else None
     if not isinstance(raw, dict) or not raw.get("async_scheduling"):
         return
     backend = compat.executor_backend(vllm_config)
@@ -484,7 +485,8 @@ def keeping_async_scheduling(post_init):
     (async scheduling off), and it is set on again after."""
 
     def __post_init__(self):
-        raw = (self.additional_config or {}).get("psd") if hasattr(self, "scheduler_config") else None
+        extra = getattr(self, "additional_config", None)
+        raw = extra.get("psd") if isinstance(extra, dict) and hasattr(self, "scheduler_config") else None
         again = isinstance(raw, dict) and bool(raw.get("async_scheduling")) and compat.async_scheduling(self)
         if again:
             compat.set_async_scheduling(self, False)

@@ -31,6 +31,7 @@ stay those of an uninterrupted run under every ``refresh`` and ``suffix``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
@@ -122,6 +123,11 @@ class DeferredOutput(AsyncModelRunnerOutput):
 
     def __init__(self, runner, grammar_output):
         self.runner, self.grammar_output, self.output = runner, grammar_output, None
+        self.error: BaseException | None = None  # the decode raised (an engine fault): raised again when asked
+        # the stream the step's forward ran on (vLLM's own, per thread): a decode on vLLM's output thread (tensor
+        # parallelism) runs there too, after the forward, and before the next step's forward
+        dev = runner.device
+        self.stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
 
     def get_output(self):
         if self.output is None:
@@ -342,11 +348,12 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             self._stepping[i] = s
             s.cuts = 0
             return st
-        # a prefill (a re-prefill after a preemption too), or a step vLLM cut short: its rows decode nothing
-        if s.req.done:  # it finished at the step before, which this one was scheduled on a guess of
+        # a prefill (a re-prefill after a preemption too), or a step vLLM cut short: its rows decode nothing;
+        # wasted (nothing reads their K/V) where they are a guess, scheduled with drafts (a prefill's chunk, the
+        # rows of a re-prefill too, has none: its K/V is read)
+        if drafts and (s.req.done or (st is not None and not resumed)):
             self._wasted.add(i)
         if st is not None and not resumed:
-            self._wasted.add(i)
             self.step_time["cut_steps"] += 1
             s.cuts += 1
             if s.cuts > MAX_CUTS:  # the plan and vLLM's schedule disagree for good: the request would spin
@@ -552,9 +559,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         and the scheduled placeholder drafts of a step planned as scheduled become its canvas ids; then vLLM's
         step as ever."""
         if self.overlap:
-            if self._deferred is not None:
-                self.step_time["deferred"] += 1
-                self._finish_deferred()
+            self._finish_deferred()  # (under its lock: vLLM's output thread may be decoding it now)
             self._adopt_plans(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)
 
@@ -578,13 +583,22 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         the one deferred, if any."""
         with self._deferred_lock:
             d = self._deferred if d is None else d
+            if d is not None and d.error is not None:
+                raise d.error
             if d is None or d.output is not None:
                 return
             assert d is self._deferred, "a deferred step's output asked for after the next step began"
-            self._deferred = None
-            with torch.inference_mode():
-                out = self._sample_tokens(d.grammar_output)
-            d.output = compat.attach_ticket(out, self.take_draft_token_ids())
+            try:
+                with torch.inference_mode(), (torch.cuda.stream(d.stream) if d.stream is not None
+                                              else contextlib.nullcontext()):
+                    out = self._sample_tokens(d.grammar_output)
+                d.output = compat.attach_ticket(out, self.take_draft_token_ids())
+                self.step_time["deferred"] += 1
+            except BaseException as e:
+                d.error = e
+                raise
+            finally:  # (cleared only now: the next step waits on the lock, not on this)
+                self._deferred = None
 
     def sample_tokens(self, grammar_output):
         """The step's decode (:meth:`_sample`) and next canvases (:meth:`propose_draft_token_ids`); under async

@@ -199,6 +199,8 @@ class DLLMScheduler(Scheduler):
             nxt = self.next_steps.get(rid)
             if not self.in_flight.get(rid) or rid in self.failing or nxt is None or not nxt.planned:
                 continue
+            if r.num_computed_tokens < r.num_tokens:  # a prefill's chunk in flight (a re-prefill's too, whose
+                continue  # planned step is kept): its next chunk follows it, not the plan
             if nxt.same_rows(*self.scheduled_rows.get(rid, (-1, -1))):
                 step = nxt.then
             else:  # the step in flight is not the planned one: the runner cuts it, and the planned one comes now
