@@ -195,8 +195,8 @@ DATA_FIELDS = {
     "vllm.v1.attention.backend:AttentionMetadataBuilder": ("device",),
     "vllm.v1.kv_cache_interface:FullAttentionSpec": ("non_causal", "num_kv_heads", "head_size", "block_size"),
     "vllm.model_executor.layers.attention:Attention": ("impl", "layer_name"),
-    "vllm.config:ModelConfig": ("get_num_attention_heads", "get_vocab_size", "hf_config", "dtype", "model",
-                                "max_model_len", "enable_prompt_embeds"),
+    "vllm.config:ModelConfig": ("get_num_attention_heads", "get_vocab_size", "get_hidden_size", "hf_config", "dtype",
+                                "model", "max_model_len", "enable_prompt_embeds"),
     "vllm.config:VllmConfig": ("structured_outputs_config",),
     # the page layout vLLM resolved (the attention builder); the page size (block-causal prefix caching)
     "vllm.config:CacheConfig": ("kv_cache_layout", "block_size"),  # the front end's whitespace rule for grammars
@@ -424,6 +424,15 @@ def ensure_intermediate_buffers(runner) -> None:
     if getattr(runner, "intermediate_tensors", None) is None:
         runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
             batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+
+
+def zero_hidden_states(runner, rows: int):
+    """What a skipped forward returns for its ``rows`` (padded) input rows: the model's last hidden states, zero
+    (:meth:`~.dllm_runner.DLLMRunnerMixin._model_forward`; nothing reads them)."""
+    import torch
+
+    mc = runner.model_config
+    return torch.zeros(rows, mc.get_hidden_size(), dtype=mc.dtype, device=runner.device)
 
 
 PLANS_ATTR = "psd_plans"  # the attribute the scheduler adds to vLLM's SchedulerOutput (a dataclass, pickled whole)

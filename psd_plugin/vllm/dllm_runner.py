@@ -316,8 +316,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                                           **model_kwargs)
         self._skip_forward = False
         self.step_time["skipped_forwards"] += 1
-        rows = (input_ids if input_ids is not None else inputs_embeds).shape[0]
-        return torch.zeros(rows, self.model_config.get_hidden_size(), dtype=self.dtype, device=self.device)
+        return compat.zero_hidden_states(self, (input_ids if input_ids is not None else inputs_embeds).shape[0])
 
     def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
         """vLLM's rejection-sampling metadata of the step's drafts. This runner reads none of its indices (the
