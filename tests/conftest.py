@@ -13,6 +13,18 @@ os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 from psd_plugin import DEFAULT_DLLM  # noqa: E402
 
 FAMILIES = ("llada", "dream", "sdar", "llada2")
+SERVER_LOG_DIR_ENV = "PSD_SERVER_LOG_DIR"  # psd_plugin.vllm.server.LOG_DIR_ENV (tests/test_server.py checks)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _server_logs(tmp_path_factory):
+    """The servers the tests start (``psd_plugin.vllm.server``) log into this run's temporary directory, which
+    pytest prunes (it keeps the last three runs), not into the system's ``/tmp``, where they piled up. (The name,
+    not an import: importing the module loads vLLM, which the default suite's engine guard keys on.)"""
+    os.environ.setdefault(SERVER_LOG_DIR_ENV, str(tmp_path_factory.mktemp("server-logs")))
+    yield
+
+
 # Markers that may start a vLLM engine (pyproject.toml's markers say what each holds): the default suite,
 # which leaves them out, starts none, and the guard below holds every other test to that.
 ENGINE_MARKERS = frozenset({"engine", "slow", "gpu"})

@@ -30,6 +30,20 @@ def server():
     assert srv.stop() == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"
 
 
+def test_server_logs_go_to_the_directory_the_suite_names(tmp_path, monkeypatch):
+    """The suite's servers log into pytest's temporary directory (``conftest.py`` names it by the module's
+    variable), not into ``/tmp``, where hundreds of 2 MB logs piled up."""
+    import os
+
+    from conftest import SERVER_LOG_DIR_ENV
+    from psd_plugin.vllm import server as srv_mod
+
+    assert SERVER_LOG_DIR_ENV == srv_mod.LOG_DIR_ENV and os.environ.get(srv_mod.LOG_DIR_ENV)
+    monkeypatch.setenv(srv_mod.LOG_DIR_ENV, str(tmp_path))
+    with srv_mod.log_file() as f:
+        assert os.path.dirname(f.name) == str(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def reference():
     from transformers import AutoTokenizer

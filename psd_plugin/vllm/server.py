@@ -2,8 +2,9 @@
 
 ``start([...server options])`` runs ``psd serve`` (or, with ``plain=True``, vLLM's API server without the
 plugin's defaults, for AR baselines) on a free loopback port in its own session, waits for ``/health`` and
-returns a :class:`Server` (its output goes to a temporary log file, ``Server.log``); ``Server.stop()`` sends SIGTERM to
-the server (SIGKILL to its process group after ``timeout`` seconds).
+returns a :class:`Server` (its output goes to a log file, ``Server.log``, in ``$PSD_SERVER_LOG_DIR`` if set, else the
+system's temporary directory: the test suite points it at pytest's temporary directory, which pytest prunes);
+``Server.stop()`` sends SIGTERM to the server (SIGKILL to its process group after ``timeout`` seconds).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
+
+
+LOG_DIR_ENV = "PSD_SERVER_LOG_DIR"  # where the servers' logs go (module docstring)
 
 
 def free_port() -> int:
@@ -49,6 +53,12 @@ class Server:
         return self.proc.returncode
 
 
+def log_file():
+    """A new server log file, in ``$PSD_SERVER_LOG_DIR`` if set (module docstring)."""
+    return tempfile.NamedTemporaryFile("w+", prefix="psd-server-", suffix=".log", delete=False,
+                                       dir=os.environ.get(LOG_DIR_ENV) or None)
+
+
 def start(args: list[str], *, plain: bool = False, env: dict | None = None, timeout: float = 300,
           cwd: str | None = None) -> Server:
     """A healthy server with ``args`` (vLLM server options; ``psd serve`` conventions unless ``plain``). ``cwd``:
@@ -58,7 +68,7 @@ def start(args: list[str], *, plain: bool = False, env: dict | None = None, time
     cmd = ([sys.executable, "-m", "vllm.entrypoints.openai.api_server"] if plain
            else [sys.executable, "-m", "psd_plugin.cli", "serve"])
     full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
-    log = tempfile.NamedTemporaryFile("w+", prefix="psd-server-", suffix=".log", delete=False)
+    log = log_file()
     proc = subprocess.Popen([*cmd, *args, "--host", "127.0.0.1", "--port", str(port)], env=full_env,
                             start_new_session=True, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
