@@ -30,6 +30,29 @@ def test_freedave_one_step_is_static(engine64, mixed_prompts, static_out):
     assert [(r.token_ids, r.nfe) for r in out] == [(r.token_ids, r.nfe) for r in static_out]
 
 
+def test_lopa_branch_scores_do_not_depend_on_the_reduction_order():
+    """LoPA's Eq. 2 (:func:`~model_executor.decoding.lopa.branch_scores`) gives the same scores, bit for bit,
+    whatever order a reduction adds a branch's top-1 confidences in (float32, as the engines compute them from
+    any model dtype; each at least 1 / V): an accelerator's reduction and the host's pick the same branch. In
+    float32 the orders disagree on these same inputs."""
+    from model_executor.decoding.lopa import branch_scores
+
+    g = torch.Generator().manual_seed(0)
+    for V in (512, 126_464, 1 << 21):
+        # top-1 confidences spread over [1/V, 1] on a log scale, 4 branches of up to 64 positions
+        conf = torch.exp(-torch.rand(2000, 4, 64, generator=g) * np.log(V))
+        masked = torch.rand(2000, 4, 64, generator=g) < 0.7
+        masked[..., 0] = True
+        want = branch_scores(conf, masked)
+        f32 = torch.where(masked, conf.float(), 0.0).sum(-1)
+        moved = False
+        for _ in range(3):
+            perm = torch.randperm(64, generator=g)
+            assert torch.equal(branch_scores(conf[..., perm], masked[..., perm]), want)
+            moved |= not torch.equal(torch.where(masked[..., perm], conf[..., perm].float(), 0.0).sum(-1), f32)
+        assert moved  # float32 sums do depend on the order here
+
+
 @pytest.mark.parametrize("policy", ["static", "confidence", "localleap"])
 def test_zero_depth_psd_and_zero_branch_lopa_are_their_policy(engine64, mixed_prompts, policy):
     base = engine64.generate(mixed_prompts, method=policy)

@@ -57,13 +57,13 @@ def _on_device(engine, monkeypatch, proxy, steps):
 
 
 PENALTIES = LogitsRules(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
-# the spatial policies, PSD, FreeDave and joint_threshold decide where the logits are (their one copy brings the
-# decisions back); the other methods decide on the host, after the predictions' one copy
+# the spatial policies, PSD, LoPA, FreeDave and joint_threshold decide where the logits are (their one copy brings
+# the decisions back); Spiffy decides on the host, after the predictions' one copy
 ONE_COPY = {m: "model_executor/decoding/base.py:read_back"
-            for m in ("static", "confidence", "localleap", "psd", "freedave", "joint_threshold")}
+            for m in ("static", "confidence", "localleap", "psd", "lopa", "freedave", "joint_threshold")}
 CASES = [(m, "plain") for m in METHODS] + [("confidence", "logprobs"), ("spiffy", "logprobs"), ("confidence", "rules"),
                                            ("confidence", "penalties"), ("confidence", "sampled"), ("psd", "sampled"),
-                                           ("freedave", "sampled")]
+                                           ("freedave", "sampled"), ("lopa", "sampled"), ("lopa", "rules")]
 
 
 @pytest.mark.parametrize("method, case", CASES, ids=[f"{m}-{c}" for m, c in CASES])
@@ -118,7 +118,10 @@ def test_the_proxy_catches_mixing_and_reads():
 
 DEVICE_CASES = [("confidence", {"threshold": 0.3}), ("localleap", {"threshold": 0.5, "relaxed_threshold": 0.2}),
                 ("psd", {"threshold": 0.3, "depth": 3}), ("psd", {"threshold": 0.5, "depth": 3, "dag_shape": "skip"}),
-                ("freedave", {"steps": 3}), ("joint_threshold", {"threshold": 0.5, "edit_threshold": 0.6})]
+                ("freedave", {"steps": 3}), ("joint_threshold", {"threshold": 0.5, "edit_threshold": 0.6}),
+                ("lopa", {"threshold": 0.3, "branches": 3}),
+                ("lopa", {"policy": "localleap", "threshold": 0.6, "relaxed_threshold": 0.2, "branches": 5}),
+                ("lopa", {"policy": "static", "branches": 2})]
 
 
 @pytest.mark.parametrize("method, knobs", DEVICE_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(DEVICE_CASES)])

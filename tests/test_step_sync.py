@@ -46,10 +46,10 @@ DLLM_ALLOWED = {
     "model_executor/decoding/base.py:predict_rows cpu": 1,
     **CPU_ONLY,
 }
-# the spatial policies, PSD and FreeDave decide where the logits are: their one copy is the decisions (next states and
-# each block's count of non-finite predictions), from the method's update
+# the spatial policies, PSD, LoPA and FreeDave decide where the logits are: their one copy is the decisions (next
+# states and each block's count of non-finite predictions), from the method's update
 DEVICE_DECIDED = {m: {"model_executor/decoding/base.py:read_back cpu": 1, **CPU_ONLY}
-                  for m in ("static", "confidence", "localleap", "psd", "freedave")}
+                  for m in ("static", "confidence", "localleap", "psd", "lopa", "freedave")}
 PRESTO_ALLOWED = {
     **CPU_ONLY,
     # the tree rows' argmax of every request, one batched copy (acceptance walks it on the host)

@@ -27,8 +27,18 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, host_rows, update_in_groups
+from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions, canvas_row_index,
+                   host_rows, update_in_groups)
 from .policies import Policy, policy_key
+
+
+def branch_scores(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """Eq. 2, ``[..., L] -> [...]``: each branch's mean confidence over its masked positions, in float64. Greedy, a
+    block's top-1 confidences are each at least 1 / V, so their float32 (or bfloat16) values sum exactly in float64
+    for any vocabulary under 2^22, in any order: the host's reduction and an accelerator's give the same scores,
+    and the same branch wins (a drawn token's confidence may be smaller; then only float64's rounding could tell
+    two orders apart). NaN for a branch without masks (the caller never ranks one)."""
+    return torch.where(masked, conf.double(), 0.0).sum(-1) / masked.sum(-1)
 
 
 class LoPADecoder(BlockDecoder):
@@ -38,6 +48,8 @@ class LoPADecoder(BlockDecoder):
         self.pred: Prediction | None = None  # the prediction of the current state (reused from its branch)
         self.branches: tuple[np.ndarray, int] | None = None  # B0..Bk [k + 1, L] (B0 where none) and how many
         self.chosen = [0] * (branches + 1)
+
+    device_update = True  # :meth:`_decide_on_device`
 
     def stats(self):
         return {"branch_chosen": self.chosen}
@@ -54,28 +66,53 @@ class LoPADecoder(BlockDecoder):
         """Eq. 2 over every branch of every decoder, B* per decoder, and the next B0..Bk from B*'s prediction
         for all of them (Eq. 1 and the lookahead branches), decoders of one policy and ``k`` at a time. Host data:
         numpy arrays (a step's few small arrays cost microseconds an op in numpy, tens as torch ops); Eq. 2's
-        sums in torch, as the oracle's."""
-        update_in_groups(cls._update, lambda d, p: (policy_key(d.policy), d.k, p.data is None), decoders,
+        sums in torch, in float64 as the oracle's. Where the predictions are on an accelerator the same rule runs
+        there (:meth:`_decide_on_device`)."""
+        update_in_groups(cls._update, lambda d, p: (policy_key(d.policy), d.k), decoders,
                          proposals, preds, canvas_rows)
 
     @classmethod
     def _update(cls, decoders, proposals, preds, canvas_rows):
+        """One group's step: a block on its first forward takes part as a verification of one branch (its state),
+        so that a step of mixed blocks makes one update (on an accelerator, one copy back)."""
         first = decoders[0]
-        mask, policy, k, verify = first.mask_id, first.policy, first.k, proposals[0].data is not None
-        R, ar = len(decoders), np.arange(len(decoders))
-        if verify:
-            B = np.full((R, k + 1, max(p.data[0].shape[1] for p in proposals)), -1, dtype=np.int64)  # [R, k + 1, L]
-            for r, p in enumerate(proposals):
+        mask, policy, k = first.mask_id, first.policy, first.k
+        R = len(decoders)
+        verify = [p.data is not None for p in proposals]
+        B = np.full((R, k + 1, max(d.state.numel() for d in decoders)), -1, dtype=np.int64)  # [R, k + 1, L]
+        n = np.ones(R, dtype=np.int64)
+        for r, (d, p) in enumerate(zip(decoders, proposals)):
+            if verify[r]:
                 B[r, :, : p.data[0].shape[1]] = p.data[0]
-            exists = np.arange(k + 1) < np.array([p.data[1] for p in proposals])[:, None]
-        else:
-            B = host_rows([(d.state,) for d in decoders])[0][:, None]
-            exists = np.ones((R, 1), dtype=bool)
+                n[r] = p.data[1]
+            else:
+                B[r, 0, : d.state.numel()] = d.state.numpy()
+        exists = np.arange(k + 1) < n[:, None]
         rows = canvas_row_index(decoders, canvas_rows, B.shape[1]).numpy()
+        if isinstance(preds, DeviceRowPredictions):
+            j, state, T, C, branches, n_br, done = cls._decide_on_device(mask, policy, k, preds, B, exists, rows)
+        else:
+            free = np.array([d.grammar is None for d in decoders])
+            j, state, T, C, branches, n_br, done = cls._decide(mask, policy, k, preds, B, exists, rows, free)
+        for r, (d, jj, nb, dn) in enumerate(zip(decoders, j.tolist(), n_br.tolist(), done.tolist())):
+            L_d = d.state.numel()
+            d.pred = Prediction(T[r, :L_d], C[r, :L_d])
+            if verify[r]:  # B* is one step past the last state (every branch is: B0 plus lookahead positions)
+                d.chosen[jj] += 1
+                d.t += 1
+            d.state = state[r, :L_d]
+            d.branches = None if dn else (branches[r, :, :L_d], nb)
+
+    @staticmethod
+    def _decide(mask, policy, k, preds, B, exists, rows, free):
+        """Eq. 2 over the branches ``B [R, k + 1, L]`` (``exists``: which are real; ``rows``: their prediction
+        rows), B* per block, and the next B0..Bk from B*'s prediction, on host data (numpy; ``free``: the blocks
+        without a grammar). Returns ``(j [R], next states, B*'s prediction tokens and confidences [R, L] (torch),
+        the next branches [R, k + 1, L], how many exist [R], whether a complete one was taken [R])``."""
+        R, ar = B.shape[0], np.arange(B.shape[0])
         tok, conf = canvas_predictions(preds, rows, B, mask)
         masked = B == mask
-        scores = (torch.from_numpy(np.where(masked, conf, 0)).sum(-1)
-                  / torch.from_numpy(masked.sum(-1))).numpy()  # Eq. 2
+        scores = branch_scores(torch.from_numpy(conf), torch.from_numpy(masked)).numpy()
         j = np.where(exists, scores, -np.inf).argmax(-1)  # the first best branch on ties
         S, T, C = B[ar, j], tok[ar, j], conf[ar, j]  # B* and its prediction
         # B0 = π's commit; B_i = B0 plus the i-th most confident position left, filled with its prediction
@@ -87,7 +124,7 @@ class LoPADecoder(BlockDecoder):
         i = np.arange(1, k + 1)
         valid = i <= np.isfinite(rest).sum(-1, keepdims=True)  # [R, k]
         # under a grammar only B_1 extends B0's run from the frontier (a later branch leaves a gap: never valid)
-        valid &= np.array([d.grammar is None for d in decoders])[:, None] | (i == 1)
+        valid &= free[:, None] | (i == 1)
         pos = np.zeros((R, k, L), dtype=bool)
         if k and L:
             np.put_along_axis(pos, order[:, np.minimum(i - 1, L - 1), None], valid[..., None], axis=2)
@@ -96,12 +133,39 @@ class LoPADecoder(BlockDecoder):
         complete = ~(branches == mask).any(-1) & (np.arange(k + 1) < n_br[:, None])
         done = complete.any(-1)  # a complete branch is taken at once, without a forward
         state = torch.from_numpy(np.where(done[:, None], branches[ar, complete.argmax(-1)], S))
-        Tt, Ct = torch.from_numpy(T), torch.from_numpy(C)
-        for r, (d, jj, nb, dn) in enumerate(zip(decoders, j.tolist(), n_br.tolist(), done.tolist())):
-            L_d = d.state.numel()
-            d.pred = Prediction(Tt[r, :L_d], Ct[r, :L_d])
-            if verify:  # B* is one step past the last state (every branch is: B0 plus lookahead positions)
-                d.chosen[jj] += 1
-                d.t += 1
-            d.state = state[r, :L_d]
-            d.branches = None if dn else (branches[r, :, :L_d], nb)
+        return j, state, torch.from_numpy(T), torch.from_numpy(C), branches, n_br, done
+
+    @staticmethod
+    def _decide_on_device(mask, policy, k, preds: DeviceRowPredictions, B, exists, rows):
+        """:meth:`_decide` where the predictions are (tensor ops, no host read, no data-dependent shape; no grammar:
+        :func:`~.base.decide_on_device`), decision for decision: the branches, which exist and their rows go up in
+        one copy, the decisions (with each block's count of non-finite predictions: one raises, nothing is
+        stepped) come back in one. Eq. 2 sums exactly in float64 here as on the host, so its order (the device's
+        reduction) decides nothing; sorts are stable, argmaxes take the first maximum, as numpy's."""
+        R, _, L = B.shape
+        Bd, at, ex = preds.upload("lopa", [B, preds.logits_rows(rows), exists])
+        tok, conf = preds.gather(at, Bd, mask)
+        scores = branch_scores(conf, Bd == mask)
+        j = torch.where(ex.bool(), scores, float("-inf")).argmax(-1)
+        ar = torch.arange(R, device=Bd.device)
+        S, T, C = Bd[ar, j], tok[ar, j], conf[ar, j]
+        b0 = torch.where(policy(C) & (S == mask), T, S)
+        rest = torch.where(b0 != mask, torch.full_like(C, float("-inf")), C)
+        order = torch.sort(-rest, dim=-1, stable=True).indices  # descending; ties: the lower position first
+        i = torch.arange(1, k + 1, device=Bd.device)
+        valid = i <= torch.isfinite(rest).sum(-1, keepdim=True)  # [R, k]
+        pos = torch.zeros(R, k, L, dtype=torch.bool, device=Bd.device)
+        if k and L:
+            pos.scatter_(2, order[:, (i - 1).clamp(max=L - 1), None], valid[..., None])
+        branches = torch.cat([b0[:, None], torch.where(pos, T[:, None], b0[:, None])], 1)  # [R, k + 1, L]
+        n_br = 1 + valid.sum(-1)
+        complete = ~(branches == mask).any(-1) & (torch.arange(k + 1, device=Bd.device) < n_br[:, None])
+        done = complete.any(-1)
+        state = torch.where(done[:, None], branches[ar, complete.int().argmax(-1)], S)
+        out = preds.read_back([state, T, C, branches, j, n_br, done], at)  # the step's one copy back
+        h = out.numpy()
+        c = np.cumsum([0, L, L, L, (k + 1) * L, 1, 1, 1])
+        return (h[:, c[4]].astype(np.int64), torch.from_numpy(h[:, : c[1]].astype(np.int64)),
+                torch.from_numpy(h[:, c[1]: c[2]].astype(np.int64)), out[:, c[2]: c[3]].to(preds.conf.dtype),
+                h[:, c[3]: c[4]].astype(np.int64).reshape(R, k + 1, L), h[:, c[5]].astype(np.int64),
+                h[:, c[6]] > 0)

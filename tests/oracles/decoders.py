@@ -81,7 +81,8 @@ class LoPAOracle(OracleDecoder):
             # Eq. 2: each branch's mean confidence over its masked positions; the first best branch on ties
             conf = torch.stack([p.conf for p in preds])
             masked = torch.stack(self.branches).to(conf.device) == self.mask_id
-            scores = torch.where(masked, conf, torch.zeros_like(conf)).sum(-1) / masked.sum(-1)
+            # in float64: top-1 confidences (each >= 1 / V) sum exactly there, in any order
+            scores = torch.where(masked, conf, torch.zeros_like(conf)).double().sum(-1) / masked.sum(-1)
             j = int(scores.argmax())
             self.chosen[j] += 1
             self.state, self.pred = self.branches[j], preds[j]
