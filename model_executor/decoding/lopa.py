@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions, canvas_row_index,
-                   host_rows, update_in_groups)
+                   update_in_groups)
 from .policies import Policy, policy_key
 
 
