@@ -406,7 +406,7 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     (every stage writes a request's own rows only); without it (the reference engine) they raise.
 
     Where the logits are on an accelerator and every decoder's method decides there
-    (:func:`~model_executor.decoding.base.decide_on_device`: every method but Spiffy), the predictions
+    (:func:`~model_executor.decoding.base.decide_on_device`: every method, without a grammar), the predictions
     stay there (:class:`~model_executor.decoding.base.DeviceRowPredictions`): the methods' update decides on the
     device, checks the blocks' predictions are finite, and makes the step's one copy (of the decisions); its
     upload goes through the engine's ``staging`` (:class:`~model_executor.staging.Staging`; None: a plain copy)."""

@@ -57,13 +57,14 @@ def _on_device(engine, monkeypatch, proxy, steps):
 
 
 PENALTIES = LogitsRules(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.2)
-# the spatial policies, PSD, LoPA, FreeDave and joint_threshold decide where the logits are (their one copy brings
-# the decisions back); Spiffy decides on the host, after the predictions' one copy
+# every method decides where the logits are (its one copy brings the decisions back; Spiffy's the top tokens at the
+# positions its next drafts read too); a step with a grammar decides on the host, after the predictions' one copy
 ONE_COPY = {m: "model_executor/decoding/base.py:read_back"
-            for m in ("static", "confidence", "localleap", "psd", "lopa", "freedave", "joint_threshold")}
+            for m in ("static", "confidence", "localleap", "psd", "lopa", "freedave", "spiffy", "joint_threshold")}
 CASES = [(m, "plain") for m in METHODS] + [("confidence", "logprobs"), ("spiffy", "logprobs"), ("confidence", "rules"),
                                            ("confidence", "penalties"), ("confidence", "sampled"), ("psd", "sampled"),
-                                           ("freedave", "sampled"), ("lopa", "sampled"), ("lopa", "rules")]
+                                           ("freedave", "sampled"), ("lopa", "sampled"), ("lopa", "rules"),
+                                           ("spiffy", "sampled")]
 
 
 @pytest.mark.parametrize("method, case", CASES, ids=[f"{m}-{c}" for m, c in CASES])
@@ -71,7 +72,7 @@ def test_decoding_with_device_logits_and_host_state(engine, prompts, monkeypatch
     """Every method, from logits on the device: the same tokens and NFE as on the host, no operation mixes a
     device tensor with a host one (proposals included), and every step reads the device exactly once (the
     predictions' one copy; for the spatial policies and PSD, which decide on the device, the decisions' one copy),
-    plus at most once for what needs the logits themselves (Spiffy's top tokens, logprobs)."""
+    plus at most once for what needs the logits themselves (logprobs)."""
     options = {"plain": {}, "logprobs": {"logprobs": 2}, "penalties": {"rules": PENALTIES},
                "sampled": {"temperature": 0.8, "seed": 3},
                "rules": {"rules": LogitsRules(logit_bias={5: 2.0, 9: -3.0}, min_tokens=3,
@@ -90,8 +91,6 @@ def test_decoding_with_device_logits_and_host_state(engine, prompts, monkeypatch
     assert len(steps) == engine.step_time["steps"] - steps0 > 0
     assert not proxy.reads, sorted(set(proxy.reads))
     extra = set()
-    if method == "spiffy":
-        extra.add("model_executor/decoding/base.py:top_tokens")
     if options.get("logprobs"):
         extra.add("model_executor/dllm_request.py:record_logprobs")
     one = ONE_COPY.get(method, "model_executor/decoding/base.py:predict_rows")
@@ -116,12 +115,25 @@ def test_the_proxy_catches_mixing_and_reads():
         assert len(proxy.reads) == 2
 
 
+def _graph():
+    """A small Spiffy draft graph: level-1 and level-2 roots, a second token rank, deeper nodes with parents."""
+    from model_executor.decoding import DraftGraph, GraphNode
+
+    formulas = [[(1, 1)], [(1, 1), (2, 1)], [(1, 2)], [(2, 1)], [(1, 1), (2, 1), (3, 1)], [(1, 1), (2, 2)]]
+    parents = [[], [0, 3], [], [], [1], [0]]
+    return DraftGraph(format_version=1, model="toy", block_size=4, base_policy="confidence", threshold=0.9,
+                      lookahead=3, nodes=[GraphNode(formula=f, level=len(f), parents=p)
+                                          for f, p in zip(formulas, parents)])
+
+
 DEVICE_CASES = [("confidence", {"threshold": 0.3}), ("localleap", {"threshold": 0.5, "relaxed_threshold": 0.2}),
                 ("psd", {"threshold": 0.3, "depth": 3}), ("psd", {"threshold": 0.5, "depth": 3, "dag_shape": "skip"}),
                 ("freedave", {"steps": 3}), ("joint_threshold", {"threshold": 0.5, "edit_threshold": 0.6}),
                 ("lopa", {"threshold": 0.3, "branches": 3}),
                 ("lopa", {"policy": "localleap", "threshold": 0.6, "relaxed_threshold": 0.2, "branches": 5}),
-                ("lopa", {"policy": "static", "branches": 2})]
+                ("lopa", {"policy": "static", "branches": 2}),
+                ("spiffy", {"policy": "confidence", "threshold": 0.3, "graph": _graph(), "budget": 3}),
+                ("spiffy", {"policy": "static", "graph": _graph(), "budget": 2})]
 
 
 @pytest.mark.parametrize("method, knobs", DEVICE_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(DEVICE_CASES)])

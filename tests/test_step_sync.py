@@ -46,10 +46,11 @@ DLLM_ALLOWED = {
     "model_executor/decoding/base.py:predict_rows cpu": 1,
     **CPU_ONLY,
 }
-# the spatial policies, PSD, LoPA and FreeDave decide where the logits are: their one copy is the decisions (next
-# states and each block's count of non-finite predictions), from the method's update
+# every method decides where the logits are: its one copy is the decisions (next states and each block's count of
+# non-finite predictions; Spiffy's top tokens at the positions its next drafts read too), from the method's update;
+# a sampled request's draws need none (they are drawn where the logits are)
 DEVICE_DECIDED = {m: {"model_executor/decoding/base.py:read_back cpu": 1, **CPU_ONLY}
-                  for m in ("static", "confidence", "localleap", "psd", "lopa", "freedave")}
+                  for m in ("static", "confidence", "localleap", "psd", "lopa", "freedave", "spiffy")}
 PRESTO_ALLOWED = {
     **CPU_ONLY,
     # the tree rows' argmax of every request, one batched copy (acceptance walks it on the host)
@@ -162,11 +163,6 @@ def _check(audit: _StepAudit, allowed: dict[str, int]) -> None:
     assert set(allowed) <= set(most), (sorted(allowed), sorted(most))
 
 
-# a decoder's reads beyond the predictions: Spiffy ranks a few positions' top tokens (one packed copy); a sampled
-# request's draws need none (they are drawn where the logits are and ride in the predictions' one copy)
-TOP_TOKENS = {"model_executor/decoding/base.py:top_tokens cpu": 1}
-
-
 # penalties (repetition, presence, frequency; the spatial policies only): each request's answer so far goes up to
 # the logits' device as ids without waiting and is counted there with ``index_add_`` (a ``bincount`` would sync:
 # its output size is the data's maximum); the prompt's tokens and the rules' constants go up once per request.
@@ -175,7 +171,7 @@ PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty
 
 
 @pytest.mark.parametrize("method,cache,temperature,options,allowed", [
-    ("confidence", "prefix", 0.0, {}, {}), ("psd", "dual", 0.0, {}, {}), ("spiffy", "prefix", 0.0, {}, TOP_TOKENS),
+    ("confidence", "prefix", 0.0, {}, {}), ("psd", "dual", 0.0, {}, {}), ("spiffy", "prefix", 0.0, {}, {}),
     ("freedave", "prefix", 0.0, {}, {}), ("lopa", "dual", 0.0, {}, {}), ("psd", "dual", 0.8, {}, {}),
     ("confidence", "prefix", 0.0, PENALTIES, {})], ids=lambda v: "penalties" if v is PENALTIES else None)
 def test_dllm_step_reads_the_device_once(step_audit, mixed_prompts, method, cache, temperature, options, allowed):

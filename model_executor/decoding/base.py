@@ -256,32 +256,53 @@ def top_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, c
     """The ``k`` likeliest tokens of the rows ``rows [n]`` of ``logits [N, V]`` and their probabilities ``[n, k]``
     (float64, on the CPU): rank 1 is the row's prediction ``tokens`` (greedy or drawn) with its probability
     ``conf``, then the likeliest other tokens, rank ``j`` with ``conf * exp(logit_j - logit_1)``. Only for the rows
-    a decoder reads (Spiffy: a few per request), never a whole step's; they are gathered in chunks of
-    :func:`work_bytes` into one reused buffer, as :func:`predict_rows` does. The exponentials are Python's, so
-    equal inputs give equal outputs wherever a row sits in a batch (a vectorised kernel may round a batch's tail
-    differently)."""
+    a decoder reads (Spiffy: a few per request), never a whole step's: :func:`top_token_gaps` where the logits
+    are, one copy, then :func:`top_probs` on the host."""
+    ids, gaps = top_token_gaps(logits, rows, tokens, k)
+    both = torch.cat([ids.double(), gaps], 1).cpu()  # one copy
+    return top_probs(tokens.cpu(), conf.cpu(), both[:, : k - 1].long(), both[:, k - 1:])
+
+
+def top_token_gaps(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_tokens`' part where the logits are, with no host read: ranks 2..k of the rows ``rows [n]`` (the
+    likeliest tokens other than each row's prediction ``tokens [n]``, greedy or drawn), their ids ``[n, k - 1]``
+    and their logits' gaps to the prediction's (float64), on the logits' device. The rows are gathered in chunks
+    of :func:`work_bytes` into one reused buffer, as :func:`predict_rows` does; each row's result is its own
+    (a selection and a subtraction: the same wherever the row sits in a batch)."""
     n, V = rows.numel(), logits.shape[1]
-    ids = torch.zeros(n, k, dtype=torch.long)
-    gaps = torch.zeros(n, k, dtype=torch.float64)
-    if n:
-        rows = rows.to(logits.device, non_blocking=True)
-        tok = tokens.to(logits.device, non_blocking=True)[:, None]
-        chunk = max(1, work_bytes(logits.device) // max(1, V * logits.element_size()))
-        work = torch.empty(min(chunk, n), V, dtype=logits.dtype, device=logits.device)
-        for a in range(0, n, chunk):
-            x = torch.index_select(logits, 0, rows[a: a + chunk], out=work[: min(chunk, n - a)])
-            t = tok[a: a + chunk]
-            top = x.topk(k, dim=-1)
-            # ranks 2..k: the likeliest tokens other than the prediction (a drawn one need not be the argmax)
-            pick = torch.sort((top.indices == t).to(torch.int8), dim=1, stable=True).indices[:, : k - 1]
-            ref = x.gather(1, t)
-            both = torch.cat([top.indices.gather(1, pick).double(), (top.values.gather(1, pick) - ref).double()],
-                             1).cpu()  # one copy
-            ids[a: a + chunk, 1:], gaps[a: a + chunk, 1:] = both[:, : k - 1].long(), both[:, k - 1:]
-        ids[:, 0] = tokens.cpu()
-    probs = torch.tensor([[c * math.exp(g) for g in row] for c, row in zip(conf.double().cpu().tolist(),
-                                                                           gaps.tolist())], dtype=torch.float64)
-    return ids, probs.view(n, k)
+    dev = logits.device
+    if not n or k < 2:
+        return (torch.zeros(n, max(k - 1, 0), dtype=torch.long, device=dev),
+                torch.zeros(n, max(k - 1, 0), dtype=torch.float64, device=dev))
+    rows = rows.to(dev, non_blocking=True)
+    tok = tokens.to(dev, non_blocking=True)[:, None]
+    chunk = max(1, work_bytes(dev) // max(1, V * logits.element_size()))
+    work = torch.empty(min(chunk, n), V, dtype=logits.dtype, device=dev)
+    ids, gaps = [], []
+    for a in range(0, n, chunk):
+        x = torch.index_select(logits, 0, rows[a: a + chunk], out=work[: min(chunk, n - a)])
+        t = tok[a: a + chunk]
+        top = x.topk(k, dim=-1)
+        # ranks 2..k: the likeliest tokens other than the prediction (a drawn one need not be the argmax)
+        pick = torch.sort((top.indices == t).to(torch.int8), dim=1, stable=True).indices[:, : k - 1]
+        ids.append(top.indices.gather(1, pick))
+        gaps.append((top.values.gather(1, pick) - x.gather(1, t)).double())
+    return torch.cat(ids), torch.cat(gaps)
+
+
+def top_probs(tokens: torch.Tensor, conf: torch.Tensor, ids: torch.Tensor, gaps: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`top_tokens`' part on the host, from :func:`top_token_gaps` (host tensors ``[n, k - 1]``): ids
+    ``[n, k]`` (the predictions first) and probabilities ``conf * exp(gap)`` (float64). The exponentials are
+    Python's, so equal inputs give equal outputs wherever a row sits in a batch (a vectorised kernel may round a
+    batch's tail differently)."""
+    n = tokens.numel()
+    out = torch.cat([tokens.long().reshape(n, 1), ids.long()], 1)
+    g = [[0.0] + row for row in gaps.double().tolist()]
+    probs = torch.tensor([[c * math.exp(x) for x in row] for c, row in zip(conf.double().tolist(), g)],
+                         dtype=torch.float64)
+    return out, probs.view(n, out.shape[1])
 
 
 def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: int, keep_probs: bool = False,
@@ -465,7 +486,7 @@ def update_in_groups(update, key, decoders: list[BlockDecoder], proposals: list[
 def decide_on_device(decoders: list[BlockDecoder]) -> bool:
     """Whether a step of ``decoders`` (the step's logits on an accelerator) takes its decisions there: every one
     of a method whose update has a device form (:attr:`BlockDecoder.device_update`: the spatial policies unless
-    they record distributions, PSD, FreeDave, joint_threshold), without a grammar (whose frontier rule runs on
+    they record distributions, PSD, LoPA, FreeDave, Spiffy, joint_threshold), without a grammar (whose frontier rule runs on
     the host). Its update then gets :class:`DeviceRowPredictions` and makes the step's
     one copy back: the next states and what the host's bookkeeping reads."""
     return bool(decoders) and all(d.device_update and d.grammar is None for d in decoders)

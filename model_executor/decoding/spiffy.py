@@ -31,7 +31,9 @@ accepted draft at a time for all requests. A proposal's data are the graph nodes
 of the last commit's prediction get their top tokens (:func:`~.base.top_tokens`: no formula reads further),
 not every row of the step. The logarithms and exponentials of the scores are Python's, so a request's drafts
 rank the same whichever requests share its step, bit for bit (``tests/oracles/decoders.py`` holds the
-one-block reading of §4, which the tests compare against).
+one-block reading of §4, which the tests compare against). Where the predictions are on an accelerator, Alg. 1
+and the top tokens' selection run there (:meth:`SpiffyDecoder._decide_on_device`: one copy back), and the
+probabilities and logarithms stay Python's on the host, so the drafts rank as in the host's form.
 
 Choices the paper leaves open, made here: a draft must extend the current state (agree on every decoded
 position, decode more); drafts that fill the whole block are kept for acceptance but need no forward;
@@ -52,8 +54,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .base import (BlockDecoder, Prediction, Proposal, canvas_predictions, canvas_row_index, commit, groups,
-                   host_rows, top_tokens, update_in_groups)
+from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions, canvas_row_index,
+                   commit, groups, host_rows, top_probs, top_token_gaps, top_tokens, update_in_groups)
 from .policies import policy_key
 from .spiffy_graph import DraftGraph
 
@@ -137,6 +139,8 @@ class SpiffyDecoder(BlockDecoder):
         self.accepted = self.iterations = 0
         self.node_tried = [0] * len(graph.nodes)
         self.node_accepted = [0] * len(graph.nodes)
+
+    device_update = True  # :meth:`_decide_on_device`
 
     def stats(self):
         return {"accepted_drafts": self.accepted, "verify_iterations": self.iterations,
@@ -234,8 +238,7 @@ class SpiffyDecoder(BlockDecoder):
         that draft's prediction for the next step (one pass per accepted draft, all requests at once; sampling:
         a draft of the level the commits have reached); then Eqs. 8-9 at the last commit for the next proposal."""
         d0 = decoders[0]
-        mask, R, rr = d0.mask_id, len(decoders), np.arange(len(decoders))
-        sampled = d0.sampling is not None
+        R = len(decoders)
         for d, p in zip(decoders, proposals):
             for k in p.data:
                 d.node_tried[k] += 1
@@ -249,10 +252,39 @@ class SpiffyDecoder(BlockDecoder):
                 D[r, n, : x.numel()], D[r, n, x.numel():] = x.numpy(), -1
                 level[r, n] = st - d.t
         rows = canvas_row_index(decoders, canvas_rows).numpy()
+        decide = cls._decide_on_device if isinstance(preds, DeviceRowPredictions) else cls._decide
+        S, Yq, order, n_q, taken, hits, n_hits, top_tok, top_p, counts = decide(d0, preds, S, D, level, rows, K)
+        for n in range(hits.shape[1]):
+            for r in np.flatnonzero(hits[:, n]).tolist():
+                decoders[r].accepted += 1
+                decoders[r].node_accepted[proposals[r].data[int(n_hits[r, n])]] += 1
+        for d, k in zip(decoders, taken.tolist()):
+            d.t += k
+        logp = _elementwise(_log, top_p)
+        at = 0
+        S, Yq, order = torch.from_numpy(S), torch.from_numpy(Yq), torch.from_numpy(order)
+        for d, s, y, o, n, c in zip(decoders, S, Yq, order, n_q.tolist(), counts.tolist()):
+            L_d = d.state.numel()
+            d.state = s[:L_d]
+            d.q = None if d.done else Ranked(y[:L_d], o[:n], top_tok[at: at + c], logp[at: at + c])
+            at += c
+            d.iterations += 1
 
+    @staticmethod
+    def _decide(d0, preds, S, D, level, rows, K):
+        """Alg. 1 on host data (numpy): commit one base step from the state's prediction, and while the new state
+        equals a forwarded draft, one more from that draft's prediction (all requests at once; sampling: a draft of
+        the level the commits have reached); then Eqs. 8-9 at each request's last commit. Returns the states, the
+        last commits' states ``Y_q`` and their masked positions by confidence ``[R, L]``, how many ``[R]``, the
+        base steps taken ``[R]``, which blocks accepted a draft at each pass and which ``[R, passes]``, and the top
+        tokens at each block's first few positions with their probabilities (:func:`~.base.top_tokens`: ``[n, max_j]``
+        for the ``n`` positions the next drafts may read, block by block) and how many are each block's ``[R]``."""
+        mask, R, rr = d0.mask_id, S.shape[0], np.arange(S.shape[0])
+        sampled = d0.sampling is not None
         cur = np.zeros(R, dtype=np.int64)  # the canvas whose prediction commits next (0: the state)
         live = np.ones(R, dtype=bool)
         taken = np.zeros(R, dtype=np.int64)  # base steps committed in this update
+        hits, n_hits = np.zeros((R, K + 1), dtype=bool), np.zeros((R, K + 1), dtype=np.int64)
         Yq, q_rows = S.copy(), rows[:, 0].copy()
         for n in range(K + 1):
             r_cur = rows[rr, cur]  # [R, L]
@@ -266,16 +298,11 @@ class SpiffyDecoder(BlockDecoder):
             if sampled:  # reused only as the state it was drawn for
                 eq &= level == n + 1
             hit = live & (S == mask).any(-1) & eq.any(-1)
-            n_hit = eq.argmax(-1)
-            for r in np.flatnonzero(hit).tolist():
-                decoders[r].accepted += 1
-                decoders[r].node_accepted[proposals[r].data[int(n_hit[r])]] += 1
-            cur = np.where(hit, n_hit + 1, cur)
+            hits[:, n], n_hits[:, n] = hit, eq.argmax(-1)
+            cur = np.where(hit, n_hits[:, n] + 1, cur)
             live = hit
             if not live.any():
                 break
-        for d, k in zip(decoders, taken.tolist()):
-            d.t += k
         # Eqs. 8-9 at each request's last commit: positions by confidence, top tokens at the first few
         tok_q, conf_q = canvas_predictions(preds, q_rows, Yq, mask)
         n_q = np.isfinite(conf_q).sum(-1)
@@ -286,13 +313,65 @@ class SpiffyDecoder(BlockDecoder):
         top_tok, top_p = top_tokens(preds.logits, preds.logits_of(sel_rows),
                                     torch.from_numpy(np.take_along_axis(tok_q, need, 1)[ok]),
                                     torch.from_numpy(np.take_along_axis(conf_q, need, 1)[ok]), d0.max_j)
-        logp = _elementwise(_log, top_p)
-        counts = ok.sum(-1).tolist()
-        at = 0
-        S, Yq, order = torch.from_numpy(S), torch.from_numpy(Yq), torch.from_numpy(order)
-        for d, s, y, o, n, c in zip(decoders, S, Yq, order, n_q.tolist(), counts):
-            L_d = d.state.numel()
-            d.state = s[:L_d]
-            d.q = None if d.done else Ranked(y[:L_d], o[:n], top_tok[at: at + c], logp[at: at + c])
-            at += c
-            d.iterations += 1
+        return S, Yq, order, n_q, taken, hits, n_hits, top_tok, top_p, ok.sum(-1)
+
+    @staticmethod
+    def _decide_on_device(d0, preds: DeviceRowPredictions, S, D, level, rows, K):
+        """:meth:`_decide` where the predictions are (tensor ops, no host read, no data-dependent shape; no grammar:
+        :func:`~.base.decide_on_device`), decision for decision: every pass of Alg. 1 runs (a block that accepted
+        nothing keeps its state through the rest), the top tokens are taken at every block's first ``max_i``
+        positions (:func:`~.base.top_token_gaps`; those past a block's masks are dropped on the host), and the
+        decisions, with each block's count of non-finite predictions, come back in the step's one copy. The
+        probabilities and their logarithms are Python's on the host, as in the host's form
+        (:func:`~.base.top_probs`), so the drafts rank the same."""
+        mask, (R, L) = d0.mask_id, S.shape
+        sampled = d0.sampling is not None
+        Sd, Dd, lev, at = preds.upload("spiffy", [S, D, level, preds.logits_rows(rows)])
+        dev = Sd.device
+        ar = torch.arange(R, device=dev)
+        cur = torch.zeros(R, dtype=torch.long, device=dev)
+        live = torch.ones(R, dtype=torch.bool, device=dev)
+        taken = torch.zeros(R, dtype=torch.long, device=dev)
+        hits, n_hits = [], []
+        Yq, q_at = Sd.clone(), at[:, 0].clone()
+        for n in range(K + 1):
+            r_cur = at[ar, cur]  # [R, L] logits rows
+            tok, conf = preds.gather(r_cur, Sd, mask)
+            new = torch.where(d0.next_state.rule(conf) & torch.isfinite(conf), tok, Sd)
+            Yq = torch.where(live[:, None], Sd, Yq)
+            q_at = torch.where(live[:, None], r_cur, q_at)
+            Sd = torch.where(live[:, None], new, Sd)
+            taken += live
+            eq = (Dd == Sd[:, None]).all(-1)  # [R, K]
+            if sampled:
+                eq &= lev == n + 1
+            hit = live & (Sd == mask).any(-1) & eq.any(-1)
+            n_hit = eq.int().argmax(-1)
+            hits.append(hit)
+            n_hits.append(n_hit)
+            cur = torch.where(hit, n_hit + 1, cur)
+            live = hit
+        tok_q, conf_q = preds.gather(q_at, Yq, mask)
+        n_q = torch.isfinite(conf_q).sum(-1)
+        order = torch.sort(-conf_q, dim=-1, stable=True).indices  # descending; ties: the lower position first
+        need = order[:, : d0.max_i]
+        w = need.shape[1]
+        ok = (torch.arange(w, device=dev) < n_q[:, None]) & (Sd == mask).any(-1, keepdim=True)
+        sel = q_at.gather(1, need)
+        tok_sel, conf_sel = tok_q.gather(1, need), conf_q.gather(1, need)
+        ids, gaps = top_token_gaps(preds.logits, sel.clamp(min=0).reshape(-1), tok_sel.clamp(min=0).reshape(-1),
+                                   d0.max_j)
+        j = d0.max_j - 1
+        out = preds.read_back([Sd, Yq, order, n_q, taken, torch.stack(hits, 1), torch.stack(n_hits, 1), ok, tok_sel,
+                               conf_sel, ids.reshape(R, w * j), gaps.reshape(R, w * j)], at)
+        h = out.numpy()
+        c = np.cumsum([0, L, L, L, 1, 1, K + 1, K + 1, w, w, w, w * j, w * j])
+        ok = h[:, c[7]: c[8]] > 0
+        tokens = torch.from_numpy(h[:, c[8]: c[9]][ok].astype(np.int64))
+        confs = torch.from_numpy(h[:, c[9]: c[10]][ok])
+        top_ids = torch.from_numpy(h[:, c[10]: c[11]].reshape(R, w, j)[ok].astype(np.int64))
+        top_gaps = torch.from_numpy(h[:, c[11]: c[12]].reshape(R, w, j)[ok])
+        top_tok, top_p = top_probs(tokens, confs, top_ids, top_gaps)
+        return (h[:, : c[1]].astype(np.int64), h[:, c[1]: c[2]].astype(np.int64), h[:, c[2]: c[3]].astype(np.int64),
+                h[:, c[3]].astype(np.int64), h[:, c[4]].astype(np.int64), h[:, c[5]: c[6]] > 0,
+                h[:, c[6]: c[7]].astype(np.int64), top_tok, top_p, ok.sum(-1))
