@@ -26,7 +26,7 @@ path's decision alone (``host_decide_ms``: the numpy commit after the copy) is g
 are on the host: the figures are host-bound and say what a torch op costs there against numpy's, not what a GPU
 would do.
 
-Then the engines' own step, per method of ``--methods`` (confidence, PSD, LoPA, FreeDave by default) and request count:
+Then the engines' own step, per method of ``--methods`` (confidence, PSD, LoPA, FreeDave, Spiffy by default) and request count:
 :func:`~model_executor.dllm_request.decode_step` over requests in mid-decode (PSD verifying its drafts), once
 decided on the host and once where the logits are, from the same state and logits (``equal``: the same next
 states). This is the trade the engines make on a GPU now (docs/architecture.md); on a CPU its device path runs on
@@ -184,6 +184,11 @@ def engine_case(method: str, R: int, args, device: torch.device) -> dict:
     L, V = args.block, args.vocab
     dtype = getattr(torch, args.dtype)
     knobs = {"threshold": args.threshold, **({"depth": 3} if method == "psd" else {})}
+    if method == "spiffy":  # the embedded model's draft graph (its formulas apply to any block)
+        from model_executor.decoding import load_graph
+        from psd_plugin import DEFAULT_DLLM, default_graph
+
+        knobs = {**knobs, "policy": "confidence", "graph": load_graph(default_graph(DEFAULT_DLLM, "confidence"))}
     g = torch.Generator().manual_seed(R)
 
     def make(block):
@@ -253,7 +258,7 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=0.9)
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--methods", default="confidence,psd,lopa,freedave",
+    ap.add_argument("--methods", default="confidence,psd,lopa,freedave,spiffy",
                     help="the engines' step of these methods, host- against device-decided (empty: none)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = ap.parse_args()
