@@ -144,7 +144,7 @@ def test_methods_decide_on_the_device_and_a_nonfinite_block_fails_alone(method, 
     forward beside verifying ones (PSD); a request whose logits hold a NaN fails alone (the serving engine's
     ``failed``) and the others step as on the host; without ``failed`` (the reference engine) the step raises."""
     from attention_backends.step_batch import build_step_batch
-    from model_executor.decoding import Sampling, logits_map, make_decoder, propose_all
+    from model_executor.decoding import Sampling, logits_map, make_decoder, merge_stats, propose_all
     from model_executor.dllm_request import DLLMRequest, decode_step
 
     M, V, EOS = 30, 40, 29
@@ -180,6 +180,8 @@ def test_methods_decide_on_the_device_and_a_nonfinite_block_fails_alone(method, 
                     continue
                 reqs[i].stepped(st)
             trace.append([reqs[i].tokens.tolist() for i in live])
+        # the methods' counters too (the blocks done, and the current one's decoder)
+        trace.append([merge_stats([r.stats] + ([r.dec.stats()] if r.dec is not None else [])) for r in reqs])
         return trace, copies
 
     host, _ = run(False, None, {})

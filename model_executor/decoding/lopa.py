@@ -36,8 +36,9 @@ def branch_scores(conf: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
     """Eq. 2, ``[..., L] -> [...]``: each branch's mean confidence over its masked positions, in float64. Greedy, a
     block's top-1 confidences are each at least 1 / V, so their float32 (or bfloat16) values sum exactly in float64
     for any vocabulary under 2^22, in any order: the host's reduction and an accelerator's give the same scores,
-    and the same branch wins (a drawn token's confidence may be smaller; then only float64's rounding could tell
-    two orders apart). NaN for a branch without masks (the caller never ranks one)."""
+    and the same branch wins (a drawn token's confidence may be smaller, and float64 confidences, from a float64
+    model, carry more bits than float64 sums exactly: then only float64's rounding could tell two orders apart).
+    NaN for a branch without masks (the caller never ranks one)."""
     return torch.where(masked, conf.double(), 0.0).sum(-1) / masked.sum(-1)
 
 

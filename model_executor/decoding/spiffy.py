@@ -239,9 +239,6 @@ class SpiffyDecoder(BlockDecoder):
         a draft of the level the commits have reached); then Eqs. 8-9 at the last commit for the next proposal."""
         d0 = decoders[0]
         R = len(decoders)
-        for d, p in zip(decoders, proposals):
-            for k in p.data:
-                d.node_tried[k] += 1
         S = host_rows([(d.state,) for d in decoders])[0]  # [R, L] (host data in numpy, as in _drafts)
         L = S.shape[1]
         K = max(len(p.canvases) for p in proposals) - 1
@@ -254,6 +251,10 @@ class SpiffyDecoder(BlockDecoder):
         rows = canvas_row_index(decoders, canvas_rows).numpy()
         decide = cls._decide_on_device if isinstance(preds, DeviceRowPredictions) else cls._decide
         S, Yq, order, n_q, taken, hits, n_hits, top_tok, top_p, counts = decide(d0, preds, S, D, level, rows, K)
+        # (counted once the step's decisions stand: a decide that raises, a block's NaN, is retried block by block)
+        for d, p in zip(decoders, proposals):
+            for k in p.data:
+                d.node_tried[k] += 1
         for n in range(hits.shape[1]):
             for r in np.flatnonzero(hits[:, n]).tolist():
                 decoders[r].accepted += 1
@@ -359,9 +360,13 @@ class SpiffyDecoder(BlockDecoder):
         ok = (torch.arange(w, device=dev) < n_q[:, None]) & (Sd == mask).any(-1, keepdim=True)
         sel = q_at.gather(1, need)
         tok_sel, conf_sel = tok_q.gather(1, need), conf_q.gather(1, need)
-        ids, gaps = top_token_gaps(preds.logits, sel.clamp(min=0).reshape(-1), tok_sel.clamp(min=0).reshape(-1),
-                                   d0.max_j)
         j = d0.max_j - 1
+        if preds.logits.shape[0]:  # (positions without a logits row read row 0, and are dropped on the host)
+            ids, gaps = top_token_gaps(preds.logits, sel.clamp(min=0).reshape(-1), tok_sel.clamp(min=0).reshape(-1),
+                                       d0.max_j)
+        else:  # no logits rows at all: nothing to select (an index into none would fault the device)
+            ids = torch.zeros(R * w, j, dtype=torch.long, device=dev)
+            gaps = torch.zeros(R * w, j, dtype=torch.float64, device=dev)
         out = preds.read_back([Sd, Yq, order, n_q, taken, torch.stack(hits, 1), torch.stack(n_hits, 1), ok, tok_sel,
                                conf_sel, ids.reshape(R, w * j), gaps.reshape(R, w * j)], at)
         h = out.numpy()
