@@ -115,12 +115,15 @@ def test_the_proxy_catches_mixing_and_reads():
         assert len(proxy.reads) == 2
 
 
-def _graph():
-    """A small Spiffy draft graph: level-1 and level-2 roots, a second token rank, deeper nodes with parents."""
+def _graph(first_ranks_only: bool = False):
+    """A small Spiffy draft graph: level-1 and level-2 roots, a second token rank, deeper nodes with parents
+    (``first_ranks_only``: no formula reads a token past the first rank)."""
     from model_executor.decoding import DraftGraph, GraphNode
 
     formulas = [[(1, 1)], [(1, 1), (2, 1)], [(1, 2)], [(2, 1)], [(1, 1), (2, 1), (3, 1)], [(1, 1), (2, 2)]]
     parents = [[], [0, 3], [], [], [1], [0]]
+    if first_ranks_only:
+        formulas, parents = [formulas[i] for i in (0, 1, 3, 4)], [[], [0, 2], [], [1]]
     return DraftGraph(format_version=1, model="toy", block_size=4, base_policy="confidence", threshold=0.9,
                       lookahead=3, nodes=[GraphNode(formula=f, level=len(f), parents=p)
                                           for f, p in zip(formulas, parents)])
@@ -133,7 +136,8 @@ DEVICE_CASES = [("confidence", {"threshold": 0.3}), ("localleap", {"threshold": 
                 ("lopa", {"policy": "localleap", "threshold": 0.6, "relaxed_threshold": 0.2, "branches": 5}),
                 ("lopa", {"policy": "static", "branches": 2}),
                 ("spiffy", {"policy": "confidence", "threshold": 0.3, "graph": _graph(), "budget": 3}),
-                ("spiffy", {"policy": "static", "graph": _graph(), "budget": 2})]
+                ("spiffy", {"policy": "static", "graph": _graph(), "budget": 2}),
+                ("spiffy", {"policy": "confidence", "threshold": 0.3, "graph": _graph(True), "budget": 3})]
 
 
 @pytest.mark.parametrize("method, knobs", DEVICE_CASES, ids=[f"{m}-{i}" for i, (m, _) in enumerate(DEVICE_CASES)])

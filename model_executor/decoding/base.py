@@ -141,6 +141,17 @@ class DeviceRowPredictions:
                                "or inf in the model's output for its canvases): nothing to decode")
         return out[:, :-1]
 
+    def read_back_columns(self, cols: list[torch.Tensor], at: torch.Tensor) -> list[np.ndarray]:
+        """:meth:`read_back`, the copy split again: each column as a float64 host array of its own shape
+        ``[R, ...]`` (views of the one copy; ids ``.astype(np.int64)``, flags ``> 0``)."""
+        h = self.read_back(cols, at).numpy()
+        out, a = [], 0
+        for c in cols:
+            n = int(np.prod(c.shape[1:], dtype=np.int64))
+            out.append(h[:, a: a + n].reshape(c.shape))
+            a += n
+        return out
+
 
 def logits_map(kept: torch.Tensor) -> torch.Tensor:
     """``[N]``: the logits row of each prediction row when only the rows ``kept [N]`` (bool, host) get logits,

@@ -115,10 +115,9 @@ class FreeDaveDecoder(BlockDecoder):
         ar = torch.arange(R, device=Dd.device)
         state = Dd[ar, m]
         state = torch.where(((state == mask).sum(-1) == 1)[:, None], jump[ar, m], state)
-        out = preds.read_back([state, tok[ar, m], conf[ar, m], m], at)
-        h = out.numpy()
-        return (h[:, 3 * L].astype(np.int64), torch.from_numpy(h[:, :L].astype(np.int64)),
-                torch.from_numpy(h[:, L: 2 * L].astype(np.int64)), out[:, 2 * L: 3 * L].to(preds.conf.dtype))
+        state, tok_m, conf_m, m = preds.read_back_columns([state, tok[ar, m], conf[ar, m], m], at)
+        return (m.astype(np.int64), torch.from_numpy(state.astype(np.int64)), torch.from_numpy(tok_m.astype(np.int64)),
+                torch.from_numpy(conf_m).to(preds.conf.dtype))
 
     @classmethod
     def update_batch(cls, decoders, proposals, preds, canvas_rows):

@@ -163,10 +163,7 @@ class LoPADecoder(BlockDecoder):
         complete = ~(branches == mask).any(-1) & (torch.arange(k + 1, device=Bd.device) < n_br[:, None])
         done = complete.any(-1)
         state = torch.where(done[:, None], branches[ar, complete.int().argmax(-1)], S)
-        out = preds.read_back([state, T, C, branches, j, n_br, done], at)  # the step's one copy back
-        h = out.numpy()
-        c = np.cumsum([0, L, L, L, (k + 1) * L, 1, 1, 1])
-        return (h[:, c[4]].astype(np.int64), torch.from_numpy(h[:, : c[1]].astype(np.int64)),
-                torch.from_numpy(h[:, c[1]: c[2]].astype(np.int64)), out[:, c[2]: c[3]].to(preds.conf.dtype),
-                h[:, c[3]: c[4]].astype(np.int64).reshape(R, k + 1, L), h[:, c[5]].astype(np.int64),
-                h[:, c[6]] > 0)
+        state, T, C, branches, j, n_br, done = preds.read_back_columns(
+            [state, T, C, branches, j, n_br, done], at)  # the step's one copy back
+        return (j.astype(np.int64), torch.from_numpy(state.astype(np.int64)), torch.from_numpy(T.astype(np.int64)),
+                torch.from_numpy(C).to(preds.conf.dtype), branches.astype(np.int64), n_br.astype(np.int64), done > 0)

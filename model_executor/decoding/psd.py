@@ -248,11 +248,10 @@ class PSDDecoder(BlockDecoder):
             best = torch.zeros(R, dtype=torch.long, device=Dd.device)
         ar = torch.arange(R, device=Dd.device)
         state = torch.where(commits[ar, best] & Fd[ar, best][:, None], tok[ar, best], Dd[ar, best])
-        out = preds.read_back([state, tok[ar, best], conf[ar, best], best, acc], at)
-        h = out.numpy()
-        return (h[:, 3 * L].astype(np.int64), h[:, 3 * L + 1: 3 * L + 1 + N] > 0,
-                torch.from_numpy(h[:, :L].astype(np.int64)), torch.from_numpy(h[:, L: 2 * L].astype(np.int64)),
-                out[:, 2 * L: 3 * L].to(preds.conf.dtype))
+        state, tok_b, conf_b, best, acc = preds.read_back_columns(
+            [state, tok[ar, best], conf[ar, best], best, acc], at)
+        return (best.astype(np.int64), acc > 0, torch.from_numpy(state.astype(np.int64)),
+                torch.from_numpy(tok_b.astype(np.int64)), torch.from_numpy(conf_b).to(preds.conf.dtype))
 
     @classmethod
     def _update(cls, decoders, proposals, preds, canvas_rows):

@@ -325,7 +325,7 @@ class SpiffyDecoder(BlockDecoder):
         decisions, with each block's count of non-finite predictions, come back in the step's one copy. The
         probabilities and their logarithms are Python's on the host, as in the host's form
         (:func:`~.base.top_probs`), so the drafts rank the same."""
-        mask, (R, L) = d0.mask_id, S.shape
+        mask, R = d0.mask_id, S.shape[0]
         sampled = d0.sampling is not None
         Sd, Dd, lev, at = preds.upload("spiffy", [S, D, level, preds.logits_rows(rows)])
         dev = Sd.device
@@ -367,16 +367,11 @@ class SpiffyDecoder(BlockDecoder):
         else:  # no logits rows at all: nothing to select (an index into none would fault the device)
             ids = torch.zeros(R * w, j, dtype=torch.long, device=dev)
             gaps = torch.zeros(R * w, j, dtype=torch.float64, device=dev)
-        out = preds.read_back([Sd, Yq, order, n_q, taken, torch.stack(hits, 1), torch.stack(n_hits, 1), ok, tok_sel,
-                               conf_sel, ids.reshape(R, w * j), gaps.reshape(R, w * j)], at)
-        h = out.numpy()
-        c = np.cumsum([0, L, L, L, 1, 1, K + 1, K + 1, w, w, w, w * j, w * j])
-        ok = h[:, c[7]: c[8]] > 0
-        tokens = torch.from_numpy(h[:, c[8]: c[9]][ok].astype(np.int64))
-        confs = torch.from_numpy(h[:, c[9]: c[10]][ok])
-        top_ids = torch.from_numpy(h[:, c[10]: c[11]].reshape(R, w, j)[ok].astype(np.int64))
-        top_gaps = torch.from_numpy(h[:, c[11]: c[12]].reshape(R, w, j)[ok])
-        top_tok, top_p = top_probs(tokens, confs, top_ids, top_gaps)
-        return (h[:, : c[1]].astype(np.int64), h[:, c[1]: c[2]].astype(np.int64), h[:, c[2]: c[3]].astype(np.int64),
-                h[:, c[3]].astype(np.int64), h[:, c[4]].astype(np.int64), h[:, c[5]: c[6]] > 0,
-                h[:, c[6]: c[7]].astype(np.int64), top_tok, top_p, ok.sum(-1))
+        S, Yq, order, n_q, taken, hits, n_hits, ok, tok_sel, conf_sel, ids, gaps = preds.read_back_columns(
+            [Sd, Yq, order, n_q, taken, torch.stack(hits, 1), torch.stack(n_hits, 1), ok, tok_sel, conf_sel,
+             ids.reshape(R, w, j), gaps.reshape(R, w, j)], at)  # the step's one copy back
+        ok = ok > 0
+        top_tok, top_p = top_probs(torch.from_numpy(tok_sel[ok].astype(np.int64)), torch.from_numpy(conf_sel[ok]),
+                                   torch.from_numpy(ids[ok].astype(np.int64)), torch.from_numpy(gaps[ok]))
+        return (S.astype(np.int64), Yq.astype(np.int64), order.astype(np.int64), n_q.astype(np.int64),
+                taken.astype(np.int64), hits > 0, n_hits.astype(np.int64), top_tok, top_p, ok.sum(-1))
