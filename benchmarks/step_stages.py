@@ -255,13 +255,15 @@ def ar_engine(max_num_seqs: int, ignore_eos: bool, max_tokens: int):
 
 
 def dllm_engine(method: str, cache: str, max_num_seqs: int, ignore_eos: bool, max_tokens: int):
-    """The dLLM engine of ``method`` (``METHOD+async``: with ``async_scheduling``)."""
+    """The dLLM engine of ``method`` (``METHOD+async``: with ``async_scheduling``; ``METHOD+ahead``: and
+    ``decide_ahead`` on, a step laid out before the last one's host decode)."""
     from psd_plugin.vllm.engine import VLLMEngine
 
     model = ROOT / "psd_plugin" / "checkpoints" / "dream-tiny"
     engine = VLLMEngine(model, max_num_seqs=max_num_seqs, max_model_len=512)
     method, _, mode = method.partition("+")
-    knobs = {**method_knobs(method, model, "vLLM"), **({"async_scheduling": True} if mode == "async" else {})}
+    knobs = {**method_knobs(method, model, "vLLM"), **({"async_scheduling": True} if mode == "async" else {}),
+             **({"async_scheduling": True, "decide_ahead": "on"} if mode == "ahead" else {})}
 
     def generate(batch):
         res = engine.generate(batch, max_tokens=max_tokens, block_size=8, method=method, cache=cache,
@@ -319,6 +321,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--async-scheduling", action="store_true",
                     help="each dLLM config again with speculative_config async_scheduling (METHOD+async)")
+    ap.add_argument("--decide-ahead", action="store_true",
+                    help="each dLLM config again with async_scheduling and decide_ahead on (METHOD+ahead)")
     ap.add_argument("--ignore-eos", action="store_true",
                     help="every request decodes --max-tokens (steady steps); default: each stops at its EOS, as served")
     ap.add_argument("--merge", help="TREE=FILE,...: merge runs' JSON files into one report (nothing is run)")
@@ -332,7 +336,7 @@ def main() -> None:
         print("not timed (not in this vLLM / plugin):", ", ".join(missing))
     prompts = held_out_prompts(16)
     concurrency = [int(x) for x in args.concurrency.split(",")]
-    modes = ["", "+async"] if args.async_scheduling else [""]
+    modes = [""] + (["+async"] if args.async_scheduling else []) + (["+ahead"] if args.decide_ahead else [])
     configs = [("ar", None)] + [(m + a, c) for m in args.methods.split(",") for c in args.caches.split(",")
                                 for a in modes]
     rows, traces = [], {}
@@ -342,13 +346,18 @@ def main() -> None:
                                 else dllm_engine(method, cache, max(concurrency), args.ignore_eos, args.max_tokens))
             try:
                 for c in concurrency:
+                    before = engine.step_time() if method != "ar" else {}
                     r = measure(clock, generate, prompts, c, max(1, args.requests // c))
                     r.update(engine="AR" if method == "ar" else "dLLM", method=method, cache=cache, repeat=rep)
+                    if method != "ar":  # the runner's own counts (the warm-up wave included): forwards run, steps
+                        after = engine.step_time()  # decoded at the next step's start, steps laid out ahead
+                        r["runner"] = {k: after.get(k, 0) - before.get(k, 0)
+                                       for k in ("forwards", "skipped_forwards", "cut_steps", "deferred", "ahead")}
                     rows.append(r)
                     print(f"rep {rep} {method:<10} {cache or '':<6} c={c:<3} {r['steps']:4d} steps  step "
                           f"{r['step_ms']:6.2f} ms  device {r['device_ms']:6.2f}  host {r['host_ms']:6.2f}  "
-                          f"front {r['front_ms_per_request']:.2f} ms/request  {r['tokens_per_step']:.2f} tok/step",
-                          flush=True)
+                          f"front {r['front_ms_per_request']:.2f} ms/request  {r['tokens_per_step']:.2f} tok/step"
+                          + (f"  runner {r['runner']}" if "runner" in r else ""), flush=True)
                 if rep == 0:  # warm: no compilation in the trace
                     traces[(method, cache)] = trace_step(generate, prompts)
             finally:

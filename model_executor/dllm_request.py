@@ -27,7 +27,7 @@ import torch
 from .block_schedule import CacheSchedule, plan_blocks
 from .decoding import (BlockDecoder, Proposal, RowPredictions, apply_rules, logits_map, merge_stats, predict_rows,
                        update_all)
-from .decoding.base import decide_on_device
+from .decoding.base import decide_on_device, launch_all
 from .decoding.sampling import RowDraws, row_draws
 from .grammar import GrammarFrontier, constrain_rows, mask_frontiers
 from .staging import Staging
@@ -289,6 +289,43 @@ class DLLMRequest:
                                           prompt_len=self.prompt_len)
         return w0, w1 - w0, (step.num_canvases - 1) * (w1 - w0), step.num_logits_rows
 
+    def continuation(self, step: DLLMStep) -> DLLMStep | None:
+        """The step after ``step`` (planned, not yet decoded) as its block goes on, laid out before ``step``'s
+        outcome is known (:meth:`step_after`'s guess, whole): its window, kept K/V and suffix, one canvas whose
+        ids are ``step``'s state's until the engine writes the next state there, and ``step``'s kept rows (a
+        position masked after ``step`` was masked in it, so its logits are computed; a decoder that does not
+        read all rows ignores the others). Its ``proposal`` stands in until the plan is known
+        (:meth:`settle`). None where :meth:`step_after` makes no guess, and for a step of several canvases."""
+        if step.num_canvases != 1 or self.step_after(step) is None:
+            return None
+        b0, b1 = step.b0, step.b1
+        w0, w1 = self.schedule.window((b0, b1), self.total, fresh=False, cached=step.keep, prompt_len=self.prompt_len)
+        keep = self.schedule.cached_after((b0, b1), w0, fresh=False, cached=step.keep)
+        rows = np.empty((1, w1 - w0), dtype=np.int64)
+        rows[0] = self.tokens.numpy()[w0:w1]
+        rows[0, b0 - w0: b1 - w0] = step.tokens.numpy()[0, b0 - step.w0: b1 - step.w0]
+        return DLLMStep(w0, w1, b0, b1, torch.from_numpy(rows), keep, step.shift, step.suffix, step.proposal,
+                        step.kept.clone())
+
+    def settle(self, ahead: DLLMStep) -> bool:
+        """The planned step (:attr:`step`, after the last one's outcome) is ``ahead`` (:meth:`continuation`, laid
+        out and forwarded before that outcome, its block's ids written from the decisions where they were
+        taken): then ``ahead`` becomes the step, with the plan's ids and proposal, and True. False where the
+        plan is another step (the last one completed the block, or the request is done): ``ahead``'s rows
+        decode nothing."""
+        st = self.step
+        if st is None or st.num_canvases != 1 or (st.w0, st.w1, st.b0, st.b1, st.keep, st.shift, tuple(st.suffix)) \
+                != (ahead.w0, ahead.w1, ahead.b0, ahead.b1, ahead.keep, ahead.shift, tuple(ahead.suffix)) \
+                or st.committed or st.tail is not None:
+            return False
+        if not np.all(ahead.kept.numpy() >= st.kept.numpy()):  # (masks only shrink: every row the plan reads)
+            return False
+        ahead.tokens.numpy()[:] = st.tokens.numpy()
+        ahead.__dict__.pop("drafts", None)  # (a cached property, of the stand-in ids)
+        ahead.proposal = st.proposal
+        self.step = ahead
+        return True
+
     def first_step(self, j: int) -> DLLMStep:
         """Block ``j``'s first step again, as it was then: the block and every position after it masks, the
         window read from :attr:`cached`. Forwarding it restores the K/V that later
@@ -392,7 +429,8 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], pr
 
 def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests: list[DLLMRequest],
                      steps: list[DLLMStep], firsts: list[list[int]], rules: list | None = None,
-                     failed: dict[int, Exception] | None = None, staging: Staging | None = None) -> RowPredictions:
+                     failed: dict[int, Exception] | None = None, staging: Staging | None = None,
+                     on_device: bool = False) -> RowPredictions:
     """What the decoders read of one forward's ``logits`` (the ``kept`` rows), both engines alike: the requests'
     rules applied (``rules``: per request of ``requests`` its :class:`~model_executor.decoding.LogitsRules` or
     None; :func:`~model_executor.decoding.apply_rules`), structured outputs' frontier rule (grammar masks before
@@ -409,7 +447,8 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     (:func:`~model_executor.decoding.base.decide_on_device`: every method, without a grammar), the predictions
     stay there (:class:`~model_executor.decoding.base.DeviceRowPredictions`): the methods' update decides on the
     device, checks the blocks' predictions are finite, and makes the step's one copy (of the decisions); its
-    upload goes through the engine's ``staging`` (:class:`~model_executor.staging.Staging`; None: a plain copy)."""
+    upload goes through the engine's ``staging`` (:class:`~model_executor.staging.Staging`; None: a plain copy).
+    ``on_device``: so wherever the logits are (the host too), for decisions taken ahead (:func:`launch_step`)."""
     at = logits_map(kept)
     ruled = [i for i, r in enumerate(rules or ()) if r is not None]
     if ruled:
@@ -424,7 +463,7 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     if jobs:
         mask_frontiers(logits, jobs, at, job_failed)
     draws = step_draws(requests, steps, firsts, at, failed)
-    if logits.device.type != "cpu" and decide_on_device(
+    if (on_device or logits.device.type != "cpu") and decide_on_device(
             [r.dec for i, r in enumerate(requests) if not failed or i not in failed]):
         # the decoders decide where the logits are: the predictions stay there, and their update copies the next
         # states back (and checks each block's predictions are finite) in the step's one copy
@@ -493,6 +532,34 @@ def decode_step(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests
     one it did not step is untouched). Engine faults (:func:`engine_fault`) always raise; without ``failed``
     (the reference engine) everything raises."""
     preds = step_predictions(logits, kept, mask_id, requests, steps, firsts, rules, failed, staging)
+    return update_step(preds, requests, steps, firsts, logprobs, failed)
+
+
+def launch_step(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests: list[DLLMRequest],
+                steps: list[DLLMStep], firsts: list[list[int]], rules: list | None = None,
+                failed: dict[int, Exception] | None = None, staging: Staging | None = None
+                ) -> tuple[RowPredictions, list[torch.Tensor | None]]:
+    """:func:`decode_step`'s first half for decoders that decide ahead
+    (:func:`~model_executor.decoding.base.decides_ahead`): the predictions where the logits are, and the decisions
+    taken there with their copy to the host queued (:func:`~model_executor.decoding.base.launch_all`); nothing is
+    stepped and the host waits for nothing. Returns the predictions, for :func:`update_step` (the second half,
+    which waits for that copy), and per request its next block state on the logits' device (None: it failed
+    here, in ``failed``)."""
+    preds = step_predictions(logits, kept, mask_id, requests, steps, firsts, rules, failed, staging, on_device=True)
+    live = [i for i in range(len(requests)) if not failed or i not in failed]
+    out: list = [None] * len(requests)
+    if live:
+        nexts = launch_all([requests[i].dec for i in live], [steps[i].proposal for i in live], preds,
+                           [firsts[i] for i in live])
+        for i, t in zip(live, nexts):
+            out[i] = t
+    return preds, out
+
+
+def update_step(preds: RowPredictions, requests: list[DLLMRequest], steps: list[DLLMStep], firsts: list[list[int]],
+                logprobs: list[int | None] | None = None, failed: dict[int, Exception] | None = None
+                ) -> RowPredictions:
+    """:func:`decode_step` from the step's predictions on: every decoder updated, the logprobs recorded."""
     live = [i for i in range(len(requests)) if not failed or i not in failed]
     want = [i for i in live if logprobs is not None and logprobs[i] is not None]
     before = {i: requests[i].dec.state.clone() for i in want}

@@ -24,11 +24,14 @@ FULL = os.environ.get("PSD_FULL_MATRIX") == "1"
 
 
 def _async_llm(path, method, cache=None, **spec):
+    """An engine with async scheduling; a step of the spatial policies is laid out ahead of the last one's host
+    decode (``decide_ahead``, on an accelerator by default: on here, unless ``spec`` says otherwise)."""
     from vllm import LLM
 
     knobs = {**_knobs(path, method), **({"cache": cache} if cache else {})}
     llm = LLM(model=str(path), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
-              speculative_config={"method": "psd", "decoding": method, "async_scheduling": True, **knobs, **spec})
+              speculative_config={"method": "psd", "decoding": method, "async_scheduling": True,
+                                  "decide_ahead": "on", **knobs, **spec})
     assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
     return llm, knobs
 
@@ -90,7 +93,7 @@ def test_a_step_of_missed_guesses_alone_runs_no_forward(heldout_prompts):
     prompts = heldout_prompts
     # a low threshold: a block's last step commits several masks, so its completion is not certain
     ref = _reference(DEFAULT_DLLM, prompts, "confidence", {"threshold": 0.5}, cache="dual")
-    llm, _ = _async_llm(DEFAULT_DLLM, "confidence", "dual", threshold=0.5)
+    llm, _ = _async_llm(DEFAULT_DLLM, "confidence", "dual", threshold=0.5, decide_ahead="off")
     try:
         for p, r in zip(prompts, ref):
             tokens, nfe = _generate(llm, [p], 32, merged=False)
@@ -142,6 +145,7 @@ def test_the_next_step_waits_for_a_decode_on_vllms_output_thread():
         def __init__(self, fail=False):  # the state the deferred decode touches
             self.overlap, self.device, self.fail = True, torch.device("cpu"), fail
             self._deferred_lock, self._deferred, self.step_time = threading.Lock(), None, {"deferred": 0}
+            self.decides_ahead = False
             self.decodes, self.seen = 0, None
 
         def _sample_tokens(self, grammar_output):
@@ -173,6 +177,56 @@ def test_the_next_step_waits_for_a_decode_on_vllms_output_thread():
     with pytest.raises(RuntimeError, match="an engine fault"):
         d.get_output()
     assert runner.decodes == 1
+
+
+@pytest.mark.parametrize("method, cache, kw", [("confidence", "dual", {}), ("static", "prefix", {}),
+                                               ("confidence", "prefix", {"temperature": 0.8, "seed": 0})])
+def test_steps_laid_out_ahead_equal_the_reference_engine(monkeypatch, heldout_prompts, method, cache, kw):
+    """The spatial policies decide ahead: while the batch stays the same, step N + 1 is laid out and forwarded
+    before step N's decisions reach the host (its block ids written from them where they were taken), and N is
+    decoded on the host after that forward; the answers and decoding forwards are the reference engine's (greedy
+    and sampled), and a block completed at N costs its N + 1 rows only. The order is checked on the runner's calls:
+    every step decided ahead launches N's decisions, then runs N + 1's forward, then updates N's decoders."""
+    from psd_plugin.vllm import dllm_runner
+
+    events = []
+
+    def spy(name, fn):
+        def wrapped(*a, **k):
+            events.append(name)
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(dllm_runner, "launch_step", spy("launch", dllm_runner.launch_step))
+    monkeypatch.setattr(dllm_runner, "update_step", spy("update", dllm_runner.update_step))
+    monkeypatch.setattr(dllm_runner, "decode_step", spy("decode", dllm_runner.decode_step))
+    forward = dllm_runner.DLLMRunnerMixin._model_forward
+    monkeypatch.setattr(dllm_runner.DLLMRunnerMixin, "_model_forward",
+                        lambda self, *a, **k: events.append("forward") or forward(self, *a, **k))
+    threshold = {"threshold": 0.5} if method == "confidence" else {}  # blocks in several steps, with misses
+    ref = _reference(DEFAULT_DLLM, heldout_prompts, method, threshold, cache=cache, **kw)
+    llm, _ = _async_llm(DEFAULT_DLLM, method, cache, **threshold)
+    try:
+        if kw:  # the reference's request i draws with seed + i
+            from vllm import SamplingParams
+
+            outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts],
+                                [SamplingParams(max_tokens=32, temperature=kw["temperature"], seed=kw["seed"] + i)
+                                 for i in range(len(heldout_prompts))], use_tqdm=False)
+            assert [list(o.outputs[0].token_ids) for o in outs] == [r.token_ids for r in ref]
+        else:
+            _check(llm, heldout_prompts, ref)
+            for p, r in zip(heldout_prompts[:2], ref):  # one at a time: the batch stays the same within a request
+                tokens, nfe = _generate(llm, [p], 32, merged=False)
+                assert (tokens[0], nfe[0]) == (r.token_ids, r.nfe)
+        st = _psd_stats(llm)["step_time"]
+    finally:
+        del llm
+    assert st["ahead"] > 0, st
+    # every step decided ahead: N's decisions launched, N + 1's forward, then N's decoders updated from them
+    text = "".join({"launch": "L", "forward": "F", "update": "U", "decode": "D"}[e] for e in events)
+    assert text.count("L") == text.count("U") == st["ahead"], (text, st)
+    assert text.count("LFU") == st["ahead"], text
 
 
 def test_sampled_requests_draw_the_reference_engines_tokens(heldout_prompts):
@@ -219,6 +273,16 @@ def test_vllms_flag_turns_it_on_and_what_it_cannot_run_with_is_refused(heldout_p
                                          r".*allowed: "):
         LLM(model=str(DEFAULT_DLLM), dtype="float32", pipeline_parallel_size=2,
             speculative_config={"method": "psd", "async_scheduling": True})
+    # a step laid out ahead of the last one's decode: only with async scheduling, on one rank
+    with pytest.raises(ValueError, match=r"speculative_config.decide_ahead 'on' .*needs async_scheduling true; "
+                                         r"allowed without it: 'auto', 'off'"):
+        LLM(model=str(DEFAULT_DLLM), dtype="float32", speculative_config={"method": "psd", "decide_ahead": "on"})
+    with pytest.raises(ValueError, match=r"speculative_config.decide_ahead 'on' with tensor_parallel_size 2: .*"
+                                         r"allowed: 'auto' \(off under tensor parallelism\), 'off'"):
+        LLM(model=str(DEFAULT_DLLM), dtype="float32", tensor_parallel_size=2,
+            speculative_config={"method": "psd", "async_scheduling": True, "decide_ahead": "on"})
+    with pytest.raises(ValueError, match=r"decide_ahead"):
+        LLM(model=str(DEFAULT_DLLM), dtype="float32", speculative_config={"method": "psd", "decide_ahead": "yes"})
     # (tensor parallelism runs: tests/test_parallel.py) an executor other than vLLM's one-process and multiprocess
     from types import SimpleNamespace
 
@@ -278,7 +342,8 @@ def test_answers_that_fill_the_context(random_prompts, tiny_checkpoints, method,
     want = [ref.generate([p], max_tokens=L - len(p), method=method, cache=cache, block_size=8)[0]
             for p in random_prompts]
     llm = LLM(model=str(path), dtype="float32", enforce_eager=True, max_model_len=L,
-              speculative_config={"method": "psd", "decoding": method, "cache": cache, "async_scheduling": True})
+              speculative_config={"method": "psd", "decoding": method, "cache": cache, "async_scheduling": True,
+                                  "decide_ahead": "on"})
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in random_prompts],
                             [SamplingParams(max_tokens=L - len(p), temperature=0) for p in random_prompts],

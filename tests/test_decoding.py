@@ -433,6 +433,51 @@ def test_a_policy_step_on_the_device_is_the_host_step_without_a_host_read(name):
             assert (got[r, d.state.numel():] == -1).all()
 
 
+def test_policy_decisions_taken_ahead_are_the_update(monkeypatch):
+    """:func:`launch_all` (the decisions taken where the predictions are, nothing stepped, their copy queued) gives
+    each decoder the next state :func:`update_all` then steps it to, and that update takes the queued copy instead
+    of deciding again; both equal the host's step. A block whose predictions hold a NaN fails that update, and no
+    decoder of its group is stepped (the engines then step each alone, deciding again)."""
+    from model_executor.decoding import predict_rows, propose_all, update_all
+    from model_executor.decoding import policies as pol
+    from model_executor.decoding.base import decides_ahead, launch_all
+
+    M, V = 7, 11
+    g = torch.Generator().manual_seed(9)
+    kw = dict(threshold=0.45, relaxed_threshold=0.2, radius=1)
+    commits = []
+    original = pol.commit_rows
+    monkeypatch.setattr(pol, "commit_rows", lambda *a: commits.append(1) or original(*a))
+    for trial in range(10):
+        lens = [int(n) for n in torch.randint(1, 10, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g)]
+        blocks = _masked_blocks(lens, M, g)
+        names = [("confidence", "static", "localleap")[int(i)] for i in torch.randint(0, 3, (len(lens),), generator=g)]
+        logits = torch.randn(sum(lens), V, generator=g) * 2
+        starts = [[sum(lens[:i])] for i in range(len(lens))]
+        host = [make_decoder(m, b, M, **kw) for m, b in zip(names, blocks)]
+        update_all(host, propose_all(host), predict_rows(logits.clone(), mask_id=M), starts)
+        ahead = [make_decoder(m, b, M, **kw) for m, b in zip(names, blocks)]
+        assert decides_ahead(ahead)
+        preds = predict_rows(logits.clone(), mask_id=M, on_device=True)
+        props = propose_all(ahead)
+        commits.clear()
+        nexts = launch_all(ahead, props, preds, starts)
+        launched = len(commits)
+        assert launched == len(preds.launched) >= 1 and all(d.t == 0 for d in ahead)  # nothing stepped yet
+        update_all(ahead, props, preds, starts)
+        assert len(commits) == launched and not preds.launched  # the update took the queued copies
+        for h, d, n in zip(host, ahead, nexts):
+            assert torch.equal(d.state, h.state) and torch.equal(n, h.state), trial
+    # a NaN in one block's predictions: its group's update raises, none of that group stepped
+    logits[0, 0] = float("nan")
+    ahead = [make_decoder("confidence", b, M, **kw) for b in blocks]
+    preds = predict_rows(logits.clone(), mask_id=M, on_device=True)
+    launch_all(ahead, propose_all(ahead), preds, starts)
+    with pytest.raises(RuntimeError, match="non-finite"):
+        update_all(ahead, propose_all(ahead), preds, starts)
+    assert all(d.t == 0 for d in ahead)
+
+
 def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
     """:func:`update_all`: policy decoders of blocks of different lengths, states and policies, updated in one
     batched step per policy, equal each decoder's oracle (the policy on one block)."""

@@ -366,7 +366,7 @@ def test_continuous_batching_and_per_request_max_tokens(monkeypatch, heldout_pro
     lengths = [8 + 5 * (i % 5) for i in range(len(heldout_prompts))]
     llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_num_seqs=max_num_seqs,
               speculative_config={"method": "psd", "decoding": "psd", "depth": 3,
-                                  **({"async_scheduling": True} if overlap else {})})
+                                  **({"async_scheduling": True, "decide_ahead": "on"} if overlap else {})})
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts],
                             [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in lengths],
@@ -394,7 +394,7 @@ def test_sampling_options(heldout_prompts, overlap):
     scheduling too: a stop string ends a request whose next step is in flight)."""
     from vllm import SamplingParams
 
-    llm = _llm(DEFAULT_DLLM, decoding="confidence", **({"async_scheduling": True} if overlap else {}))
+    llm = _llm(DEFAULT_DLLM, decoding="confidence", **({"async_scheduling": True, "decide_ahead": "on"} if overlap else {}))
     try:
         prompts = [{"prompt_token_ids": p} for p in heldout_prompts[:4]]
         a = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=1.0, seed=7), use_tqdm=False)
@@ -656,7 +656,7 @@ def test_every_method_serves_a_request_that_fills_the_context(tiny_checkpoints, 
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("method, overlap", (("confidence", False), ("psd", False), ("psd", True)))
+@pytest.mark.parametrize("method, overlap", (("confidence", False), ("psd", False), ("psd", True), ("confidence", True)))
 def test_request_options_match_reference(heldout_prompts, method, overlap):
     """logit_bias, allowed_token_ids, bad_words (one token), min_tokens and (confidence) the penalties in vLLM
     give the reference engine's tokens under the same rules, and do what they say; top_k 1 with temperature is
@@ -684,7 +684,8 @@ def test_request_options_match_reference(heldout_prompts, method, overlap):
         cases += [(dict(repetition_penalty=2.5), LogitsRules(repetition_penalty=2.5)),
                   (dict(presence_penalty=1.5, frequency_penalty=0.5),
                    LogitsRules(presence_penalty=1.5, frequency_penalty=0.5))]
-    llm = _llm(DEFAULT_DLLM, decoding=method, **({"async_scheduling": True} if overlap else {}))
+    llm = _llm(DEFAULT_DLLM, decoding=method,
+               **({"async_scheduling": True, "decide_ahead": "on"} if overlap else {}))
     try:
         for options, rules in cases:
             want = ref.generate(prompts, max_tokens=24, block_size=8, method=method, rules=rules)
@@ -727,7 +728,8 @@ def test_logprobs_equal_the_reference_engine(heldout_prompts, method, overlap):
     prompts = heldout_prompts[:8]
     want = ReferenceEngine.from_pretrained(DEFAULT_DLLM).generate(prompts, max_tokens=24, block_size=8,
                                                                   method=method, logprobs=2)
-    llm = _llm(DEFAULT_DLLM, decoding=method, **({"async_scheduling": True} if overlap else {}))
+    llm = _llm(DEFAULT_DLLM, decoding=method,
+               **({"async_scheduling": True, "decide_ahead": "on"} if overlap else {}))
     try:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=24, temperature=0, logprobs=2), use_tqdm=False)

@@ -96,6 +96,8 @@ class DeviceRowPredictions:
     conf: torch.Tensor  # [M] its probability (float32 at least)
     at: torch.Tensor | None = None  # [N] (host) logits row of each prediction row, -1: none; None: the same row
     staging: Staging | None = None  # the engine's pinned upload buffers (model_executor.staging); None: plain copies
+    # decisions taken ahead of the update (:func:`launch_all`): the group's key -> its copy on the way back
+    launched: dict | None = None
 
     logits_of = RowPredictions.logits_of
 
@@ -127,19 +129,25 @@ class DeviceRowPredictions:
         conf = self.conf[safe]
         return tok, torch.where((canvases != mask_id) | (at < 0), torch.full_like(conf, float("-inf")), conf)
 
+    def _packed(self, cols: list[torch.Tensor], at: torch.Tensor) -> torch.Tensor:
+        """``cols`` and each block's count of non-finite predictions at ``at``, as one float64 ``[R, sum n + 1]``
+        where the predictions are (:meth:`read_back`)."""
+        R = at.shape[0]
+        bad = (self.conf[at.clamp(min=0)].isnan() & (at >= 0)).reshape(R, -1).sum(-1)
+        return torch.cat([c.reshape(R, -1).double() for c in cols] + [bad[:, None].double()], 1)
+
     def read_back(self, cols: list[torch.Tensor], at: torch.Tensor) -> torch.Tensor:
         """A decoder update's decisions (per block: ``cols``, each ``[R]`` or ``[R, n]``) to the host in the step's
         one copy, as float64 ``[R, sum n]`` (token ids are exact in it, confidences widen exactly). The blocks'
         predictions at ``at`` (their logits rows, -1: none) are checked finite in the same copy: a NaN (the
         model's output held NaN or inf) raises, and the caller steps no decoder (:func:`decode_step` then steps
         each alone, so only the block's request fails)."""
-        R = at.shape[0]
-        bad = (self.conf[at.clamp(min=0)].isnan() & (at >= 0)).reshape(R, -1).sum(-1)
-        out = torch.cat([c.reshape(R, -1).double() for c in cols] + [bad[:, None].double()], 1).cpu()
-        if bool((out[:, -1] > 0).any()):  # host data
-            raise RuntimeError(f"non-finite logits at {int(out[:, -1].max())} of the request's prediction rows (NaN "
-                               "or inf in the model's output for its canvases): nothing to decode")
-        return out[:, :-1]
+        return finite_decisions(self._packed(cols, at).cpu())
+
+    def read_back_later(self, cols: list[torch.Tensor], at: torch.Tensor) -> "PendingCopy":
+        """:meth:`read_back`'s copy queued behind the work that computes it, the host not waiting
+        (:class:`PendingCopy`; :func:`finite_decisions` of what it brings)."""
+        return PendingCopy(self._packed(cols, at))
 
     def read_back_columns(self, cols: list[torch.Tensor], at: torch.Tensor) -> list[np.ndarray]:
         """:meth:`read_back`, the copy split again: each column as a float64 host array of its own shape
@@ -151,6 +159,37 @@ class DeviceRowPredictions:
             out.append(h[:, a: a + n].reshape(c.shape))
             a += n
         return out
+
+
+def finite_decisions(out: torch.Tensor) -> torch.Tensor:
+    """A packed read-back (:meth:`DeviceRowPredictions.read_back`) on the host without its last column, the
+    blocks' counts of non-finite predictions, which raise where any is not zero."""
+    if bool((out[:, -1] > 0).any()):  # host data
+        raise RuntimeError(f"non-finite logits at {int(out[:, -1].max())} of the request's prediction rows (NaN "
+                           "or inf in the model's output for its canvases): nothing to decode")
+    return out[:, :-1]
+
+
+class PendingCopy:
+    """A device tensor's copy to the host, queued on the current stream behind the work that computes it (into
+    pinned memory, an event after it): the host goes on, launching more work, and :meth:`wait` waits for this
+    copy alone, not for what was queued after it. Where the tensor is on the host, or there is no CUDA runtime (a
+    stand-in device in the tests), the copy is made at once."""
+
+    def __init__(self, dev: torch.Tensor):
+        self.event = None
+        if dev.device.type == "cuda":
+            self.host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+            self.host.copy_(dev, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = dev.cpu()
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host
 
 
 def logits_map(kept: torch.Tensor) -> torch.Tensor:
@@ -477,6 +516,15 @@ class BlockDecoder:
         ``preds``) of each of its canvases (:func:`canvas_row_index` makes the ``[R, K, L]`` row index)."""
         raise NotImplementedError
 
+    @classmethod
+    def launch_batch(cls, decoders: list["BlockDecoder"], proposals: list[Proposal], preds: "DeviceRowPredictions",
+                     canvas_rows: list[list[int]]) -> list[torch.Tensor]:
+        """The decisions :meth:`update_batch` will take, taken now where the predictions are, nothing stepped
+        (:func:`launch_all`): per decoder its next state on the device, and the copy back queued in
+        ``preds.launched`` under :func:`launch_key` of the group the update will make. Only methods whose next
+        canvases follow from their next state alone have it (:func:`decides_ahead`)."""
+        raise NotImplementedError
+
 
 def groups(items: list, key) -> list[list[int]]:
     """Indices of ``items`` with equal ``key(item)``, groups in order of first appearance, indices in order."""
@@ -501,6 +549,36 @@ def decide_on_device(decoders: list[BlockDecoder]) -> bool:
     the host). Its update then gets :class:`DeviceRowPredictions` and makes the step's
     one copy back: the next states and what the host's bookkeeping reads."""
     return bool(decoders) and all(d.device_update and d.grammar is None for d in decoders)
+
+
+def decides_ahead(decoders: list[BlockDecoder]) -> bool:
+    """Whether a step of ``decoders`` can take its decisions ahead of its update (:func:`launch_all`): every one
+    decides on the device (:func:`decide_on_device`) by a method whose next states are known there before the
+    host reads anything (:meth:`BlockDecoder.launch_batch`: the spatial policies, one canvas each)."""
+    base = BlockDecoder.launch_batch.__func__
+    return decide_on_device(decoders) and all(type(d).launch_batch.__func__ is not base for d in decoders)
+
+
+def launch_all(decoders: list[BlockDecoder], proposals: list[Proposal], preds: "DeviceRowPredictions",
+               canvas_rows: list[list[int]]) -> list[torch.Tensor]:
+    """The decisions of a step of ``decoders`` (:func:`decides_ahead`) taken where the predictions are, before
+    their update: per decoder its next state on the device (``[L]``), and each method group's copy of them to the
+    host queued on the way (``preds.launched``), which :func:`update_all` then waits for instead of deciding
+    again. A step's next canvases can so be written on the device while the host has learnt nothing yet."""
+    preds.launched = {} if preds.launched is None else preds.launched
+    out: list = [None] * len(decoders)
+    for idx in groups(decoders, type):
+        for i, t in zip(idx, type(decoders[idx[0]]).launch_batch([decoders[i] for i in idx],
+                                                                 [proposals[i] for i in idx], preds,
+                                                                 [canvas_rows[i] for i in idx])):
+            out[i] = t
+    return out
+
+
+def launch_key(decoders: list[BlockDecoder], canvas_rows: list[list[int]]) -> tuple:
+    """What identifies one batched update's decisions taken ahead (:func:`launch_all`): its decoders, in order,
+    and their rows."""
+    return tuple(map(id, decoders)), tuple(r[0] for r in canvas_rows)
 
 
 def propose_all(decoders: list[BlockDecoder]) -> list[Proposal]:

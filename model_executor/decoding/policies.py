@@ -29,8 +29,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .base import (BlockDecoder, DeviceRowPredictions, Proposal, canvas_predictions, canvas_row_index,
-                   first_max, first_max_tensor, groups, host_array, host_rows, onehot_first_max, pad_rows, predict_each)
+from .base import (BlockDecoder, DeviceRowPredictions, Proposal, canvas_predictions, canvas_row_index, finite_decisions,
+                   first_max, first_max_tensor, groups, host_array, host_rows, launch_key, onehot_first_max, pad_rows,
+                   predict_each)
 
 Policy = Callable[[torch.Tensor], torch.Tensor]
 
@@ -201,19 +202,44 @@ class PolicyDecoder(BlockDecoder):
                 d.state = new[r, : d.state.numel()]
                 d.t += 1
 
+    @classmethod
+    def launch_batch(cls, decoders, proposals, preds, canvas_rows):
+        """:meth:`update_batch`'s decisions ahead (:func:`~.base.launch_all`), group by group as it makes them."""
+        out = [None] * len(decoders)
+        for idx in groups(decoders, lambda d: (policy_key(d.policy), d.reads_all_rows)):
+            group = [decoders[i] for i in idx]
+            rows = [canvas_rows[i] for i in idx]
+            new, at = cls._commit_on_device(group, rows, preds)
+            preds.launched[launch_key(group, rows)] = preds.read_back_later([new], at)
+            for r, i in enumerate(idx):
+                out[i] = new[r, : decoders[i].state.numel()]
+        return out
+
     @staticmethod
-    def _update_on_device(group: list["PolicyDecoder"], canvas_rows: list[list[int]],
-                          preds: DeviceRowPredictions) -> None:
-        """One policy's decoders stepped where the predictions are (:func:`commit_rows`): their states and the
-        logits row of every block position go up in one copy, the next states and each block's count of
-        non-finite predictions come back in one. A block with a non-finite prediction (NaN or inf in the model's
-        output) raises, and no decoder of the group is stepped (the engines then step each alone:
-        :func:`~model_executor.dllm_request.decode_step`)."""
+    def _commit_on_device(group: list["PolicyDecoder"], canvas_rows: list[list[int]],
+                          preds: DeviceRowPredictions) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`commit_rows` of one policy's decoders where the predictions are: their states and the logits row
+        of every block position go up in one copy; returns the next states ``[R, L]`` and those rows there."""
         mask = group[0].mask_id
         S = host_rows([(d.state,) for d in group])[0]
         rows = preds.logits_rows(canvas_row_index(group, canvas_rows, 1).numpy()[:, 0])
         states, at = preds.upload("policies", [S, rows])
-        out = preds.read_back([commit_rows(group[0].policy, preds.tokens, preds.conf, at, states, mask)], at).long()
+        return commit_rows(group[0].policy, preds.tokens, preds.conf, at, states, mask), at
+
+    @classmethod
+    def _update_on_device(cls, group: list["PolicyDecoder"], canvas_rows: list[list[int]],
+                          preds: DeviceRowPredictions) -> None:
+        """One policy's decoders stepped where the predictions are (:meth:`_commit_on_device`): the next states
+        and each block's count of non-finite predictions come back in one copy (the one :meth:`launch_batch`
+        queued, where it did). A block with a non-finite prediction (NaN or inf in the model's output) raises, and
+        no decoder of the group is stepped (the engines then step each alone:
+        :func:`~model_executor.dllm_request.decode_step`)."""
+        pending = (preds.launched or {}).pop(launch_key(group, canvas_rows), None)
+        if pending is not None:
+            out = finite_decisions(pending.wait()).long()
+        else:
+            new, at = cls._commit_on_device(group, canvas_rows, preds)
+            out = preds.read_back([new], at).long()
         for r, d in enumerate(group):
             d.state = out[r, : d.state.numel()]
             d.t += 1

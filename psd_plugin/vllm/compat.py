@@ -71,7 +71,8 @@ SCHEDULER_HOOKS = {
 # Attributes read or set on a live runner / scheduler / input batch.
 RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups", "model_config", "scheduler_config",
                      "device", "input_ids", "positions", "max_num_tokens", "kv_cache_config", "model", "vllm_config",
-                     "drafter", "intermediate_tensors", "use_async_scheduling", "use_async_spec_decode")
+                     "drafter", "intermediate_tensors", "use_async_scheduling", "use_async_spec_decode",
+                     "execute_model_state", "kv_connector_output")
 INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators",
                           "block_table")
 WORKER_ATTRIBUTES = ("model_runner", "parallel_config")
@@ -151,6 +152,8 @@ FLASHINFER_VERSION = "0.7.0.post1"
 # ("module:Class"). Many are ordinary dataclass fields, but none is documented as an extension API, so an
 # upgrade may rename them: the contract test checks each one exists.
 DATA_FIELDS = {
+    # what execute_model leaves for sample_tokens: the step's logits (a step decided ahead: take_step_outputs)
+    "vllm.v1.worker.gpu_model_runner:ExecuteModelState": ("logits",),
     "vllm.v1.outputs:DraftTokenIds": ("req_ids", "draft_token_ids"),  # subclassed: PSDDraftTokenIds
     "vllm.v1.outputs:SamplerOutput": ("sampled_token_ids", "logprobs_tensors"),  # built by both ``_sample``s
     "vllm.v1.outputs:ModelRunnerOutput": ("sampled_token_ids", "req_id_to_index", "prompt_logprobs_dict"),
@@ -612,6 +615,36 @@ def grammar_cache_bytes() -> int:
     import vllm.envs as envs
 
     return int(envs.VLLM_XGRAMMAR_CACHE_MB) * 1024 * 1024
+
+
+def keeps_batch(scheduler_output, req_ids: list[str]) -> bool:
+    """Whether vLLM's runner keeps its persistent batch as it is for this schedule: exactly the requests
+    ``req_ids`` (the last step's, in its order) scheduled again, none new, finished, preempted or resumed, so
+    ``GPUModelRunner._update_states`` removes, adds and condenses nothing and the rows keep their order (the
+    plugin's attention builder asks for no reordering: no ``reorder_batch_threshold``)."""
+    sched = scheduler_output.num_scheduled_tokens
+    return not (scheduler_output.scheduled_new_reqs or scheduler_output.finished_req_ids
+                or scheduler_output.preempted_req_ids or scheduler_output.scheduled_cached_reqs.resumed_req_ids) \
+        and len(sched) == len(req_ids) and all(r in sched for r in req_ids)
+
+
+def take_step_outputs(runner) -> tuple:
+    """What vLLM's ``execute_model`` leaves for its ``sample_tokens`` (``execute_model_state``: the step's
+    schedule, logits, hidden states ...; ``kv_connector_output``), taken off the runner, so that the next step's
+    ``execute_model`` can run before this step's ``sample_tokens`` (:func:`put_step_outputs` puts it back)."""
+    out = (runner.execute_model_state, runner.kv_connector_output)
+    runner.execute_model_state = runner.kv_connector_output = None
+    return out
+
+
+def put_step_outputs(runner, outputs: tuple) -> None:
+    runner.execute_model_state, runner.kv_connector_output = outputs
+
+
+def step_logits(outputs: tuple):
+    """The logits of a step whose outputs :func:`take_step_outputs` took (None: none, e.g. an empty step)."""
+    state = outputs[0]
+    return None if state is None else state.logits
 
 
 def new_requests(scheduler_output) -> list:

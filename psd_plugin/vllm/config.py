@@ -100,6 +100,12 @@ class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True
     # guess was wrong (its block completed) is cut. One engine process per model (no tensor, pipeline or data
     # parallelism yet); docs/architecture.md, "Overlap"
     async_scheduling: bool = False
+    # with async scheduling, a step of the spatial policies (static, confidence, localleap) laid out and forwarded
+    # before the last step's decisions reach the host, its ids written where those were taken (docs/architecture.md,
+    # "Overlap"): ``auto`` where the step's logits are on an accelerator (on a CPU the host and the forward run one
+    # after the other, so nothing overlaps, and a block completed at the last step costs a forward where a step of
+    # missed guesses would skip it), ``on``, ``off``
+    decide_ahead: Literal["auto", "on", "off"] = "auto"
 
 
 class PrestoSpeculativeConfig(TreeKnobs, forbid_unknown_fields=True, kw_only=True):
@@ -451,6 +457,9 @@ def _async_scheduling(engine_args, cfg: PSDSpeculativeConfig, parallel_config) -
     if engine_args.async_scheduling:
         cfg = msgspec.structs.replace(cfg, async_scheduling=True)
     if not cfg.async_scheduling:
+        if cfg.decide_ahead == "on":
+            raise ConfigError("speculative_config.decide_ahead 'on' lays a step out while the last one is in flight, "
+                              "which needs async_scheduling true; allowed without it: 'auto', 'off'")
         return cfg
     for name, n in (("pipeline_parallel_size", parallel_config.pipeline_parallel_size),
                     ("data_parallel_size", parallel_config.data_parallel_size)):
@@ -458,6 +467,10 @@ def _async_scheduling(engine_args, cfg: PSDSpeculativeConfig, parallel_config) -
             raise ConfigError(f"speculative_config.async_scheduling with {name} {n}: psd-plugin's async scheduling "
                               f"runs one engine core with its tensor-parallel ranks so far; allowed: {name} 1, or "
                               "async_scheduling false")
+    if cfg.decide_ahead == "on" and parallel_config.tensor_parallel_size > 1:
+        raise ConfigError(f"speculative_config.decide_ahead 'on' with tensor_parallel_size "
+                          f"{parallel_config.tensor_parallel_size}: a step is laid out ahead on one rank only so far "
+                          "(docs/architecture.md, \"Overlap\"); allowed: 'auto' (off under tensor parallelism), 'off'")
     engine_args.async_scheduling = False
     return cfg
 

@@ -45,12 +45,13 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, SamplerOutput
 
 from attention_backends.step_batch import Rows, StepBatch, build_step_batch
 from model_executor.decoding import LogitsRules, merge_stats, predict_rows, propose_all
-from model_executor.dllm_request import DLLMRequest, decode_step, engine_fault
+from model_executor.decoding.base import decides_ahead
+from model_executor.dllm_request import DLLMRequest, decode_step, engine_fault, launch_step, update_step
 from model_executor.grammar import GrammarFrontier
 from model_executor.models.configs import ArchSpec
 
 from . import compat
-from .config import decode_config, logits_budget
+from .config import decode_config, from_vllm_config, logits_budget
 from .grammars import compiled, served_compiler
 from .next_step import NextStep
 from .runner import PSDRunnerMixin, request_seed
@@ -63,6 +64,11 @@ NO_REWIND = 1 << 62  # recompute_from of a request with nothing more to forward
 # is all-or-nothing, so a cut is rare and never repeats): past this the plan and vLLM's schedule disagree for good,
 # and the request fails rather than spin the engine
 MAX_CUTS = 8
+# what the runner holds of the step in flight between its ``_prepare_inputs`` and its ``_sample``: under async
+# scheduling a step decided ahead (:meth:`DLLMRunnerMixin._execute_ahead`) lays out step N + 1 before step N is
+# decoded on the host, so N's is set aside while N + 1's is built, and back for N's decode
+STEP_FIELDS = ("batch", "_stepping", "_kept", "_num_kept", "_wasted", "_want_lp", "_skip_forward", "_forward_t0",
+               "_rows")
 
 
 def _logprobs_tensors(lps: dict[int, list], want: dict[int, int], width: int, rows: int):
@@ -195,6 +201,25 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.step_time["forwards"] = self.step_time["skipped_forwards"] = 0
         self._wasted: set[int] = set()  # this step: batch rows whose forward nothing reads
         self._skip_forward = False
+        self._rows: tuple | None = None  # this step's request ids, query_start_loc, num_computed_tokens
+        # a step decided ahead (docs/architecture.md "Overlap"): the steps laid out for step N + 1 before N's
+        # decisions reached the host (request id -> its DLLMStep), their next block states where N's logits are
+        # (request id -> ids), N's predictions and failures until its host decode, N + 1's ids write, and the
+        # steps laid out ahead that the plans of N's decode settle (id of the request's _Served -> its step)
+        self._ahead: dict | None = None
+        self._ahead_ids: dict | None = None
+        self._launched: tuple | None = None
+        self._ahead_write: tuple | None = None
+        self._settling: dict = {}
+        # speculative_config.decide_ahead (auto: where the logits are on an accelerator); not under tensor
+        # parallelism: there vLLM's output thread may decode the output rank's step N before N + 1 begins while
+        # another rank decodes it at N + 1's start, so the ranks would lay N + 1 out differently (the logits rows of
+        # a step laid out ahead are its last step's); nor under pipeline parallelism
+        ahead = from_vllm_config(vllm_config).decide_ahead
+        self.decides_ahead = self.overlap and self.pp_size == 1 and (
+            ahead == "on" or (ahead == "auto" and torch.device(device).type != "cpu")) and \
+            vllm_config.parallel_config.tensor_parallel_size == 1
+        self.step_time["ahead"] = 0  # steps laid out and forwarded before the last step's decode on the host
 
     # ------------------------------------------------------------------ per-request decoding state
     def _served(self, req_id: str) -> _Served:
@@ -262,8 +287,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
 
     # ------------------------------------------------------------------------------ the step
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
+        self._parity ^= 1  # (the staging buffers of this step's uploads: PSDRunnerMixin._upload)
         logits_indices, spec_meta, max_sampled = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        req_ids, qsl, computed = compat.batch_rows(self)
+        self._rows = req_ids, qsl, computed = compat.batch_rows(self)
         resumed = compat.resumed_req_ids(scheduler_output)
         for rid in resumed:  # back from a preemption: vLLM re-prefills it in this forward
             if (s := self.served.get(rid)) is not None and rid not in self.failed:
@@ -293,6 +319,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         # with the layout: PSDRunnerMixin._check_ranks; async scheduling refuses pipeline and data parallelism)
         self.batch = self._build(entries, req_ids)
         self._skip_forward = self.overlap and self.pp_size == 1 and len(self._wasted) == len(entries) > 0
+        if self._ahead_ids:
+            self._ahead_write = self._ids_ahead(entries, req_ids, qsl)
         self._publish(self.batch)
         # logits only for the rows the decoders read (a rebuild's: none); vLLM computes at least one row
         kept = [e.kept.numpy() for e in entries if not isinstance(e, Rows)]
@@ -333,6 +361,11 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         the last stage planned for it (:meth:`_stage_step`)."""
         s = self._served(rid)
         s.model_calls += 1
+        ahead = self._ahead.get(rid) if self._ahead else None
+        if ahead is not None and (start, n) == (ahead.w0, ahead.num_scheduled):  # laid out ahead: its ids come
+            self._stepping[i] = s  # from the last step's decisions where they were taken (_ids_ahead)
+            s.cuts = 0
+            return ahead
         drafts = compat.scheduled_drafts(scheduler_output, rid)
         first = s.req.phase == "first" and s.req.step is None and drafts
         if first:
@@ -430,7 +463,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             self.step_time["forward_seconds"] += time.perf_counter() - self._forward_t0
             self._forward_t0 = None
         self._publish(None)
-        req_ids, qsl, computed = compat.batch_rows(self)
+        req_ids, qsl, computed = self._rows
         canvas_rows = {i: self.batch.canvas_rows[i] for i in self._stepping}
         steps = {i: s.req.step for i, s in self._stepping.items()}
         logits = logits[: self._num_kept]  # past them: vLLM's one row when the step keeps none
@@ -461,10 +494,15 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         asked = [compat.sampling_params(self, rid).logprobs for rid in rids]
         self._want_lp = {i: k for i, k in zip(decoding, asked) if k is not None}
         failed: dict[int, Exception] = {}
-        self._contain("decoding its step", rids, decode_step, logits, self._kept, self.spec.mask_token_id,
-                      [served[i].req for i in decoding], [steps[i] for i in decoding],
-                      [canvas_rows[i] for i in decoding], [served[i].rules for i in decoding], asked, failed,
-                      self._staging)
+        reqs, sts = [served[i].req for i in decoding], [steps[i] for i in decoding]
+        rows = [canvas_rows[i] for i in decoding]
+        if self._launched is not None:  # its decisions were taken ahead (_launch_ahead): their copy is waited for
+            preds, failed = self._launched
+            if preds is not None:
+                self._contain("decoding its step", rids, update_step, preds, reqs, sts, rows, asked, failed)
+        else:
+            self._contain("decoding its step", rids, decode_step, logits, self._kept, self.spec.mask_token_id, reqs,
+                          sts, rows, [served[i].rules for i in decoding], asked, failed, self._staging)
         for n, e in failed.items():
             self._fail(rids[n], "decoding its step", e)
 
@@ -492,7 +530,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         """Each running request's next canvas (module docstring)."""
-        req_ids, _, _ = compat.batch_rows(self)
+        req_ids = self._rows[0]
         drafts, nexts = [], []
         ready = [(rid, s) for rid in req_ids if rid not in self.failed and (s := self._served(rid)).req.needs_proposal
                  and not s.prefilling]
@@ -533,6 +571,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             if proposals[id(s)] is None:  # its proposal failed (_propose)
                 return None
             self._plan(s, proposals[id(s)])
+            if (ahead := self._settling.get(id(s))) is not None:  # its next step is laid out and forwarded already
+                r.settle(ahead)  # (where the plan is that step, it is the step; else those rows decode nothing)
         return None if r.done else r.step
 
     def _propose(self, ready: list[tuple[str, _Served]]) -> list:
@@ -556,11 +596,137 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def execute_model(self, scheduler_output, *args, **kwargs):
         """Under async scheduling the last step is decoded first (its commits, then each request's next step),
         and the scheduled placeholder drafts of a step planned as scheduled become its canvas ids; then vLLM's
-        step as ever."""
+        step as ever. Where the last step's decisions can be taken ahead (:meth:`_plan_ahead`), this step is
+        laid out and forwarded first, and the last one decoded on the host after (:meth:`_execute_ahead`)."""
         if self.overlap:
-            self._finish_deferred()  # (under its lock: vLLM's output thread may be decoding it now)
+            with self._deferred_lock:  # (vLLM's output thread may be decoding the last step now)
+                d = self._deferred
+                if d is not None and d.output is None and d.error is None \
+                        and (ahead := self._plan_ahead(scheduler_output)) is not None:
+                    return self._execute_ahead(d, ahead, scheduler_output, *args, **kwargs)
+                self._decode_deferred()
             self._adopt_plans(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)
+
+    # ------------------------------------------------------------------ a step decided ahead
+    def _plan_ahead(self, scheduler_output) -> dict | None:
+        """The steps to lay out for this schedule before the last step (in flight, not decoded) reaches the host,
+        or None, where it cannot be done: request id -> its step
+        (:meth:`~model_executor.dllm_request.DLLMRequest.continuation`).
+        Only where vLLM's batch stays as it is (:func:`.compat.keeps_batch`: the last step's bookkeeping then
+        applies to it unchanged), every request of the last step stepped in it and is scheduled now as its block
+        going on, and every decoder decides ahead (:func:`~model_executor.decoding.base.decides_ahead`: the
+        spatial policies, no grammar)."""
+        rows = self._rows
+        if not self.decides_ahead or rows is None or self._wasted or not self._stepping \
+                or len(self._stepping) != len(rows[0]) or not compat.keeps_batch(scheduler_output, rows[0]):
+            return None
+        if not decides_ahead([s.req.dec for s in self._stepping.values() if s.req.dec is not None]):
+            return None
+        sched = compat.scheduled_rows(scheduler_output)
+        ahead = {}
+        for i, s in self._stepping.items():
+            rid, st = rows[0][i], s.req.step
+            if rid in self.failed or st is None or st.rebuild or s.req.dec is None:
+                return None
+            nxt = s.req.continuation(st)
+            if nxt is None or sched.get(rid) != (nxt.w0, nxt.num_scheduled):
+                return None
+            ahead[rid] = nxt
+        return ahead
+
+    def _execute_ahead(self, d: DeferredOutput, ahead: dict, scheduler_output, *args, **kwargs):
+        """Step N + 1 before step N's host decode (the deferred ``d``), under its lock: N's decisions are taken
+        where its logits are and their copy to the host queued (:meth:`_launch_ahead`); N + 1 is laid out from
+        ``ahead`` (geometry only), its canvases' ids written on the device from those decisions (:meth:`_preprocess`),
+        and forwarded; then N is decoded on the host as ever (vLLM's ``sample_tokens`` of N: the decoders take
+        the queued copy, vLLM's bookkeeping, the proposal), while N + 1 runs. N's plans settle the steps laid out
+        ahead; the rows of a request whose plan is another step (N completed its block, or it failed) decode
+        nothing (a cut step, as when the scheduler's guess misses). vLLM's per-step state of N (its
+        ``execute_model`` outputs) and the runner's are set aside around N + 1's ``execute_model``."""
+        outputs_n, step_n = compat.take_step_outputs(self), self._step_context()
+        stream = torch.cuda.stream(d.stream) if d.stream is not None else contextlib.nullcontext()
+        with torch.inference_mode(), stream:
+            preds, failed, ids = self._launch_ahead(compat.step_logits(outputs_n))
+        self._ahead, self._ahead_ids = ahead, ids
+        try:
+            out = super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            self._ahead = self._ahead_ids = self._ahead_write = None
+        outputs_next, step_next = compat.take_step_outputs(self), self._step_context()
+        if step_next["_rows"][0] != step_n["_rows"][0]:  # (compat.keeps_batch guards this)
+            raise RuntimeError("psd-plugin: vLLM reordered its batch under a step laid out ahead")
+        compat.put_step_outputs(self, outputs_n)
+        self._enter_step(step_n)
+        self._settling = {id(s): ahead[rid] for rid in ahead if (s := self.served.get(rid)) is not None}
+        self._launched = preds, failed
+        try:
+            self._decode_deferred(d)
+        finally:
+            self._launched, self._settling = None, {}
+            self._enter_step(step_next)
+            compat.put_step_outputs(self, outputs_next)
+        req_ids = self._rows[0]
+        for i, s in list(self._stepping.items()):
+            if s.req.step is not ahead.get(req_ids[i]):  # its plan is another step: these rows decode nothing
+                del self._stepping[i]
+                self._wasted.add(i)
+                self.step_time["cut_steps"] += 1
+                s.cuts += 1
+        self.step_time["ahead"] += 1
+        return out
+
+    def _launch_ahead(self, logits) -> tuple:
+        """Step N's decisions (:meth:`_execute_ahead`) taken where its ``logits`` are
+        (:func:`~model_executor.dllm_request.launch_step`), the host waiting for nothing: ``(predictions,
+        failures by index into the decoding rows, request id -> its next block state there)``; the failures are
+        failed by N's host decode (:meth:`_decode`)."""
+        req_ids = self._rows[0]
+        steps = {i: s.req.step for i, s in self._stepping.items()}
+        decoding = [i for i, st in steps.items() if not st.rebuild]
+        rids = [req_ids[i] for i in decoding]
+        failed: dict[int, Exception] = {}
+        if logits is None:
+            return None, failed, {}
+        got = self._contain("decoding its step", rids, launch_step, logits[: self._num_kept], self._kept,
+                            self.spec.mask_token_id, [self._stepping[i].req for i in decoding],
+                            [steps[i] for i in decoding], [self.batch.canvas_rows[i] for i in decoding],
+                            [self._stepping[i].rules for i in decoding], failed, self._staging)
+        if got is None:  # (what no one request caused: every one failed already)
+            return None, failed, {}
+        preds, nexts = got
+        return preds, failed, {rid: t for rid, t in zip(rids, nexts) if t is not None}
+
+    def _ids_ahead(self, entries: list, req_ids: list[str], qsl) -> tuple | None:
+        """The block ids of the steps laid out ahead: ``(rows of vLLM's input buffer, their ids where the last
+        step's logits are)``, which :meth:`_preprocess` writes after vLLM's own copy of the placeholders."""
+        dst, src = [], []
+        for i, rid in enumerate(req_ids):
+            e, ids = entries[i], self._ahead_ids.get(rid)
+            if ids is None or e is not self._ahead.get(rid):
+                continue
+            a = int(qsl[i]) + e.b0 - e.w0
+            dst.append(np.arange(a, a + e.block_len))
+            src.append(ids)
+        if not dst:
+            return None
+        return torch.from_numpy(np.concatenate(dst)), torch.cat(src)
+
+    def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
+        out = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
+        if self._ahead_write is not None:
+            rows, ids = self._ahead_write
+            self._ahead_write = None
+            buf, _ = compat.input_buffers(self)
+            buf.index_copy_(0, self._upload("ahead_rows", rows, buf.device), ids.to(buf.dtype))
+        return out
+
+    def _step_context(self) -> dict:
+        return {k: getattr(self, k) for k in STEP_FIELDS}
+
+    def _enter_step(self, ctx: dict) -> None:
+        for k, v in ctx.items():
+            setattr(self, k, v)
 
     def _adopt_plans(self, scheduler_output) -> None:
         """The scheduler scheduled each continuing request's step before this runner planned it (async
@@ -581,23 +747,27 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         for (vLLM's output thread; a step's is always the one deferred: the next step decodes it first), else
         the one deferred, if any."""
         with self._deferred_lock:
-            d = self._deferred if d is None else d
-            if d is not None and d.error is not None:
-                raise d.error
-            if d is None or d.output is not None:
-                return
-            assert d is self._deferred, "a deferred step's output asked for after the next step began"
-            try:
-                with torch.inference_mode(), (torch.cuda.stream(d.stream) if d.stream is not None
-                                              else contextlib.nullcontext()):
-                    out = self._sample_tokens(d.grammar_output)
-                d.output = compat.attach_ticket(out, self.take_draft_token_ids())
-                self.step_time["deferred"] += 1
-            except BaseException as e:
-                d.error = e
-                raise
-            finally:  # (cleared only now: the next step waits on the lock, not on this)
-                self._deferred = None
+            self._decode_deferred(d)
+
+    def _decode_deferred(self, d: DeferredOutput | None = None) -> None:
+        """:meth:`_finish_deferred`, its lock held."""
+        d = self._deferred if d is None else d
+        if d is not None and d.error is not None:
+            raise d.error
+        if d is None or d.output is not None:
+            return
+        assert d is self._deferred, "a deferred step's output asked for after the next step began"
+        try:
+            with torch.inference_mode(), (torch.cuda.stream(d.stream) if d.stream is not None
+                                          else contextlib.nullcontext()):
+                out = self._sample_tokens(d.grammar_output)
+            d.output = compat.attach_ticket(out, self.take_draft_token_ids())
+            self.step_time["deferred"] += 1
+        except BaseException as e:
+            d.error = e
+            raise
+        finally:  # (cleared only now: the next step waits on the lock, not on this)
+            self._deferred = None
 
     def sample_tokens(self, grammar_output):
         """The step's decode (:meth:`_sample`) and next canvases (:meth:`propose_draft_token_ids`); under async

@@ -54,6 +54,7 @@ class PSDRunnerMixin:
         # a pipeline stage before the last has no drafter (vLLM reads it on every stage): the same placeholder
         compat.ensure_drafter(self, lambda: RunnerProposer(getattr(self, "vllm_config", None)))
         self._staging = Staging()  # pinned host buffers of ``_upload`` (on a GPU)
+        self._parity = 0  # which of two buffers per key a step's uploads use (``_upload``)
         self._tp_group = False  # the tensor-parallel host group (None: one rank); looked up at the first step
         # requests that failed here (request id -> why), until vLLM removes them: they forward nothing more, and
         # are reported to the scheduler, which finishes them with an error (finish reason "error": a 500 for
@@ -167,8 +168,11 @@ class PSDRunnerMixin:
 
     def _upload(self, key: str, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``host`` on ``device`` without the host waiting (:class:`~model_executor.staging.Staging`; ``key`` names
-        the buffer). Reuse is safe: every step waits for its predictions before the next step writes a buffer."""
-        return self._staging.upload(key, host, device)
+        the buffer, one of two by the step's parity). Reuse is safe: a step's uploads are read by its forward, and
+        the host waits for every step's decisions (taken after its forward) before the step after the next one
+        writes the same buffer (a step laid out ahead, :mod:`.dllm_runner`, uploads before the last step's
+        decisions are waited for: hence two)."""
+        return self._staging.upload(f"{key}/{self._parity}", host, device)
 
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
         return True  # drafts are sized by the modes themselves, to the room each request has left
