@@ -49,7 +49,11 @@ TINY = [("AR (same shape)", None, True),
         ("PSD skip d3", {"decoding": "psd", "dag_shape": "skip"}, False),
         # async scheduling (vLLM's batch queue: the next step scheduled and the last one's output processed while
         # a step runs; vLLM's AR above runs with it by default on a GPU); ms/forward counts its cut steps too
+        # a step of the spatial policies laid out ahead of the last one's host decode (decide_ahead, on by default
+        # on a GPU); "ahead off": async scheduling alone, what it adds to
         ("confidence async", {"decoding": "confidence", "async_scheduling": True}, True),
+        ("confidence async, ahead off", {"decoding": "confidence", "async_scheduling": True,
+                                         "decide_ahead": "off"}, True),
         ("PSD chain d3 async", {"decoding": "psd", "async_scheduling": True}, True)]
 # vLLM captures graphs up to 512 rows by default (min(max_num_seqs x (1 + num_speculative_tokens) x 2, 512));
 # a dLLM step of one request with prefix cache and long answers has up to ~200 rows a canvas, so PSD's canvases
@@ -59,6 +63,8 @@ BIG = [("AR Llama-3-8B", None),
        ("static (1 canvas)", {"decoding": "static"}),
        ("PSD chain d3 (4 canvases)", {"decoding": "psd"}),
        ("static (1 canvas) async", {"decoding": "static", "async_scheduling": True}),
+       ("static (1 canvas) async, ahead off", {"decoding": "static", "async_scheduling": True,
+                                               "decide_ahead": "off"}),
        ("PSD chain d3 (4 canvases) async", {"decoding": "psd", "async_scheduling": True}),
        ("PSD skip d3 (7 canvases)", {"decoding": "psd", "dag_shape": "skip"})]
 LLADA_8B = {"architectures": ["LLaDAModelLM"], "model_type": "llada", "activation_type": "silu", "block_type": "llama",
@@ -113,7 +119,7 @@ def measure(llm, prompts, params, dllm: bool) -> dict:
         # the engine's steps since it started (warm-up and every rep): under async scheduling the forwards run,
         # the steps that skipped theirs (guesses that missed alone) and the cut ones
         st = compat.psd_stats(llm)["step_time"]
-        steps = {k: st.get(k, 0) for k in ("steps", "forwards", "skipped_forwards", "cut_steps", "deferred")}
+        steps = {k: st.get(k, 0) for k in ("steps", "forwards", "skipped_forwards", "cut_steps", "deferred", "ahead")}
     else:
         nfe = [len(t) for t in tokens]  # one forward a token (the prefill's included)
     wall = statistics.median(walls)

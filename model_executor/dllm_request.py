@@ -548,11 +548,23 @@ def launch_step(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests
     preds = step_predictions(logits, kept, mask_id, requests, steps, firsts, rules, failed, staging, on_device=True)
     live = [i for i in range(len(requests)) if not failed or i not in failed]
     out: list = [None] * len(requests)
-    if live:
+    try:
         nexts = launch_all([requests[i].dec for i in live], [steps[i].proposal for i in live], preds,
-                           [firsts[i] for i in live])
-        for i, t in zip(live, nexts):
-            out[i] = t
+                           [firsts[i] for i in live]) if live else []
+    except Exception as e:  # as decode_step's update: each alone, and one that raises alone fails (``failed``)
+        if failed is None or engine_fault(e):
+            raise
+        nexts = []
+        for i in live:
+            try:
+                nexts.append(launch_all([requests[i].dec], [steps[i].proposal], preds, [firsts[i]])[0])
+            except Exception as err:
+                if engine_fault(err):
+                    raise
+                failed[i] = err
+                nexts.append(None)
+    for i, t in zip(live, nexts):
+        out[i] = t
     return preds, out
 
 

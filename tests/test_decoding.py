@@ -478,6 +478,48 @@ def test_policy_decisions_taken_ahead_are_the_update(monkeypatch):
     assert all(d.t == 0 for d in ahead)
 
 
+def test_a_decision_taken_ahead_that_raises_fails_its_request_alone(monkeypatch):
+    """:func:`~model_executor.dllm_request.launch_step` as :func:`decode_step`'s update: where the batched launch
+    raises for one request, each is launched alone, the one that raises is failed (``failed``), the others' next
+    states are the batched step's, and :func:`update_step` then steps them and not it."""
+    from model_executor.decoding import policies as pol
+    from model_executor.decoding import propose_all
+    from model_executor.dllm_request import DLLMRequest, decode_step, launch_step, update_step
+
+    M, V = 7, 11
+    g = torch.Generator().manual_seed(3)
+
+    def requests():
+        rs = [DLLMRequest([1, 2, 3 + i], 8, 4, lambda b: make_decoder("confidence", b, M, threshold=0.3), M, eos_id=5)
+              for i in range(3)]
+        return rs, [r.plan(propose_all([r.dec])[0]) for r in rs]
+
+    logits = torch.randn(12, V, generator=g) * 3
+    kept = torch.ones(12, dtype=torch.bool)
+    firsts = [[0], [4], [8]]
+    plain, steps = requests()
+    decode_step(logits.clone(), kept, M, plain, steps, firsts)
+    reqs, steps = requests()
+    bad = reqs[1].dec
+    commit = pol.PolicyDecoder._commit_on_device
+
+    def failing(group, *a, **k):
+        if bad in group:
+            raise ValueError("this request's decision")
+        return commit(group, *a, **k)
+
+    monkeypatch.setattr(pol.PolicyDecoder, "_commit_on_device", staticmethod(failing))
+    failed = {}
+    preds, nexts = launch_step(logits.clone(), kept, M, reqs, steps, firsts, failed=failed)
+    assert list(failed) == [1] and nexts[1] is None and all(r.dec.t == 0 for r in reqs)
+    monkeypatch.setattr(pol.PolicyDecoder, "_commit_on_device", staticmethod(commit))
+    update_step(preds, reqs, steps, firsts, failed=failed)
+    for i in (0, 2):
+        assert torch.equal(nexts[i], plain[i].dec.state) and torch.equal(reqs[i].dec.state, plain[i].dec.state)
+        assert reqs[i].dec.t == 1
+    assert reqs[1].dec.t == 0
+
+
 def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
     """:func:`update_all`: policy decoders of blocks of different lengths, states and policies, updated in one
     batched step per policy, equal each decoder's oracle (the policy on one block)."""

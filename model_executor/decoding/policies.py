@@ -209,21 +209,23 @@ class PolicyDecoder(BlockDecoder):
         for idx in groups(decoders, lambda d: (policy_key(d.policy), d.reads_all_rows)):
             group = [decoders[i] for i in idx]
             rows = [canvas_rows[i] for i in idx]
-            new, at = cls._commit_on_device(group, rows, preds)
+            # (each group's upload a buffer of its own: none is waited for before the next group's)
+            new, at = cls._commit_on_device(group, rows, preds, f"policies-ahead/{len(preds.launched)}")
             preds.launched[launch_key(group, rows)] = preds.read_back_later([new], at)
             for r, i in enumerate(idx):
                 out[i] = new[r, : decoders[i].state.numel()]
         return out
 
     @staticmethod
-    def _commit_on_device(group: list["PolicyDecoder"], canvas_rows: list[list[int]],
-                          preds: DeviceRowPredictions) -> tuple[torch.Tensor, torch.Tensor]:
+    def _commit_on_device(group: list["PolicyDecoder"], canvas_rows: list[list[int]], preds: DeviceRowPredictions,
+                          key: str = "policies") -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`commit_rows` of one policy's decoders where the predictions are: their states and the logits row
-        of every block position go up in one copy; returns the next states ``[R, L]`` and those rows there."""
+        of every block position go up in one copy (the engine's staging buffer ``key``); returns the next states
+        ``[R, L]`` and those rows there."""
         mask = group[0].mask_id
         S = host_rows([(d.state,) for d in group])[0]
         rows = preds.logits_rows(canvas_row_index(group, canvas_rows, 1).numpy()[:, 0])
-        states, at = preds.upload("policies", [S, rows])
+        states, at = preds.upload(key, [S, rows])
         return commit_rows(group[0].policy, preds.tokens, preds.conf, at, states, mask), at
 
     @classmethod

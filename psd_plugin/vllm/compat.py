@@ -239,6 +239,8 @@ FUNCTIONS = (
     ("vllm.exceptions", "VLLMClientError"),  # what `psd generate` reports as a refused request (cli.py)
     ("vllm.distributed", "get_tp_group"),  # a GroupCoordinator: world_size, cpu_group
     ("vllm.tokenizers", "cached_tokenizer_from_config"),  # the worker's tokenizer, for xgrammar
+    # a KV connector binds a step's metadata in execute_model and finalizes it in sample_tokens: no step ahead
+    ("vllm.distributed.kv_transfer", "has_kv_transfer_group"),
 )
 
 # Module-level objects the plugin reads, with the attributes it uses: the platform (:func:`platform`, and the
@@ -626,6 +628,14 @@ def keeps_batch(scheduler_output, req_ids: list[str]) -> bool:
     return not (scheduler_output.scheduled_new_reqs or scheduler_output.finished_req_ids
                 or scheduler_output.preempted_req_ids or scheduler_output.scheduled_cached_reqs.resumed_req_ids) \
         and len(sched) == len(req_ids) and all(r in sched for r in req_ids)
+
+
+def kv_connector() -> bool:
+    """Whether a KV connector runs (vLLM's KV transfer group: it binds a step's metadata in ``execute_model`` and
+    finalizes it in ``sample_tokens``, so no step's ``execute_model`` may come between another step's two)."""
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
+
+    return has_kv_transfer_group()
 
 
 def take_step_outputs(runner) -> tuple:

@@ -621,7 +621,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         if not self.decides_ahead or rows is None or self._wasted or not self._stepping \
                 or len(self._stepping) != len(rows[0]) or not compat.keeps_batch(scheduler_output, rows[0]):
             return None
-        if not decides_ahead([s.req.dec for s in self._stepping.values() if s.req.dec is not None]):
+        if not decides_ahead([s.req.dec for s in self._stepping.values() if s.req.dec is not None]) \
+                or compat.kv_connector():
             return None
         sched = compat.scheduled_rows(scheduler_output)
         ahead = {}
@@ -646,11 +647,15 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         ``execute_model`` outputs) and the runner's are set aside around N + 1's ``execute_model``."""
         outputs_n, step_n = compat.take_step_outputs(self), self._step_context()
         stream = torch.cuda.stream(d.stream) if d.stream is not None else contextlib.nullcontext()
-        with torch.inference_mode(), stream:
-            preds, failed, ids = self._launch_ahead(compat.step_logits(outputs_n))
-        self._ahead, self._ahead_ids = ahead, ids
         try:
+            with torch.inference_mode(), stream:
+                preds, failed, ids = self._launch_ahead(compat.step_logits(outputs_n))
+            self._ahead, self._ahead_ids = ahead, ids
+            compat.align_output_counts(self, scheduler_output)
             out = super().execute_model(scheduler_output, *args, **kwargs)
+        except BaseException as e:  # (an engine fault: N is not decoded, and asking for its output raises this)
+            d.error, self._deferred = e, None
+            raise
         finally:
             self._ahead = self._ahead_ids = self._ahead_write = None
         outputs_next, step_next = compat.take_step_outputs(self), self._step_context()
