@@ -52,7 +52,7 @@ TINY = [("AR (same shape)", None, True),
         # a step of the spatial policies laid out ahead of the last one's host decode (decide_ahead, on by default
         # on a GPU); "ahead off": async scheduling alone, what it adds to
         ("confidence async", {"decoding": "confidence", "async_scheduling": True}, True),
-        ("confidence async, ahead off", {"decoding": "confidence", "async_scheduling": True,
+        ("confidence async (ahead off)", {"decoding": "confidence", "async_scheduling": True,
                                          "decide_ahead": "off"}, True),
         ("PSD chain d3 async", {"decoding": "psd", "async_scheduling": True}, True)]
 # vLLM captures graphs up to 512 rows by default (min(max_num_seqs x (1 + num_speculative_tokens) x 2, 512));
@@ -63,7 +63,7 @@ BIG = [("AR Llama-3-8B", None),
        ("static (1 canvas)", {"decoding": "static"}),
        ("PSD chain d3 (4 canvases)", {"decoding": "psd"}),
        ("static (1 canvas) async", {"decoding": "static", "async_scheduling": True}),
-       ("static (1 canvas) async, ahead off", {"decoding": "static", "async_scheduling": True,
+       ("static (1 canvas) async (ahead off)", {"decoding": "static", "async_scheduling": True,
                                                "decide_ahead": "off"}),
        ("PSD chain d3 (4 canvases) async", {"decoding": "psd", "async_scheduling": True}),
        ("PSD skip d3 (7 canvases)", {"decoding": "psd", "dag_shape": "skip"})]

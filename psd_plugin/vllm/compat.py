@@ -621,12 +621,14 @@ def grammar_cache_bytes() -> int:
 
 def keeps_batch(scheduler_output, req_ids: list[str]) -> bool:
     """Whether vLLM's runner keeps its persistent batch as it is for this schedule: exactly the requests
-    ``req_ids`` (the last step's, in its order) scheduled again, none new, finished, preempted or resumed, so
-    ``GPUModelRunner._update_states`` removes, adds and condenses nothing and the rows keep their order (the
-    plugin's attention builder asks for no reordering: no ``reorder_batch_threshold``)."""
+    ``req_ids`` (the last step's, in its order) scheduled again, none new, preempted or resumed, and none of them
+    finished (a request that finished outside the batch leaves it as it is), so ``GPUModelRunner._update_states``
+    removes, adds and condenses nothing and the rows keep their order (the plugin's attention builder asks for
+    no reordering: no ``reorder_batch_threshold``)."""
     sched = scheduler_output.num_scheduled_tokens
-    return not (scheduler_output.scheduled_new_reqs or scheduler_output.finished_req_ids
-                or scheduler_output.preempted_req_ids or scheduler_output.scheduled_cached_reqs.resumed_req_ids) \
+    return not (scheduler_output.scheduled_new_reqs or scheduler_output.preempted_req_ids
+                or scheduler_output.scheduled_cached_reqs.resumed_req_ids
+                or any(r in scheduler_output.finished_req_ids for r in req_ids)) \
         and len(sched) == len(req_ids) and all(r in sched for r in req_ids)
 
 
