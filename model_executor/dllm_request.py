@@ -67,6 +67,12 @@ class DLLMStep:
         return self.tokens.shape[0]
 
     @property
+    def geometry(self) -> tuple:
+        """What lays the step out but its ids and kept rows: window, block, kept K/V, shift, suffix, committed
+        length."""
+        return self.w0, self.w1, self.b0, self.b1, self.keep, self.shift, tuple(self.suffix), self.committed
+
+    @property
     def rebuild(self) -> bool:
         """A step that only restores the K/V a block's later steps read (:meth:`DLLMRequest.preempted`)."""
         return self.proposal is None
@@ -314,9 +320,7 @@ class DLLMRequest:
         plan is another step (the last one completed the block, or the request is done): ``ahead``'s rows
         decode nothing."""
         st = self.step
-        if st is None or st.num_canvases != 1 or (st.w0, st.w1, st.b0, st.b1, st.keep, st.shift, tuple(st.suffix)) \
-                != (ahead.w0, ahead.w1, ahead.b0, ahead.b1, ahead.keep, ahead.shift, tuple(ahead.suffix)) \
-                or st.committed or st.tail is not None:
+        if st is None or st.num_canvases != 1 or st.geometry != ahead.geometry or st.tail is not None:
             return False
         if not np.all(ahead.kept.numpy() >= st.kept.numpy()):  # (masks only shrink: every row the plan reads)
             return False
