@@ -23,13 +23,13 @@ pytestmark = [pytest.mark.engine, pytest.mark.usefixtures("in_process_vllm")]
 FULL = os.environ.get("PSD_FULL_MATRIX") == "1"
 
 
-def _async_llm(path, method, cache=None, **spec):
+def _async_llm(path, method, cache=None, llm_kw=None, **spec):
     """An engine with async scheduling; a step of the spatial policies is laid out ahead of the last one's host
     decode (``decide_ahead``, on an accelerator by default: on here, unless ``spec`` says otherwise)."""
     from vllm import LLM
 
     knobs = {**_knobs(path, method), **({"cache": cache} if cache else {})}
-    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, seed=0, max_model_len=512,
+    llm = LLM(model=str(path), dtype="float32", enforce_eager=True, seed=0, max_model_len=512, **(llm_kw or {}),
               speculative_config={"method": "psd", "decoding": method, "async_scheduling": True,
                                   "decide_ahead": "on", **knobs, **spec})
     assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling
@@ -227,6 +227,40 @@ def test_steps_laid_out_ahead_equal_the_reference_engine(monkeypatch, heldout_pr
     text = "".join({"launch": "L", "forward": "F", "update": "U", "decode": "D"}[e] for e in events)
     assert text.count("L") == text.count("U") == st["ahead"], (text, st)
     assert text.count("LFU") == st["ahead"], text
+
+
+@pytest.mark.parametrize("method, budget", [("confidence", None), ("confidence", 96), ("static", 96)])
+def test_steps_are_laid_out_ahead_while_requests_join_leave_and_get_cut(monkeypatch, heldout_prompts, method,
+                                                                        budget):
+    """Answers of four blocks each (``ignore_eos``), whose blocks complete at different steps, requests admitted
+    over several steps and finishing at different ones: where a request's rows at step N were cut (its block
+    completed at N - 1, or a guess missed), its step N + 1 was planned before N and N's decode leaves it as it is,
+    so N + 1 is still laid out ahead for the others, with that request's rows from its plan (its ids written from
+    the host, as without a step laid out ahead); where requests joined or left vLLM's batch between N and N + 1,
+    N's output reaches vLLM's bookkeeping in the batch's new order and the scheduler in N's; a request that
+    stepped in N and is not scheduled in N + 1 (a certain completion of its block waits for its outcome; with a
+    tight token ``budget``, no room) leaves vLLM's batch alive, and what it emitted at N is recorded for it apart
+    (static decoding: every block's last step). Tokens and decoding forwards are the reference engine's."""
+    from vllm import SamplingParams
+
+    from test_vllm_decoding import _ignoring_eos, _request_stats
+
+    knobs = {"threshold": 0.5} if method == "confidence" else {}
+    llm, _ = _async_llm(DEFAULT_DLLM, method, "dual", **knobs,
+                        llm_kw={"max_num_batched_tokens": budget, "max_num_seqs": 8} if budget else None)
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in heldout_prompts],
+                            SamplingParams(max_tokens=32, temperature=0, ignore_eos=True), use_tqdm=False)
+        stats = _request_stats(llm)
+        st = _psd_stats(llm)["step_time"]
+    finally:
+        del llm
+    _ignoring_eos(monkeypatch)
+    ref = _reference(DEFAULT_DLLM, heldout_prompts, method, knobs, cache="dual")
+    for i, (o, r) in enumerate(zip(outs, ref)):
+        got = (list(o.outputs[0].token_ids), stats[o.request_id]["nfe"])
+        assert got == (r.token_ids, r.nfe), f"prompt {i}: vLLM {got}, reference {(r.token_ids, r.nfe)}"
+    assert st["ahead_planned"] > 0 and st["ahead_rebatched"] > 0 and st["ahead_left"] > 0, st
 
 
 def test_sampled_requests_draw_the_reference_engines_tokens(heldout_prompts):

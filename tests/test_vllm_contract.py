@@ -379,6 +379,40 @@ def test_the_dllm_runner_hands_vllm_draft_counts_without_rejection_indices():
     assert again.num_draft_tokens == [3] and again.logits_indices is first.logits_indices  # made once
 
 
+def test_a_steps_output_is_put_back_in_its_own_order():
+    """Under a step laid out ahead, vLLM's bookkeeping of step N runs on the batch as step N + 1 left it (requests
+    joined, left, rows condensed); ``compat.reorder_output`` gives N's output in N's order again: each request its
+    own tokens and logprob rows (vLLM's spec-decode ``LogprobsLists``, sliced by ``cu_num_generated_tokens`` as
+    the scheduler slices them), and a request no longer in the batch none."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+    from vllm.v1.outputs import LogprobsTensors, ModelRunnerOutput
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    live = ["new", "b", "a"]  # N + 1's batch: "c" left, "new" took its row, "a" moved
+    sampled = torch.tensor([[-1, -1, -1], [7, 8, -1], [5, -1, -1]], dtype=torch.int32)
+    k = 2
+    ids = torch.arange(9 * (k + 1), dtype=torch.int32).view(9, k + 1)
+    lps = LogprobsTensors(ids, ids.float() / 10, torch.arange(9, dtype=torch.int32))
+    tokens, lists = RejectionSampler.parse_output(sampled, 100, np.zeros(0, dtype=np.int64), logprobs_tensors=lps)
+    out = ModelRunnerOutput(req_ids=list(live), req_id_to_index={r: i for i, r in enumerate(live)},
+                            sampled_token_ids=tokens, logprobs=lists)
+    got = compat.reorder_output(out, ["a", "b", "c"])
+    assert got.req_ids == ["a", "b", "c"] and got.req_id_to_index == {"a": 0, "b": 1, "c": 2}
+    assert [list(t) for t in got.sampled_token_ids] == [[5], [7, 8], []]
+    for rid, n in (("a", 1), ("b", 2), ("c", 0)):
+        mine, theirs = got.logprobs.slice_request(got.req_id_to_index[rid], n), \
+            lists.slice_request(out.req_id_to_index[rid], n) if rid in live else None
+        assert len(mine.logprobs) == n
+        if n:
+            assert np.array_equal(mine.logprob_token_ids, theirs.logprob_token_ids)
+            assert np.array_equal(mine.logprobs, theirs.logprobs)
+            assert np.array_equal(mine.sampled_token_ranks, theirs.sampled_token_ranks)
+    assert compat.reorder_output(dataclasses.replace(out, logprobs=None), ["b"]).sampled_token_ids == [[7, 8]]
+
+
 def test_model_executor_is_taken_back_when_vllms_alias_returns_mid_walk(monkeypatch):
     """vLLM's ``LazyLoader("model_executor", ...)`` stores its quantization package as ``sys.modules["model_executor"]``
     when first touched. On a CUDA platform (seen on an H200 with vLLM's sources on torch 2.11) a submodule's own

@@ -156,7 +156,11 @@ DATA_FIELDS = {
     "vllm.v1.worker.gpu_model_runner:ExecuteModelState": ("logits",),
     "vllm.v1.outputs:DraftTokenIds": ("req_ids", "draft_token_ids"),  # subclassed: PSDDraftTokenIds
     "vllm.v1.outputs:SamplerOutput": ("sampled_token_ids", "logprobs_tensors"),  # built by both ``_sample``s
-    "vllm.v1.outputs:ModelRunnerOutput": ("sampled_token_ids", "req_id_to_index", "prompt_logprobs_dict"),
+    "vllm.v1.outputs:ModelRunnerOutput": ("sampled_token_ids", "req_id_to_index", "prompt_logprobs_dict", "req_ids",
+                                          "logprobs"),
+    # a step's output put back in its own order (reorder_output)
+    "vllm.v1.outputs:LogprobsLists": ("logprob_token_ids", "logprobs", "sampled_token_ranks",
+                                      "cu_num_generated_tokens"),
     "vllm.v1.spec_decode.metadata:SpecDecodeMetadata": ("num_draft_tokens", "draft_token_ids", "cu_num_draft_tokens",
                                                         "cu_num_sampled_tokens", "target_logits_indices",
                                                         "bonus_logits_indices", "logits_indices"),
@@ -308,6 +312,11 @@ def batch_rows(runner) -> tuple[list[str], np.ndarray, np.ndarray]:
     ib = runner.input_batch
     R = len(ib.req_ids)
     return list(ib.req_ids), runner.query_start_loc.np[: R + 1].copy(), ib.num_computed_tokens_cpu[:R].copy()
+
+
+def batch_req_ids(runner) -> list[str]:
+    """The request ids of vLLM's persistent batch as it is now, in its order."""
+    return list(runner.input_batch.req_ids)
 
 
 def request_tokens(runner, req_id: str) -> tuple[list[int], list[int]]:
@@ -620,17 +629,47 @@ def grammar_cache_bytes() -> int:
     return int(envs.VLLM_XGRAMMAR_CACHE_MB) * 1024 * 1024
 
 
-def keeps_batch(scheduler_output, req_ids: list[str]) -> bool:
-    """Whether vLLM's runner keeps its persistent batch as it is for this schedule: exactly the requests
-    ``req_ids`` (the last step's, in its order) scheduled again, none new, preempted or resumed, and none of them
-    finished (a request that finished outside the batch leaves it as it is), so ``GPUModelRunner._update_states``
-    removes, adds and condenses nothing and the rows keep their order (the plugin's attention builder asks for
-    no reordering: no ``reorder_batch_threshold``)."""
-    sched = scheduler_output.num_scheduled_tokens
-    return not (scheduler_output.scheduled_new_reqs or scheduler_output.preempted_req_ids
-                or scheduler_output.scheduled_cached_reqs.resumed_req_ids
-                or any(r in scheduler_output.finished_req_ids for r in req_ids)) \
-        and len(sched) == len(req_ids) and all(r in sched for r in req_ids)
+def carries_over(scheduler_output, req_ids: list[str]) -> bool:
+    """Whether no request of ``req_ids`` (those that stepped in the last step) finished and no request is
+    preempted or resumed: ``GPUModelRunner._update_states`` then keeps the cached state of each of them (in its
+    persistent batch where it is scheduled again) and re-prefills no one. Other requests may join (appended, or
+    into the rows of those that leave) or leave; :func:`reorder_output` gives the last step's output in its own
+    order again."""
+    return not (scheduler_output.preempted_req_ids or scheduler_output.scheduled_cached_reqs.resumed_req_ids
+                or any(r in scheduler_output.finished_req_ids for r in req_ids))
+
+
+def scheduled(scheduler_output, req_id: str) -> bool:
+    return req_id in scheduler_output.num_scheduled_tokens
+
+
+def record_output_tokens(runner, req_id: str, tokens: list[int]) -> None:
+    """What vLLM's bookkeeping (``GPUModelRunner._bookkeeping_sync``) records of a step's emitted tokens for a
+    request its persistent batch no longer holds (left unscheduled meanwhile, alive): the request's cached
+    output tokens, from which the batch lays its row out again when it is scheduled."""
+    runner.requests[req_id].output_token_ids.extend(tokens)
+
+
+def reorder_output(output, req_ids: list[str], elsewhere: dict[str, list[int]] | None = None):
+    """A step's ``ModelRunnerOutput`` whose rows follow vLLM's persistent batch as it is now (the next step's
+    ``_update_states`` ran before this step's ``sample_tokens``: rows added, removed, condensed), given in the
+    step's own order ``req_ids`` again: a request no longer in the batch gets the tokens ``elsewhere`` gives it
+    (without logprobs: the caller makes sure none were asked), else none. Its tokens, logprobs (rows by
+    ``cu_num_generated_tokens``) and the index; the rest is keyed by request id."""
+    index, elsewhere = output.req_id_to_index, elsewhere or {}
+    at = [index.get(r) for r in req_ids]
+    sampled = output.sampled_token_ids
+    lp = output.logprobs
+    if lp is not None:
+        cu = lp.cu_num_generated_tokens or list(range(len(sampled) + 1))
+        rows = [np.arange(cu[j], cu[j + 1]) if j is not None else np.zeros(0, dtype=np.int64) for j in at]
+        take = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        lp = type(lp)(lp.logprob_token_ids[take], lp.logprobs[take], lp.sampled_token_ranks[take],
+                      [0] + np.cumsum([len(r) for r in rows]).tolist())
+    return dataclasses.replace(output, req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                               sampled_token_ids=[list(sampled[j]) if j is not None else list(elsewhere.get(r, ()))
+                                                  for r, j in zip(req_ids, at)],
+                               logprobs=lp)
 
 
 def kv_connector() -> bool:

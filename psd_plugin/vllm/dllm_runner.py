@@ -209,6 +209,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._launched: tuple | None = None
         self._ahead_write: tuple | None = None
         self._settling: dict = {}
+        # the request ids of vLLM's batch after step N + 1's update where they differ from N's (requests joined or
+        # left): N's decode, laid out ahead of, gives vLLM's bookkeeping its output in that order (_sample)
+        self._live: list[str] | None = None
+        self._elsewhere: dict[str, list[int]] = {}  # then: what requests of N no longer in vLLM's batch emitted
         # speculative_config.decide_ahead (auto: where the logits are on an accelerator); not under tensor
         # parallelism: there vLLM's output thread may decode the output rank's step N before N + 1 begins while
         # another rank decodes it at N + 1's start, so the ranks would lay N + 1 out differently (the logits rows of
@@ -218,6 +222,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             ahead == "on" or (ahead == "auto" and torch.device(device).type != "cpu")) and \
             vllm_config.parallel_config.tensor_parallel_size == 1
         self.step_time["ahead"] = 0  # steps laid out and forwarded before the last step's decode on the host
+        # requests of those steps laid out from a plan made on the host before (a cut step's, a first canvas)
+        self.step_time["ahead_planned"] = 0
+        self.step_time["ahead_rebatched"] = 0  # of those steps, the ones where requests joined or left vLLM's batch
+        self.step_time["ahead_left"] = 0  # requests that stepped in N and were not in N + 1's batch (alive)
 
     # ------------------------------------------------------------------ per-request decoding state
     def _served(self, req_id: str) -> _Served:
@@ -469,18 +477,34 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._decode(logits, decoding, steps, canvas_rows, req_ids)
         outs: list[list[int]] = []
         lps: dict[int, list] = {}  # batch row -> (token, logprob, top, rank) of each emitted token
+        self._elsewhere = {}
         for i, rid in enumerate(req_ids):
             emit: list[int] = []
-            if rid not in self.failed:
+            if rid not in self.failed and not self._gone(rid):
                 try:
                     emit = self._stepped(i, rid, steps.get(i), lps, int(computed[i]) + int(qsl[i + 1] - qsl[i]))
                 except Exception as e:
                     self._fail(rid, "committing its step", e)
             outs.append([] if rid in self.failed else emit)
+        lps = {i: v for i, v in lps.items() if req_ids[i] not in self.failed}
+        want = self._want_lp
+        if self._live is not None:  # vLLM's batch is N + 1's now (_execute_ahead): its bookkeeping takes this order
+            live = set(self._live)  # (what a request that left it alive emits is recorded apart: _sample_tokens)
+            self._elsewhere = {rid: o for rid, o in zip(req_ids, outs) if o and rid not in live}
+            at = {rid: i for i, rid in enumerate(req_ids)}
+            order = [at.get(rid) for rid in self._live]
+            outs = [outs[i] if i is not None else [] for i in order]
+            lps = {j: lps[i] for j, i in enumerate(order) if i in lps}
+            want = {j: want[i] for j, i in enumerate(order) if i in want}
         width = max(2, max((len(o) for o in outs), default=0))
         sampled = torch.tensor([o + [-1] * (width - len(o)) for o in outs], dtype=torch.int32).view(len(outs), width)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=_logprobs_tensors(
-            {i: v for i, v in lps.items() if req_ids[i] not in self.failed}, self._want_lp, width, len(outs)))
+        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=_logprobs_tensors(lps, want, width,
+                                                                                           len(outs)))
+
+    def _gone(self, rid: str) -> bool:
+        """Whether a request of the step being decoded has left vLLM's batch since (finished or aborted: under a
+        step laid out ahead, the next step's update ran first); it did not step in it (:meth:`_plan_ahead`)."""
+        return self._live is not None and rid not in self.served and rid not in self.failed
 
     def _decode(self, logits, decoding: list[int], steps: dict, canvas_rows: dict, req_ids: list[str]) -> None:
         """The decoders of the batch rows ``decoding`` take this step's predictions, and logprobs are recorded for
@@ -528,7 +552,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         """Each running request's next canvas (module docstring)."""
-        req_ids = self._rows[0]
+        req_ids = [rid for rid in self._rows[0] if not self._gone(rid)]
         drafts, nexts = [], []
         ready = [(rid, s) for rid in req_ids if rid not in self.failed and (s := self._served(rid)).req.needs_proposal
                  and not s.prefilling]
@@ -600,34 +624,52 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             with self._deferred_lock:  # (vLLM's output thread may be decoding the last step now)
                 d = self._deferred
                 if d is not None and d.output is None and d.error is None \
-                        and (ahead := self._plan_ahead(scheduler_output)) is not None:
+                        and (ahead := self._plan_ahead(scheduler_output, d)) is not None:
                     return self._execute_ahead(d, ahead, scheduler_output, *args, **kwargs)
                 self._decode_deferred()
             self._adopt_plans(scheduler_output)
         return super().execute_model(scheduler_output, *args, **kwargs)
 
     # ------------------------------------------------------------------ a step decided ahead
-    def _plan_ahead(self, scheduler_output) -> dict | None:
+    def _plan_ahead(self, scheduler_output, d: DeferredOutput) -> dict | None:
         """The steps to lay out for this schedule before the last step (in flight, not decoded) reaches the host,
         or None, where it cannot be done: request id -> its step
         (:meth:`~model_executor.dllm_request.DLLMRequest.continuation`).
-        Only where vLLM's batch stays as it is (:func:`.compat.keeps_batch`: the last step's bookkeeping then
-        applies to it unchanged), every request of the last step stepped in it and is scheduled now as its block
-        going on, and every decoder decides ahead (:func:`~model_executor.decoding.base.decides_ahead`: the
-        spatial policies, no grammar)."""
+        Only where every request that stepped in the last step is scheduled now as its block going on, or not at
+        all (it leaves vLLM's batch alive: what it emits is recorded apart; not with logprobs), none of them
+        finished and no one preempted or resumed (:func:`.compat.carries_over`), and every such decoder decides
+        ahead (:func:`~model_executor.decoding.base.decides_ahead`: the spatial policies, no grammar). A request
+        that did not step in it (its rows were cut: a block completed before, a guess missed; or it failed) is laid
+        out as ever, from the step planned for it before, which the last step's decode does not touch; one that
+        the decode would plan (no step planned yet) keeps the whole step from being laid out ahead. Requests may
+        join and leave vLLM's batch (the last step's output is put in the batch's new order for vLLM's bookkeeping
+        and back: :meth:`_sample`, :meth:`_sample_tokens`); not where vLLM applies a grammar bitmask (by its rows)."""
         rows = self._rows
-        if not self.decides_ahead or rows is None or self._wasted or not self._stepping \
-                or len(self._stepping) != len(rows[0]) or not compat.keeps_batch(scheduler_output, rows[0]):
+        if not self.decides_ahead or rows is None or not self._stepping \
+                or not compat.scheduled_req_ids(scheduler_output):  # (nothing to lay out: N decodes as ever)
+            return None
+        stepped = [rows[0][i] for i in self._stepping]
+        if not compat.carries_over(scheduler_output, stepped) or d.grammar_output is not None:
             return None
         if not decides_ahead([s.req.dec for s in self._stepping.values() if s.req.dec is not None]) \
                 or compat.kv_connector():
             return None
         sched = compat.scheduled_rows(scheduler_output)
         ahead = {}
-        for i, s in self._stepping.items():
-            rid, st = rows[0][i], s.req.step
+        for i, rid in enumerate(rows[0]):
+            s = self._stepping.get(i)
+            if s is None:  # it did not step in N (its rows were cut; it failed, or is done): N's decode leaves it
+                t = self.served.get(rid)  # as it is, and its next step, planned already, is laid out as ever (_entry)
+                if rid not in self.failed and (t is None or not t.req.done and t.req.step is None):
+                    return None  # (N's decode would plan it: a proposal, a prefill's end, a replay)
+                continue
+            st = s.req.step
             if rid in self.failed or st is None or st.rebuild or s.req.dec is None:
                 return None
+            if not compat.scheduled(scheduler_output, rid):  # it leaves vLLM's batch alive (a certain completion
+                if compat.sampling_params(self, rid).logprobs is not None:  # of its block waits for its outcome;
+                    return None  # no room in the step): what N emits is recorded for it (_sample_tokens)
+                continue
             nxt = s.req.continuation(st)
             if nxt is None or sched.get(rid) != (nxt.w0, nxt.num_scheduled):
                 return None
@@ -649,7 +691,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             with torch.inference_mode(), stream:
                 preds, failed, ids = self._launch_ahead(compat.step_logits(outputs_n))
             self._ahead, self._ahead_ids = ahead, ids
-            compat.align_output_counts(self, scheduler_output)
+            self._adopt_plans(scheduler_output, ahead)  # (the others' steps are planned: their ids are known)
             out = super().execute_model(scheduler_output, *args, **kwargs)
         except BaseException as e:  # (an engine fault: N is not decoded, and asking for its output raises this)
             d.error, self._deferred = e, None
@@ -657,21 +699,26 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         finally:
             self._ahead = self._ahead_ids = self._ahead_write = None
         outputs_next, step_next = compat.take_step_outputs(self), self._step_context()
-        if step_next["_rows"][0] != step_n["_rows"][0]:  # (compat.keeps_batch guards this)
-            raise RuntimeError("psd-plugin: vLLM reordered its batch under a step laid out ahead")
         compat.put_step_outputs(self, outputs_n)
         self._enter_step(step_n)
         self._settling = {id(s): ahead[rid] for rid in ahead if (s := self.served.get(rid)) is not None}
         self._launched = preds, failed
+        # vLLM's batch as N + 1 left it (requests joined or left): N's bookkeeping runs on it
+        live = compat.batch_req_ids(self)
+        self._live = live if live != step_n["_rows"][0] else None
+        self.step_time["ahead_rebatched"] += self._live is not None
+        self.step_time["ahead_left"] += sum(step_n["_rows"][0][i] not in live for i in step_n["_stepping"])
         try:
             self._decode_deferred(d)
         finally:
-            self._launched, self._settling = None, {}
+            self._launched, self._settling, self._live = None, {}, None
             self._enter_step(step_next)
             compat.put_step_outputs(self, outputs_next)
         req_ids = self._rows[0]
         for i, s in list(self._stepping.items()):
-            if s.req.step is not ahead.get(req_ids[i]):  # its plan is another step: these rows decode nothing
+            if req_ids[i] not in ahead:  # laid out from its plan, made before (N's decode left it as it was)
+                self.step_time["ahead_planned"] += 1
+            elif s.req.step is not ahead[req_ids[i]]:  # its plan is another step: these rows decode nothing
                 del self._stepping[i]
                 self._wasted.add(i)
                 self.step_time["cut_steps"] += 1
@@ -731,12 +778,16 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         for k, v in ctx.items():
             setattr(self, k, v)
 
-    def _adopt_plans(self, scheduler_output) -> None:
+    def _adopt_plans(self, scheduler_output, ahead: dict | None = None) -> None:
         """The scheduler scheduled each continuing request's step before this runner planned it (async
         scheduling), with placeholder drafts; where the planned step is the scheduled one (its rows and draft
-        count), its drafts replace them, so vLLM lays out its ids. Another schedule is a cut step (:meth:`_entry`)."""
+        count), its drafts replace them, so vLLM lays out its ids. Another schedule is a cut step (:meth:`_entry`).
+        ``ahead``: the requests whose step is laid out ahead (:meth:`_execute_ahead`; their ids come from the last
+        step's decisions), left as they are."""
         compat.align_output_counts(self, scheduler_output)
         for rid, (start, n) in compat.scheduled_rows(scheduler_output).items():
+            if ahead and rid in ahead:
+                continue
             s = self.served.get(rid)
             st = None if s is None or rid in self.failed else s.req.step
             if st is None or start != st.w0 or n != st.num_scheduled:
@@ -783,6 +834,11 @@ class DLLMRunnerMixin(PSDRunnerMixin):
 
     def _sample_tokens(self, grammar_output):
         out = super().sample_tokens(grammar_output)
+        if self._live is not None:  # (vLLM's bookkeeping ran on N + 1's batch: the output in this step's order)
+            for rid, tokens in self._elsewhere.items():
+                compat.record_output_tokens(self, rid, tokens)
+            out = compat.reorder_output(out, self._rows[0], self._elsewhere)
+            self._elsewhere = {}
         # prompt logprobs (computed in the prefill forward) travel with the request's first emitted block:
         # the scheduler sends nothing for a step that emits no token
         plp = getattr(out, "prompt_logprobs_dict", None)
