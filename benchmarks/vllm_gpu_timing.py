@@ -119,7 +119,8 @@ def measure(llm, prompts, params, dllm: bool) -> dict:
         # the engine's steps since it started (warm-up and every rep): under async scheduling the forwards run,
         # the steps that skipped theirs (guesses that missed alone) and the cut ones
         st = compat.psd_stats(llm)["step_time"]
-        steps = {k: st.get(k, 0) for k in ("steps", "forwards", "skipped_forwards", "cut_steps", "deferred", "ahead")}
+        steps = {k: st.get(k, 0) for k in ("steps", "forwards", "skipped_forwards", "cut_steps", "deferred", "ahead",
+                                         "ahead_planned", "ahead_rebatched", "ahead_left")}
     else:
         nfe = [len(t) for t in tokens]  # one forward a token (the prefill's included)
     wall = statistics.median(walls)

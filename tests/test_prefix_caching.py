@@ -49,10 +49,10 @@ def first_logits(monkeypatch):
     decode = DLLMRunnerMixin._decode
 
     def spy(self, logits, decoding, steps, canvas_rows, req_ids):
-        at = logits_map(self._kept)
+        at = logits_map(self.inflight.kept)
         for i in decoding:
             rid = compat.external_request_id(req_ids[i])
-            if self._stepping[i].req.nfe == 0 and rid not in seen:
+            if self.inflight.stepping[i].req.nfe == 0 and rid not in seen:
                 first = canvas_rows[i][0]
                 rows = at[first: first + steps[i].b1 - steps[i].b0]
                 seen[rid] = logits[rows[rows >= 0].to(logits.device)].detach().clone()

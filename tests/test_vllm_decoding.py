@@ -828,7 +828,7 @@ def test_vllm_computes_logits_only_for_the_rows_a_decoder_reads(monkeypatch, hel
 
     def spy(self, logits, meta):
         mask = self.spec.mask_token_id
-        steps = [s.req.step for s in self._stepping.values() if not s.req.step.rebuild]
+        steps = [s.req.step for s in self.inflight.stepping.values() if not s.req.step.rebuild]
         blocks = [st.tokens[:, st.b0 - st.w0: st.b1 - st.w0] for st in steps]
         seen.append((logits.shape[0], sum(int((b == mask).sum()) for b in blocks), sum(b.numel() for b in blocks)))
         return sample(self, logits, meta)

@@ -64,11 +64,6 @@ NO_REWIND = 1 << 62  # recompute_from of a request with nothing more to forward
 # is all-or-nothing, so a cut is rare and never repeats): past this the plan and vLLM's schedule disagree for good,
 # and the request fails rather than spin the engine
 MAX_CUTS = 8
-# what the runner holds of the step in flight between its ``_prepare_inputs`` and its ``_sample``: under async
-# scheduling a step decided ahead (:meth:`DLLMRunnerMixin._execute_ahead`) lays out step N + 1 before step N is
-# decoded on the host, so N's is set aside while N + 1's is built, and back for N's decode
-STEP_FIELDS = ("batch", "_stepping", "_kept", "_num_kept", "_wasted", "_want_lp", "_skip_forward", "_forward_t0",
-               "_rows")
 
 
 def _logprobs_tensors(lps: dict[int, list], want: dict[int, int], width: int, rows: int):
@@ -154,6 +149,29 @@ class _Served:
     t0: float = field(default_factory=time.perf_counter)
 
 
+@dataclass
+class InFlight:
+    """What the runner holds of one step between its ``_prepare_inputs`` and its decode (``_sample``): one object
+    a step, made by :meth:`DLLMRunnerMixin._prepare_inputs`. Under a step laid out ahead
+    (:meth:`DLLMRunnerMixin._execute_ahead`) step N's is set aside while N + 1's is built, and put back for N's
+    decode on the host."""
+
+    rows: tuple  # the step's request ids (vLLM's batch order), query_start_loc, num_computed_tokens
+    batch: StepBatch | None = None  # its layout
+    stepping: dict[int, _Served] = field(default_factory=dict)  # batch row -> request whose step runs in it
+    wasted: set[int] = field(default_factory=set)  # batch rows whose forward nothing reads
+    kept: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))  # prediction rows with
+    num_kept: int = 0  # logits (DLLMStep.kept), and how many
+    want_lp: dict[int, int] = field(default_factory=dict)  # batch row -> logprobs asked (requests decoding)
+    skip_forward: bool = False  # every row wasted: no forward (DLLMRunnerMixin._model_forward)
+    forward_t0: float | None = None  # when its input preparation ended (the forward's wall time)
+    # under a step laid out ahead: the request ids of vLLM's batch after the next step's update where they differ
+    # from this step's (requests joined or left; this step's bookkeeping runs on it), and what requests of this
+    # step no longer in it emitted (recorded apart: DLLMRunnerMixin._sample_tokens)
+    live: list[str] | None = None
+    elsewhere: dict[str, list[int]] = field(default_factory=dict)
+
+
 class DLLMRunnerMixin(PSDRunnerMixin):
     """Decodes dLLM requests with :mod:`model_executor.decoding` (module docstring)."""
 
@@ -167,10 +185,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.logits_budget = logits_budget(vllm_config)  # the scheduler keeps every step within it
         self.spec = ArchSpec.from_hf_config(vllm_config.model_config.hf_config)
         self.served: dict[str, _Served] = {}
-        self.batch: StepBatch | None = None  # the step in flight
-        self._stepping: dict[int, _Served] = {}  # batch row -> request whose step runs in this forward
-        self._kept = torch.zeros(0, dtype=torch.bool)  # the step's prediction rows that get logits (DLLMStep.kept)
-        self._num_kept = 0  # how many
+        self.inflight: InFlight | None = None  # the step in flight (its decode not yet run)
         self._held_prompt_logprobs: dict = {}
         self.totals = {"requests": 0, "tokens": 0, "nfe": 0, "model_calls": 0}
         self.finished: dict[str, dict] = {}  # recent per-request figures, for psd_stats()
@@ -180,8 +195,6 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         # cut_steps: a request's planned step that vLLM did not schedule as planned (its rows decoded nothing);
         # resumed: requests back from a preemption; replays: the forwards that rebuilt their K/V (no NFE)
         self.step_time = {"steps": 0, "forward_seconds": 0.0, "cut_steps": 0, "resumed": 0, "replays": 0}
-        self._forward_t0: float | None = None
-        self._want_lp: dict[int, int] = {}  # this step: batch row -> logprobs asked (requests decoding)
         self._no_indices: torch.Tensor | None = None  # _calc_spec_decode_metadata's empty index fields
         # async scheduling (vLLM's batch queue): a step's decode waits for the next step's start; vLLM's own
         # bookkeeping stays synchronous (it sees every step decoded before the next begins)
@@ -197,9 +210,6 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         # forwards: the model's forwards run; skipped_forwards: steps whose every row was wasted (guesses that
         # missed, finished or failed requests), which ran none (:meth:`_model_forward`)
         self.step_time["forwards"] = self.step_time["skipped_forwards"] = 0
-        self._wasted: set[int] = set()  # this step: batch rows whose forward nothing reads
-        self._skip_forward = False
-        self._rows: tuple | None = None  # this step's request ids, query_start_loc, num_computed_tokens
         # a step decided ahead (docs/architecture.md "Overlap"): the steps laid out for step N + 1 before N's
         # decisions reached the host (request id -> its DLLMStep), their next block states where N's logits are
         # (request id -> ids), N's predictions and failures until its host decode, N + 1's ids write, and the
@@ -209,10 +219,6 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._launched: tuple | None = None
         self._ahead_write: tuple | None = None
         self._settling: dict = {}
-        # the request ids of vLLM's batch after step N + 1's update where they differ from N's (requests joined or
-        # left): N's decode, laid out ahead of, gives vLLM's bookkeeping its output in that order (_sample)
-        self._live: list[str] | None = None
-        self._elsewhere: dict[str, list[int]] = {}  # then: what requests of N no longer in vLLM's batch emitted
         # speculative_config.decide_ahead (auto: where the logits are on an accelerator); not under tensor
         # parallelism: there vLLM's output thread may decode the output rank's step N before N + 1 begins while
         # another rank decodes it at N + 1's start, so the ranks would lay N + 1 out differently (the logits rows of
@@ -295,7 +301,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens):
         self._parity ^= 1  # (the staging buffers of this step's uploads: PSDRunnerMixin._upload)
         logits_indices, spec_meta, max_sampled = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
-        self._rows = req_ids, qsl, computed = compat.batch_rows(self)
+        f = self.inflight = InFlight(compat.batch_rows(self))
+        req_ids, qsl, computed = f.rows
         resumed = compat.resumed_req_ids(scheduler_output)
         for rid in resumed:  # back from a preemption: vLLM re-prefills it in this forward
             if (s := self.served.get(rid)) is not None and rid not in self.failed:
@@ -304,7 +311,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 except Exception as e:
                     self._fail(rid, "resuming after a preemption", e)
                 self.step_time["resumed"] += 1
-        entries, self._stepping, self._wasted = [], {}, set()
+        entries = []
         plans = compat.shipped_plans(scheduler_output)
         for i, rid in enumerate(req_ids):
             n, start = int(qsl[i + 1]) - int(qsl[i]), int(computed[i])
@@ -315,7 +322,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 except Exception as e:
                     self._fail(rid, "planning its step", e)
             if rid in self.failed:
-                self._wasted.add(i)
+                f.wasted.add(i)
             entries.append(entry)
         if self.overlap:
             self._fit(entries, req_ids)
@@ -323,19 +330,19 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         # completed) forwards nothing anyone reads: its rows' K/V lies at or after the next real step's window
         # start, which rewrites it (Rows), so the forward is skipped (tensor-parallel ranks check that they agree
         # with the layout: PSDRunnerMixin._check_ranks; async scheduling refuses pipeline and data parallelism)
-        self.batch = self._build(entries, req_ids)
-        self._skip_forward = self.overlap and self.pp_size == 1 and len(self._wasted) == len(entries) > 0
+        f.batch = self._build(entries, req_ids)
+        f.skip_forward = self.overlap and self.pp_size == 1 and len(f.wasted) == len(entries) > 0
         if self._ahead_ids:
             self._ahead_write = self._ids_ahead(entries, req_ids, qsl)
-        self._publish(self.batch)
+        self._publish(f.batch)
         # logits only for the rows the decoders read (a rebuild's: none); vLLM computes at least one row
         kept = [e.kept.numpy() for e in entries if not isinstance(e, Rows)]
         kept = np.concatenate(kept) if kept else np.zeros(0, dtype=bool)
-        self._kept = torch.from_numpy(kept)
-        idx = self.batch.logits_rows.numpy()[kept]  # host arrays: numpy's boolean take costs a fraction of torch's
-        self._num_kept = idx.size
+        f.kept = torch.from_numpy(kept)
+        idx = f.batch.logits_rows.numpy()[kept]  # host arrays: numpy's boolean take costs a fraction of torch's
+        f.num_kept = idx.size
         idx = torch.from_numpy(idx if idx.size else np.zeros(1, dtype=np.int64))
-        self._forward_t0 = time.perf_counter()
+        f.forward_t0 = time.perf_counter()
         idx = self._upload("logits_rows", idx.to(logits_indices.dtype), logits_indices.device)
         return idx, spec_meta, max_sampled
 
@@ -343,14 +350,18 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                        **model_kwargs):
         """The model's forward, or, for a step whose every row is wasted (:meth:`_prepare_inputs`), zero hidden
         states of its rows' shape: that step decodes nothing and its logits are read by no one."""
-        if not self._skip_forward:
+        f = self.inflight
+        if f is None or not f.skip_forward:
             self.step_time["forwards"] += 1
             return super()._model_forward(input_ids=input_ids, positions=positions,
                                           intermediate_tensors=intermediate_tensors, inputs_embeds=inputs_embeds,
                                           **model_kwargs)
-        self._skip_forward = False
+        f.skip_forward = False
         self.step_time["skipped_forwards"] += 1
         return compat.zero_hidden_states(self, (input_ids if input_ids is not None else inputs_embeds).shape[0])
+
+    def _skips_forward(self) -> bool:
+        return self.inflight is not None and self.inflight.skip_forward
 
     def _calc_spec_decode_metadata(self, num_draft_tokens, cu_num_scheduled_tokens):
         """vLLM's rejection-sampling metadata of the step's drafts. This runner reads none of its indices (the
@@ -365,11 +376,11 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         """Batch row ``i``'s entry of the step: the request's planned step when vLLM scheduled it as planned
         (then it is stepping in this forward), else plain rows. ``shipped``: under pipeline parallelism, the step
         the last stage planned for it (:meth:`_stage_step`)."""
-        s = self._served(rid)
+        s, f = self._served(rid), self.inflight
         s.model_calls += 1
         ahead = self._ahead.get(rid) if self._ahead else None
         if ahead is not None and (start, n) == (ahead.w0, ahead.num_scheduled):  # laid out ahead: its ids come
-            self._stepping[i] = s  # from the last step's decisions where they were taken (_ids_ahead)
+            f.stepping[i] = s  # from the last step's decisions where they were taken (_ids_ahead)
             s.cuts = 0
             return ahead
         drafts = compat.scheduled_drafts(scheduler_output, rid)
@@ -383,14 +394,14 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 # the stages before this one lay out the shipped plan (or, for a first canvas, plan it as here)
                 raise RuntimeError("pipeline stages disagree on the request's step: the last stage planned "
                                    f"{_describe(st)}, the schedule carries {_describe(shipped)}")
-            self._stepping[i] = s
+            f.stepping[i] = s
             s.cuts = 0
             return st
         # a prefill (a re-prefill after a preemption too), or a step vLLM cut short: its rows decode nothing;
         # wasted (nothing reads their K/V) where they are a guess, scheduled with drafts (a prefill's chunk, the
         # rows of a re-prefill too, has none: its K/V is read)
         if drafts and (s.req.done or (st is not None and not resumed)):
-            self._wasted.add(i)
+            f.wasted.add(i)
         if st is not None and not resumed:
             self.step_time["cut_steps"] += 1
             s.cuts += 1
@@ -405,11 +416,11 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         (the request's last step's); where the planned drafts outgrew it past vLLM's input buffers or the logits
         budget, steps are cut: those cut fewest times in a row first (no request starves), then those with the most
         extra rows (counted; the plan stays, and the next step scheduled for it forwards it)."""
-        cap, budget = compat.input_capacity(self), self.logits_budget
+        cap, budget, f = compat.input_capacity(self), self.logits_budget, self.inflight
         steps = [i for i, e in enumerate(entries) if not isinstance(e, Rows) and e.num_canvases > 1]
         rows = sum(e.n if isinstance(e, Rows) else e.num_scheduled + (e.num_canvases - 1) * e.seg_len for e in entries)
         logits = sum(0 if isinstance(e, Rows) else e.num_logits_rows for e in entries)
-        order = sorted(steps, key=lambda i: (self._stepping[i].fit_cuts if i in self._stepping else 0,
+        order = sorted(steps, key=lambda i: (f.stepping[i].fit_cuts if i in f.stepping else 0,
                                              -(entries[i].num_canvases - 1) * entries[i].seg_len))
         for i in order:
             if rows <= cap and logits <= budget:
@@ -418,11 +429,11 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             rows -= (e.num_canvases - 1) * e.seg_len
             logits -= e.num_logits_rows
             entries[i] = Rows(e.num_scheduled, e.w0)
-            self._wasted.add(i)
-            if (s := self._stepping.pop(i, None)) is not None:
+            f.wasted.add(i)
+            if (s := f.stepping.pop(i, None)) is not None:
                 s.fit_cuts += 1
             self.step_time["cut_steps"] += 1
-        for s in self._stepping.values():
+        for s in f.stepping.values():
             s.fit_cuts = 0
 
     def _stage_step(self, s: _Served, shipped):
@@ -448,8 +459,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 except Exception as err:
                     self._fail(req_ids[i], "laying out its step", err)
                     entries[i] = Rows(e.num_scheduled, e.w0)
-                    self._stepping.pop(i, None)
-                    self._wasted.add(i)
+                    self.inflight.stepping.pop(i, None)
+                    self.inflight.wasted.add(i)
         return build_step_batch(entries)
 
     def _dummy_sampler_run(self, hidden_states):
@@ -464,20 +475,21 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def _sample(self, logits, spec_decode_metadata):
         """Decoder updates from this step's logits; a completed block is this step's sampled tokens. What raises
         for one request fails that request alone (:meth:`~.runner.PSDRunnerMixin._fail`)."""
-        if self._forward_t0 is not None:
+        f = self.inflight
+        if f.forward_t0 is not None:
             self.step_time["steps"] += 1
-            self.step_time["forward_seconds"] += time.perf_counter() - self._forward_t0
-            self._forward_t0 = None
+            self.step_time["forward_seconds"] += time.perf_counter() - f.forward_t0
+            f.forward_t0 = None
         self._publish(None)
-        req_ids, qsl, computed = self._rows
-        canvas_rows = {i: self.batch.canvas_rows[i] for i in self._stepping}
-        steps = {i: s.req.step for i, s in self._stepping.items()}
-        logits = logits[: self._num_kept]  # past them: vLLM's one row when the step keeps none
+        req_ids, qsl, computed = f.rows
+        canvas_rows = {i: f.batch.canvas_rows[i] for i in f.stepping}
+        steps = {i: s.req.step for i, s in f.stepping.items()}
+        logits = logits[: f.num_kept]  # past them: vLLM's one row when the step keeps none
         decoding = [i for i, st in steps.items() if not st.rebuild]  # a rebuild's logits are not for the decoder
         self._decode(logits, decoding, steps, canvas_rows, req_ids)
         outs: list[list[int]] = []
         lps: dict[int, list] = {}  # batch row -> (token, logprob, top, rank) of each emitted token
-        self._elsewhere = {}
+        f.elsewhere = {}
         for i, rid in enumerate(req_ids):
             emit: list[int] = []
             if rid not in self.failed and not self._gone(rid):
@@ -487,12 +499,12 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                     self._fail(rid, "committing its step", e)
             outs.append([] if rid in self.failed else emit)
         lps = {i: v for i, v in lps.items() if req_ids[i] not in self.failed}
-        want = self._want_lp
-        if self._live is not None:  # vLLM's batch is N + 1's now (_execute_ahead): its bookkeeping takes this order
-            live = set(self._live)  # (what a request that left it alive emits is recorded apart: _sample_tokens)
-            self._elsewhere = {rid: o for rid, o in zip(req_ids, outs) if o and rid not in live}
+        want = f.want_lp
+        if f.live is not None:  # vLLM's batch is N + 1's now (_execute_ahead): its bookkeeping takes this order
+            live = set(f.live)  # (what a request that left it alive emits is recorded apart: _sample_tokens)
+            f.elsewhere = {rid: o for rid, o in zip(req_ids, outs) if o and rid not in live}
             at = {rid: i for i, rid in enumerate(req_ids)}
-            order = [at.get(rid) for rid in self._live]
+            order = [at.get(rid) for rid in f.live]
             outs = [outs[i] if i is not None else [] for i in order]
             lps = {j: lps[i] for j, i in enumerate(order) if i in lps}
             want = {j: want[i] for j, i in enumerate(order) if i in want}
@@ -504,17 +516,18 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def _gone(self, rid: str) -> bool:
         """Whether a request of the step being decoded has left vLLM's batch since (finished or aborted: under a
         step laid out ahead, the next step's update ran first); it did not step in it (:meth:`_plan_ahead`)."""
-        return self._live is not None and rid not in self.served and rid not in self.failed
+        return self.inflight.live is not None and rid not in self.served and rid not in self.failed
 
     def _decode(self, logits, decoding: list[int], steps: dict, canvas_rows: dict, req_ids: list[str]) -> None:
         """The decoders of the batch rows ``decoding`` take this step's predictions, and logprobs are recorded for
         the requests that ask (:func:`~model_executor.dllm_request.decode_step`, the reference engine's step
         too). A request whose rules, grammar, logits (non-finite), update or logprobs raise is failed; the others'
         decoding is that of a step without it; what no one request caused fails the step's requests."""
-        served = self._stepping
+        f = self.inflight
+        served = f.stepping
         rids = [req_ids[i] for i in decoding]
         asked = [compat.sampling_params(self, rid).logprobs for rid in rids]
-        self._want_lp = {i: k for i, k in zip(decoding, asked) if k is not None}
+        f.want_lp = {i: k for i, k in zip(decoding, asked) if k is not None}
         failed: dict[int, Exception] = {}
         reqs, sts = [served[i].req for i in decoding], [steps[i] for i in decoding]
         rows = [canvas_rows[i] for i in decoding]
@@ -523,7 +536,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             if preds is not None:
                 self._contain("decoding its step", rids, update_step, preds, reqs, sts, rows, asked, failed)
         else:
-            self._contain("decoding its step", rids, decode_step, logits, self._kept, self.spec.mask_token_id, reqs,
+            self._contain("decoding its step", rids, decode_step, logits, f.kept, self.spec.mask_token_id, reqs,
                           sts, rows, [served[i].rules for i in decoding], asked, failed, self._staging)
         for n, e in failed.items():
             self._fail(rids[n], "decoding its step", e)
@@ -531,13 +544,13 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def _stepped(self, i: int, rid: str, step, lps: dict, end: int) -> list[int]:
         """Batch row ``i``'s bookkeeping after the step (its decoder took the predictions; ``end``: where the K/V
         it forwarded ends); returns the tokens it emits (a completed block)."""
-        s = self._served(rid)
-        if i in self._stepping and step.rebuild:  # the K/V is as that block's first step left it
+        s, f = self._served(rid), self.inflight
+        if i in f.stepping and step.rebuild:  # the K/V is as that block's first step left it
             s.req.rebuilt()
             self.step_time["replays"] += 1
-        elif i in self._stepping:
+        elif i in f.stepping:
             emit = s.req.stepped(step)
-            if emit and i in self._want_lp:
+            if emit and i in f.want_lp:
                 lps[i] = s.req.logprobs_of(step.b0 - s.req.prompt_len, len(emit))
             if s.req.done:
                 self._record(rid, s)
@@ -552,7 +565,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         """Each running request's next canvas (module docstring)."""
-        req_ids = [rid for rid in self._rows[0] if not self._gone(rid)]
+        req_ids = [rid for rid in self.inflight.rows[0] if not self._gone(rid)]
         drafts, nexts = [], []
         ready = [(rid, s) for rid in req_ids if rid not in self.failed and (s := self._served(rid)).req.needs_proposal
                  and not s.prefilling]
@@ -644,20 +657,21 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         the decode would plan (no step planned yet) keeps the whole step from being laid out ahead. Requests may
         join and leave vLLM's batch (the last step's output is put in the batch's new order for vLLM's bookkeeping
         and back: :meth:`_sample`, :meth:`_sample_tokens`); not where vLLM applies a grammar bitmask (by its rows)."""
-        rows = self._rows
-        if not self.decides_ahead or rows is None or not self._stepping \
+        f = self.inflight
+        if not self.decides_ahead or f is None or not f.stepping \
                 or not compat.scheduled_req_ids(scheduler_output):  # (nothing to lay out: N decodes as ever)
             return None
-        stepped = [rows[0][i] for i in self._stepping]
+        rows = f.rows
+        stepped = [rows[0][i] for i in f.stepping]
         if not compat.carries_over(scheduler_output, stepped) or d.grammar_output is not None:
             return None
-        if not decides_ahead([s.req.dec for s in self._stepping.values() if s.req.dec is not None]) \
+        if not decides_ahead([s.req.dec for s in f.stepping.values() if s.req.dec is not None]) \
                 or compat.kv_connector():
             return None
         sched = compat.scheduled_rows(scheduler_output)
         ahead = {}
         for i, rid in enumerate(rows[0]):
-            s = self._stepping.get(i)
+            s = f.stepping.get(i)
             if s is None:  # it did not step in N (its rows were cut; it failed, or is done): N's decode leaves it
                 t = self.served.get(rid)  # as it is, and its next step, planned already, is laid out as ever (_entry)
                 if rid not in self.failed and (t is None or not t.req.done and t.req.step is None):
@@ -685,7 +699,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         ahead; the rows of a request whose plan is another step (N completed its block, or it failed) decode
         nothing (a cut step, as when the scheduler's guess misses). vLLM's per-step state of N (its
         ``execute_model`` outputs) and the runner's are set aside around N + 1's ``execute_model``."""
-        outputs_n, step_n = compat.take_step_outputs(self), self._step_context()
+        outputs_n, step_n = compat.take_step_outputs(self), self.inflight
         stream = torch.cuda.stream(d.stream) if d.stream is not None else contextlib.nullcontext()
         try:
             with torch.inference_mode(), stream:
@@ -698,29 +712,29 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             raise
         finally:
             self._ahead = self._ahead_ids = self._ahead_write = None
-        outputs_next, step_next = compat.take_step_outputs(self), self._step_context()
+        outputs_next, step_next = compat.take_step_outputs(self), self.inflight
         compat.put_step_outputs(self, outputs_n)
-        self._enter_step(step_n)
+        self.inflight = step_n
         self._settling = {id(s): ahead[rid] for rid in ahead if (s := self.served.get(rid)) is not None}
         self._launched = preds, failed
         # vLLM's batch as N + 1 left it (requests joined or left): N's bookkeeping runs on it
         live = compat.batch_req_ids(self)
-        self._live = live if live != step_n["_rows"][0] else None
-        self.step_time["ahead_rebatched"] += self._live is not None
-        self.step_time["ahead_left"] += sum(step_n["_rows"][0][i] not in live for i in step_n["_stepping"])
+        step_n.live = live if live != step_n.rows[0] else None
+        self.step_time["ahead_rebatched"] += step_n.live is not None
+        self.step_time["ahead_left"] += sum(step_n.rows[0][i] not in live for i in step_n.stepping)
         try:
             self._decode_deferred(d)
         finally:
-            self._launched, self._settling, self._live = None, {}, None
-            self._enter_step(step_next)
+            self._launched, self._settling = None, {}
+            self.inflight = step_next
             compat.put_step_outputs(self, outputs_next)
-        req_ids = self._rows[0]
-        for i, s in list(self._stepping.items()):
+        req_ids = step_next.rows[0]
+        for i, s in list(step_next.stepping.items()):
             if req_ids[i] not in ahead:  # laid out from its plan, made before (N's decode left it as it was)
                 self.step_time["ahead_planned"] += 1
             elif s.req.step is not ahead[req_ids[i]]:  # its plan is another step: these rows decode nothing
-                del self._stepping[i]
-                self._wasted.add(i)
+                del step_next.stepping[i]
+                step_next.wasted.add(i)
                 self.step_time["cut_steps"] += 1
                 s.cuts += 1
         self.step_time["ahead"] += 1
@@ -731,17 +745,18 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         (:func:`~model_executor.dllm_request.launch_step`), the host waiting for nothing: ``(predictions,
         failures by index into the decoding rows, request id -> its next block state there)``; the failures are
         failed by N's host decode (:meth:`_decode`)."""
-        req_ids = self._rows[0]
-        steps = {i: s.req.step for i, s in self._stepping.items()}
+        f = self.inflight
+        req_ids = f.rows[0]
+        steps = {i: s.req.step for i, s in f.stepping.items()}
         decoding = [i for i, st in steps.items() if not st.rebuild]
         rids = [req_ids[i] for i in decoding]
         failed: dict[int, Exception] = {}
         if logits is None:
             return None, failed, {}
-        got = self._contain("decoding its step", rids, launch_step, logits[: self._num_kept], self._kept,
-                            self.spec.mask_token_id, [self._stepping[i].req for i in decoding],
-                            [steps[i] for i in decoding], [self.batch.canvas_rows[i] for i in decoding],
-                            [self._stepping[i].rules for i in decoding], failed, self._staging)
+        got = self._contain("decoding its step", rids, launch_step, logits[: f.num_kept], f.kept,
+                            self.spec.mask_token_id, [f.stepping[i].req for i in decoding],
+                            [steps[i] for i in decoding], [f.batch.canvas_rows[i] for i in decoding],
+                            [f.stepping[i].rules for i in decoding], failed, self._staging)
         if got is None:  # (what no one request caused: every one failed already)
             return None, failed, {}
         preds, nexts = got
@@ -770,13 +785,6 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             buf, _ = compat.input_buffers(self)
             buf.index_copy_(0, self._upload("ahead_rows", rows, buf.device), ids.to(buf.dtype))
         return out
-
-    def _step_context(self) -> dict:
-        return {k: getattr(self, k) for k in STEP_FIELDS}
-
-    def _enter_step(self, ctx: dict) -> None:
-        for k, v in ctx.items():
-            setattr(self, k, v)
 
     def _adopt_plans(self, scheduler_output, ahead: dict | None = None) -> None:
         """The scheduler scheduled each continuing request's step before this runner planned it (async
@@ -834,11 +842,11 @@ class DLLMRunnerMixin(PSDRunnerMixin):
 
     def _sample_tokens(self, grammar_output):
         out = super().sample_tokens(grammar_output)
-        if self._live is not None:  # (vLLM's bookkeeping ran on N + 1's batch: the output in this step's order)
-            for rid, tokens in self._elsewhere.items():
+        f = self.inflight
+        if f is not None and f.live is not None:  # (vLLM's bookkeeping ran on N + 1's batch: back to this order)
+            for rid, tokens in f.elsewhere.items():
                 compat.record_output_tokens(self, rid, tokens)
-            out = compat.reorder_output(out, self._rows[0], self._elsewhere)
-            self._elsewhere = {}
+            out = compat.reorder_output(out, f.rows[0], f.elsewhere)
         # prompt logprobs (computed in the prefill forward) travel with the request's first emitted block:
         # the scheduler sends nothing for a step that emits no token
         plp = getattr(out, "prompt_logprobs_dict", None)

@@ -115,6 +115,10 @@ class PSDRunnerMixin:
             self._check_ranks(batch)
         set_step(batch)
 
+    def _skips_forward(self) -> bool:
+        """Whether the step being laid out runs no forward (the dLLM runner's steps of wasted rows alone)."""
+        return False
+
     def _check_ranks(self, batch: StepBatch) -> None:
         """Under tensor parallelism every rank lays out the step itself, from the decoders it runs on the gathered
         logits; ranks that disagreed would compute their heads of different attention for one all-reduce (wrong
@@ -124,7 +128,7 @@ class PSDRunnerMixin:
             self._tp_group = compat.tensor_parallel_cpu_group()
         if self._tp_group is None:
             return
-        fp = batch.fingerprint() ^ int(getattr(self, "_skip_forward", False))  # and whether the forward runs
+        fp = batch.fingerprint() ^ int(self._skips_forward())  # and whether the forward runs
         both = torch.tensor([fp, -fp], dtype=torch.long)
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=self._tp_group)
         if int(both[0]) != fp or int(both[1]) != -fp:
