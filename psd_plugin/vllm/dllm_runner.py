@@ -707,6 +707,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             self._ahead, self._ahead_ids = ahead, ids
             self._adopt_plans(scheduler_output, ahead)  # (the others' steps are planned: their ids are known)
             out = super().execute_model(scheduler_output, *args, **kwargs)
+            if self.inflight is step_n:  # (_plan_ahead asks for a schedule whose inputs vLLM prepares)
+                raise RuntimeError("psd-plugin: vLLM ran a step laid out ahead without preparing its inputs")
         except BaseException as e:  # (an engine fault: N is not decoded, and asking for its output raises this)
             d.error, self._deferred = e, None
             raise
