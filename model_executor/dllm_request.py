@@ -262,11 +262,7 @@ class DLLMRequest:
         if w0 > self.cached:
             raise RuntimeError(f"window starts at {w0} but only {self.cached} positions are cached")
         keep = sch.cached_after((b0, b1), w0, fresh=self.fresh, cached=self.cached)
-        # host arrays (numpy views of the host tensors: a step's few small ops cost microseconds each in torch)
-        rows = np.empty((len(canvases), w1 - w0), dtype=np.int64)
-        rows[:] = self.tokens.numpy()[w0:w1]  # every canvas from the request's tokens, then its block
-        for k, c in enumerate(canvases):
-            rows[k, b0 - w0: b1 - w0] = c.numpy()
+        rows = self._canvas_rows(w0, w1, b0, b1, [c.numpy() for c in canvases])
         block = rows[:, b0 - w0: b1 - w0]
         # the rows a decoder reads: the positions each canvas leaves masked (no prediction is read elsewhere; a draw
         # is keyed by its position, so drawing the masked ones alone is the draw of the block), every row for a
@@ -274,6 +270,16 @@ class DLLMRequest:
         kept = np.ones(block.shape, dtype=bool) if self.dec.reads_all_rows else block == self.mask_id
         return DLLMStep(w0, w1, b0, b1, torch.from_numpy(rows), keep, sch.shift, sch.kept_suffix((b0, b1), self.total),
                         proposal, torch.from_numpy(kept.reshape(-1)))
+
+    def _canvas_rows(self, w0: int, w1: int, b0: int, b1: int, blocks: list[np.ndarray]) -> np.ndarray:
+        """``[K, w1 - w0]`` ids of a step's canvases over the window: the request's tokens, each canvas's block
+        ``[b0, b1)`` from ``blocks``. Host arrays (numpy views of the host tensors: a step's few small ops cost
+        microseconds each in torch)."""
+        rows = np.empty((len(blocks), w1 - w0), dtype=np.int64)
+        rows[:] = self.tokens.numpy()[w0:w1]
+        for k, c in enumerate(blocks):
+            rows[k, b0 - w0: b1 - w0] = c
+        return rows
 
     def step_after(self, step: DLLMStep) -> tuple[int, int, int, int] | None:
         """``(w0, rows, extra rows, logits rows)`` of the step after ``step`` (planned, not yet forwarded) if
@@ -307,9 +313,7 @@ class DLLMRequest:
         b0, b1 = step.b0, step.b1
         w0, w1 = self.schedule.window((b0, b1), self.total, fresh=False, cached=step.keep, prompt_len=self.prompt_len)
         keep = self.schedule.cached_after((b0, b1), w0, fresh=False, cached=step.keep)
-        rows = np.empty((1, w1 - w0), dtype=np.int64)
-        rows[0] = self.tokens.numpy()[w0:w1]
-        rows[0, b0 - w0: b1 - w0] = step.tokens.numpy()[0, b0 - step.w0: b1 - step.w0]
+        rows = self._canvas_rows(w0, w1, b0, b1, [step.tokens.numpy()[0, b0 - step.w0: b1 - step.w0]])
         return DLLMStep(w0, w1, b0, b1, torch.from_numpy(rows), keep, step.shift, step.suffix, step.proposal,
                         step.kept.clone())
 

@@ -518,7 +518,8 @@ def keep_runner_synchronous(runner) -> None:
 
 
 def scheduled_rows(scheduler_output) -> dict[str, tuple[int, int]]:
-    """Per request continuing from an earlier step: (its first scheduled position, rows scheduled)."""
+    """Per request continuing from an earlier step: (its first scheduled position, rows scheduled). A request
+    of the last step missing here is not scheduled now."""
     cached = scheduler_output.scheduled_cached_reqs
     n = scheduler_output.num_scheduled_tokens
     return {rid: (int(start), n[rid]) for rid, start in zip(cached.req_ids, cached.num_computed_tokens) if rid in n}
@@ -639,10 +640,6 @@ def carries_over(scheduler_output, req_ids: list[str]) -> bool:
     order again."""
     return not (scheduler_output.preempted_req_ids or scheduler_output.scheduled_cached_reqs.resumed_req_ids
                 or any(r in scheduler_output.finished_req_ids for r in req_ids))
-
-
-def scheduled(scheduler_output, req_id: str) -> bool:
-    return req_id in scheduler_output.num_scheduled_tokens
 
 
 def record_output_tokens(runner, req_id: str, tokens: list[int]) -> None:

@@ -680,7 +680,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             st = s.req.step
             if rid in self.failed or st is None or st.rebuild or s.req.dec is None:
                 return None
-            if not compat.scheduled(scheduler_output, rid):  # it leaves vLLM's batch alive (a certain completion
+            if rid not in sched:  # it leaves vLLM's batch alive (a certain completion
                 if compat.sampling_params(self, rid).logprobs is not None:  # of its block waits for its outcome;
                     return None  # no room in the step): what N emits is recorded for it (_sample_tokens)
                 continue
