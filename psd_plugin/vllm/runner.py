@@ -115,6 +115,13 @@ class PSDRunnerMixin:
             self._check_ranks(batch)
         set_step(batch)
 
+    def _bookkeeping_sync(self, *args, **kwargs):
+        """vLLM's bookkeeping of a step, without its rewind of the generators of the rows it discards (prompt
+        chunks short of the prompt's end): the plugin's steps leave those generators as they were before the step
+        (:func:`.compat.generators_left_alone`; the generators are read nowhere else there)."""
+        with compat.generators_left_alone(self, list(compat.request_generators(self))):
+            return super()._bookkeeping_sync(*args, **kwargs)
+
     def _skips_forward(self) -> bool:
         """Whether the step being laid out runs no forward (the dLLM runner's steps of wasted rows alone)."""
         return False
