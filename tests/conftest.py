@@ -1,6 +1,7 @@
 import functools
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,25 @@ def in_process_vllm():
         os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
     else:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old
+
+
+@pytest.fixture(autouse=True)
+def _a_failed_in_process_engine_ends_with_its_test(request):
+    """A test whose in-process vLLM engine raised leaves that engine alive in its traceback (pytest keeps the last
+    failure's in ``sys.last_traceback`` for post-mortem debugging); whenever the garbage collector later finalizes
+    it, vLLM's ``InprocClient`` finalizer tears down the process's distributed state (``cleanup_dist_env_and_memory``),
+    by then the next test's engine's: that engine then fails with "pipeline model parallel group is not
+    initialized", one failure becoming many. The failed test's frames are cleared and the engine finalized here,
+    before the next test starts."""
+    yield
+    if "in_process_vllm" not in request.fixturenames or getattr(sys, "last_traceback", None) is None:
+        return
+    import gc
+    import traceback
+
+    traceback.clear_frames(sys.last_traceback)
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
