@@ -75,7 +75,7 @@ SCHEDULER_HOOKS = {
 RUNNER_ATTRIBUTES = ("input_batch", "query_start_loc", "requests", "attn_groups", "model_config", "scheduler_config",
                      "device", "input_ids", "positions", "max_num_tokens", "kv_cache_config", "model", "vllm_config",
                      "drafter", "intermediate_tensors", "use_async_scheduling", "use_async_spec_decode",
-                     "execute_model_state", "kv_connector_output")
+                     "execute_model_state", "kv_connector_output", "num_prompt_logprobs")
 INPUT_BATCH_ATTRIBUTES = ("req_ids", "num_computed_tokens_cpu", "num_tokens_no_spec", "temperature_cpu", "generators",
                           "block_table")
 WORKER_ATTRIBUTES = ("model_runner", "parallel_config")
@@ -368,6 +368,13 @@ def tensor_parallel_cpu_group():
 
     group = get_tp_group()
     return group.cpu_group if group.world_size > 1 else None
+
+
+def prompt_logprobs_pending(runner) -> bool:
+    """Whether a request of the batch still has prompt logprobs to compute (vLLM's runner computes them from a
+    prefill step's hidden states, in that step's bookkeeping: ``_get_prompt_logprobs_dict``, with the batch's
+    state as it is then)."""
+    return bool(runner.num_prompt_logprobs)
 
 
 def request_generators(runner) -> dict[int, object]:

@@ -663,7 +663,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             return None
         rows = f.rows
         stepped = [rows[0][i] for i in f.stepping]
-        if not compat.carries_over(scheduler_output, stepped) or d.grammar_output is not None:
+        if not compat.carries_over(scheduler_output, stepped) or d.grammar_output is not None \
+                or compat.prompt_logprobs_pending(self):  # (vLLM's bookkeeping of N reads them from N + 1's state)
             return None
         if not decides_ahead([s.req.dec for s in f.stepping.values() if s.req.dec is not None]) \
                 or compat.kv_connector():
@@ -737,8 +738,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             elif s.req.step is not ahead[req_ids[i]]:  # its plan is another step: these rows decode nothing
                 del step_next.stepping[i]
                 step_next.wasted.add(i)
-                self.step_time["cut_steps"] += 1
-                s.cuts += 1
+                if s.req.step is not None:  # (a request done at N: wasted rows, not a cut step, as in _entry)
+                    self.step_time["cut_steps"] += 1
+                    s.cuts += 1
         self.step_time["ahead"] += 1
         return out
 
