@@ -235,6 +235,9 @@ def test_client_cannot_set_the_plugins_keys(psd_llm, prompts, solo):
         with pytest.raises(VLLMValidationError, match=key):
             _run(psd_llm, prompts[:1], extra_args={key: "junk"})
     assert _run(psd_llm, prompts[:1], extra_args={"my_key": 1})[0][:2] == solo[0][:2]  # other keys: the client's
+    # scoring given tokens: vLLM's scheduler would attach logprobs the step never made (a 500 in the chat API)
+    with pytest.raises(VLLMValidationError, match="logprob_token_ids=\\[5, 6\\]: psd-plugin does not score"):
+        _run(psd_llm, prompts[:1], logprobs=2, logprob_token_ids=[5, 6])
 
 
 # ------------------------------------------------------------------ grammars compile off the step

@@ -46,6 +46,8 @@ def test_presto_failures_are_contained(monkeypatch, ar_prompts):
     try:
         with pytest.raises(VLLMValidationError, match="psd_grammar"):
             _run(llm, ar_prompts[:1], extra_args={"psd_grammar": "junk"})
+        with pytest.raises(VLLMValidationError, match="logprob_token_ids"):
+            _run(llm, ar_prompts[:1], logprob_token_ids=[5])
         # drafting raises every step: no request is lost, every one is the target's greedy decoding
         with monkeypatch.context() as m:
             m.setattr(TreeDrafter, "draft", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("x")))

@@ -647,6 +647,22 @@ def test_a_step_with_drawn_rows_keeps_the_greedy_rows_greedy(dtype):
     assert not torch.equal(mixed.tokens[L: 2 * L], greedy.tokens[L: 2 * L])  # it drew
 
 
+def test_a_requests_draw_keys_do_not_depend_on_the_seeds_beside_it():
+    """Seeds are 64-bit: a seed past 2**63 (vLLM's ``seed + 1`` for the second of ``n`` samples of seed 2**63 - 1)
+    in the same step must not change another request's keys (numpy would join the seeds as float64, rounding a
+    seed past 2**53)."""
+    from model_executor.decoding import Sampling
+    from model_executor.decoding.sampling import row_draws
+
+    L, ones = 4, np.ones(4, dtype=bool)
+    other = (Sampling(0.9, seed=2 ** 53 + 1), 10, [0], [1], L, ones)
+    alone = row_draws([other], None).keys
+    beside = row_draws([other, (Sampling(0.9, seed=2 ** 63), 10, [L], [1], L, ones)], None).keys
+    assert torch.equal(beside[:L], alone)
+    high = row_draws([(Sampling(0.9, seed=2 ** 63), 10, [0], [1], L, ones)], None).keys
+    assert torch.equal(beside[L:], high) and not torch.equal(high, alone)
+
+
 def test_the_draws_in_place_hash_is_splitmix64():
     """The draw's per-token hash runs in place (``_mix_``, a cached ``token * golden``); its bits are SplitMix64's
     written out functionally (``_mix``), for every token range and row key, so a draw is the same on every

@@ -157,7 +157,9 @@ def row_draws(jobs: list[tuple[Sampling, int, list[int], list[int], int, np.ndar
             rows.append(a + j)
             pos.append(b0 + j)
             steps.append(np.full(len(j), st))
-            seeds.append(np.full(len(j), s.seed))
+            # the seed's 64 bits as int64 (a seed past 2**63, vLLM's seed + 1 of an n > 1 child, would make numpy
+            # join the step's seeds as float64 and round every other request's seed past 2**53)
+            seeds.append(np.full(len(j), s.seed % 2 ** 64, dtype=np.uint64).view(np.int64))
             knobs.append(np.tile([s.temperature, s.top_k, s.top_p, s.min_p, s.confidence == "tempered"], (len(j), 1)))
     if not rows:
         return None
@@ -165,7 +167,7 @@ def row_draws(jobs: list[tuple[Sampling, int, list[int], list[int], int, np.ndar
     if at is not None:
         r = at[r]
     kn = np.concatenate(knobs)
-    keys = row_keys(torch.from_numpy(np.concatenate(seeds).astype(np.int64)),
+    keys = row_keys(torch.from_numpy(np.concatenate(seeds)),
                     torch.from_numpy(np.concatenate(pos).astype(np.int64)),
                     torch.from_numpy(np.concatenate(steps).astype(np.int64)))
     return RowDraws(r.astype(np.int64), keys, kn[:, 0], kn[:, 1].astype(np.int64), kn[:, 2], kn[:, 3], kn[:, 4] > 0)

@@ -62,6 +62,18 @@ GRAMMAR_ARG = "psd_grammar"  # SamplingParams.extra_args key: the request's gram
 RESERVED_PREFIX = "psd_"
 
 
+def refuse_logprob_token_ids(params) -> None:
+    """Raise :class:`VLLMValidationError` for ``logprob_token_ids`` (the logprobs of given tokens at each emitted
+    position): the plugin's steps return the emitted tokens' logprobs and their top alternatives (dLLM) or none
+    (PRESTO), and vLLM's scheduler would still attach logprobs for them (an empty or wrong entry, and a 500 in the
+    chat API's formatting)."""
+    ids = getattr(params, "logprob_token_ids", None)
+    if ids:
+        raise VLLMValidationError(f"logprob_token_ids={ids!r}: psd-plugin does not score given tokens; use logprobs "
+                                  "(the emitted token's and its top alternatives', dLLM decoding)",
+                                  parameter="logprob_token_ids", value=ids)
+
+
 def refuse_reserved_args(params) -> None:
     """Raise :class:`VLLMValidationError` (a 400) when a request's ``extra_args`` (a client's ``vllm_xargs``)
     holds a key of the plugin's (:data:`RESERVED_PREFIX`)."""
@@ -207,6 +219,7 @@ def install() -> None:
                 request.sampling_params.logit_bias, request.sampling_params.min_p = held
             if isinstance(request.sampling_params, SamplingParams) and ("psd" in extra or "presto" in extra):
                 refuse_reserved_args(request.sampling_params)
+                refuse_logprob_token_ids(request.sampling_params)
                 if compat.prompt_embeds(request) is not None or request.prompt_token_ids is None:
                     raise VLLMValidationError(
                         "prompt_embeds: psd-plugin decodes from the prompt's token ids (a dLLM's canvases and "
