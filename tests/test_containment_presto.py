@@ -77,5 +77,22 @@ def test_presto_failures_are_contained(monkeypatch, ar_prompts):
         assert got[POISON][0] == "error"
         assert [g for i, (_, g) in enumerate(got) if i != POISON] == [g for i, g in enumerate(greedy) if i != POISON]
         assert _run(llm, [ar_prompts[POISON]])[0][1] == greedy[POISON]
+        # ... also in the step that finishes its prompt, asking for prompt logprobs: vLLM computed them in that
+        # step, and its scheduler asserts that a request emitting nothing has none (the engine ended there)
+        original_walk = presto_runner.PrestoRunnerMixin._accept
+
+        def walk(self, live, trees, logits, argmax, req_ids):
+            out = original_walk(self, live, trees, logits, argmax, req_ids)
+            for k, i in enumerate(live):
+                if compat.request_tokens(self, req_ids[i])[0] == poison:
+                    self._fail(req_ids[i], "verifying its tree", RuntimeError("injected failure in the tree walk"))
+                    out[k] = None
+            return out
+
+        with monkeypatch.context() as m:
+            m.setattr(presto_runner.PrestoRunnerMixin, "_accept", walk)
+            got = _run(llm, ar_prompts, prompt_logprobs=1)
+        assert got[POISON][0] == "error"
+        assert [g for i, (_, g) in enumerate(got) if i != POISON] == [g for i, g in enumerate(greedy) if i != POISON]
     finally:
         compat.shutdown(llm)

@@ -116,6 +116,16 @@ class PrestoRunnerMixin(PSDRunnerMixin):
         self._publish(build_step_batch(entries))
         return out
 
+    def sample_tokens(self, grammar_output):
+        """vLLM's step output, without the prompt logprobs of a request that failed in the step that finished its
+        prompt: vLLM computed them there, the request emits nothing, and vLLM's scheduler asserts that a request
+        emitting nothing has none (the engine ended); the request's error is all it gets."""
+        out = super().sample_tokens(grammar_output)
+        plp = getattr(out, "prompt_logprobs_dict", None)
+        for rid in [r for r in plp or () if r in self.failed]:
+            plp.pop(rid)
+        return out
+
     def _sample(self, logits, spec_decode_metadata):
         self._publish(None)
         if spec_decode_metadata is None:
