@@ -405,14 +405,15 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], pr
     state before the step), under its state canvas's distribution of this forward (the block's prediction rows
     of ``preds`` from row ``firsts[i]``, whose logits are after the request's rules, mask token excluded; a
     committed position was masked in the state canvas, so its logits were computed), with its ``ks[i]`` most
-    likely tokens. Stored per answer position in ``DLLMRequest.logprobs`` (:meth:`DLLMRequest.logprobs_of`); a
-    position is committed once, so once recorded. Every request's rows are computed at once on the logits'
-    device and come back in one copy."""
+    likely tokens. Stored per answer position in ``DLLMRequest.logprobs`` (:meth:`DLLMRequest.logprobs_of`): a
+    position is recorded when its token is written, and again whenever an editing decoder (joint_threshold)
+    rewrites it, so the entry a block emits is the distribution its final token was taken from. Every request's
+    rows are computed at once on the logits' device and come back in one copy."""
     picks, want = [], []  # per request: its committed block positions; per committed position: (request, pos)
     for i, (r, before) in enumerate(zip(requests, befores)):
         if r.dec is None:
             continue
-        new = ((before == r.mask_id) & (r.dec.state != r.mask_id)).nonzero().flatten()
+        new = ((before != r.dec.state) & (r.dec.state != r.mask_id)).nonzero().flatten()  # filled or rewritten
         picks.append(firsts[i] + new)
         want.extend((i, pos) for pos in new.tolist())
     if not want:

@@ -222,6 +222,24 @@ def test_rules_apply_vllms_formulas_and_keep_their_uploads():
     assert rules.on(torch.device("cpu"), V) is rules.on(torch.device("cpu"), V)
 
 
+def test_a_rewritten_position_reports_the_logprob_of_the_token_it_emits(mixed_prompts):
+    """joint_threshold with full editing (``edit_threshold=0``), greedy, ``logprobs=1``: a position rewritten after
+    it was filled reports the distribution its final token was taken from, not the first token's (17 of 51
+    emitted tokens lacked their own entry when a position was recorded once): every emitted token is in its
+    entry, the forward's most likely (rank 1), and a token decoded without edits keeps the entry it had."""
+    eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
+    kw = dict(max_tokens=32, block_size=8, method="joint_threshold", logprobs=1)
+    out = eng.generate(mixed_prompts, edit_threshold=0.0, **kw)
+    assert sum(r.stats["edits"] for r in out) > 0  # positions were rewritten
+    for r in out:
+        assert len(r.logprobs) == len(r.token_ids)
+        for tok, entry in zip(r.token_ids, r.logprobs):
+            assert tok in entry and entry[tok] == max(entry.values()), (tok, entry)
+    plain = eng.generate(mixed_prompts, edit_threshold=1.0, **kw)  # no edits: each position recorded once
+    assert sum(r.stats["edits"] for r in plain) == 0
+    assert all(t in e for r in plain for t, e in zip(r.token_ids, r.logprobs))
+
+
 @pytest.mark.parametrize("method, top_k", [("static", 0), ("static", 3), ("psd", 0), ("freedave", 3), ("lopa", 0),
                                            ("joint_threshold", 0)])
 def test_first_sampled_token_follows_the_models_softmax(tiny_checkpoints, method, top_k):
