@@ -6,28 +6,6 @@ from pathlib import Path
 
 import pytest
 
-
-def _a_core_set_per_worker() -> None:
-    """Under pytest-xdist (`-n N`, what CI runs) each worker, and every engine, server and rank it starts, runs on
-    its own share of the machine's cores: its process pinned there, torch's and OpenMP's threads as many as its
-    cores, and vLLM's CPU worker bound to them (``VLLM_CPU_OMP_THREADS_BIND``; a test that binds ranks itself,
-    tests/test_parallel.py, sets its own). Unpinned, two workers' thread pools fight over both cores and the run
-    is slower than one worker (measured on the 2-core machine: 322 s against 283 s for four engine files; pinned,
-    203 s)."""
-    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    cores = sorted(os.sched_getaffinity(0))
-    if worker is None or count < 2 or len(cores) < 2:
-        return
-    mine = cores[int(worker.removeprefix("gw")) % count::count] or cores
-    os.sched_setaffinity(0, mine)
-    os.environ["OMP_NUM_THREADS"] = str(len(mine))
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, mine))
-    import torch
-
-    torch.set_num_threads(len(mine))
-
-
-_a_core_set_per_worker()
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # vLLM's compile cache for every engine the tests start, the AR ones too (the plugin sets it for its own on the
 # CPU: compat.AOT_COMPILE_ENV): vLLM-CPU 0.32's AOT cache never loads, so each compiled start would compile again

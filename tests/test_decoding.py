@@ -553,12 +553,26 @@ def test_policy_decoders_update_together_as_they_do_alone(monkeypatch):
     assert sorted(batches) == [1, 2, 2]  # confidence x2, static x2, localleap alone
 
 
+def _vllm_filtered(p: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The tokens vLLM's sampler keeps of the probabilities ``p``: ``min_p`` (an argmax-invariant logits processor,
+    applied first), then ``top_k``, then ``top_p`` over what is left, renormalised."""
+    keep = p >= min_p * p.max() if min_p else torch.ones(p.numel(), dtype=torch.bool)
+    if top_k:
+        keep &= p >= torch.where(keep, p, 0.0).topk(top_k).values[-1]
+    if top_p < 1.0:
+        q = torch.where(keep, p, 0.0)
+        srt, idx = (q / q.sum()).sort(descending=True)
+        keep &= torch.zeros(p.numel(), dtype=torch.bool).scatter(0, idx, (srt.cumsum(0) - srt) < top_p)
+    return keep
+
+
 @pytest.mark.parametrize("temperature,flt", [(1.0, (0, 1.0, 0.0)), (0.7, (3, 1.0, 0.0)), (1.3, (0, 0.8, 0.0)),
-                                             (1.0, (0, 1.0, 0.2))])
+                                             (1.0, (0, 1.0, 0.2)), (1.0, (0, 0.7, 0.2)), (1.0, (4, 0.8, 0.2))])
 def test_sampled_tokens_follow_the_filtered_softmax(temperature, flt):
     """Over 20000 masked positions with the same logits, the sampled tokens' histogram is softmax(logits / T)
-    restricted by (top_k, top_p, min_p) and renormalised (each position draws its own counter-based noise); the
-    mask token is never drawn."""
+    restricted by (top_k, top_p, min_p) in vLLM's order (min_p, top_k, then top_p over what is left) and
+    renormalised (each position draws its own counter-based noise); the mask token is never drawn. The combined
+    filters are cases where min_p last (after top_k and top_p) would keep another set."""
     from model_executor.decoding import Sampling
     from model_executor.decoding.base import predict
 
@@ -571,14 +585,9 @@ def test_sampled_tokens_follow_the_filtered_softmax(temperature, flt):
     counts = torch.bincount(pred.tokens, minlength=V).double() / N
     p = torch.softmax(torch.where(torch.arange(V) == mask, float("-inf"), logits) / temperature, -1)
     top_k, top_p, min_p = flt
-    keep = torch.ones(V, dtype=torch.bool)
-    if top_k:
-        keep &= p >= p.topk(top_k).values[-1]
-    if top_p < 1.0:
-        srt, idx = p.sort(descending=True)
-        keep &= torch.zeros(V, dtype=torch.bool).scatter(0, idx, (srt.cumsum(0) - srt) < top_p)
-    if min_p:
-        keep &= p >= min_p * p.max()
+    keep = _vllm_filtered(p, top_k, top_p, min_p)
+    if min_p and top_p < 1.0:  # the order matters for these logits: min_p last keeps another set
+        assert not torch.equal(_vllm_filtered(p, top_k, top_p, 0.0) & (p >= min_p * p.max()), keep)
     want = torch.where(keep, p, 0.0)
     want /= want.sum()
     assert counts[mask] == 0 and (counts[~keep] == 0).all()
@@ -865,3 +874,20 @@ def test_joint_threshold_steps_together_as_the_rule_alone(knobs):
         assert edits > 0 and post > 0
     if knobs["max_post_edit_steps"] == 0:
         assert post == 0
+
+
+def test_request_rules_apply_in_vllms_order():
+    """A request's rules on a row of logits in vLLM's sampler's order: allowed tokens, banned words, min_tokens'
+    stop tokens and the bias first, then the penalties on the biased logits (vLLM's ``apply_logits_processors``):
+    a bias of +2 on a logit of 2 under repetition penalty 2 gives (2 + 2) / 2 = 2, not 2 / 2 + 2 = 3."""
+    from model_executor.decoding import LogitsRules
+
+    history = (torch.tensor([9]), torch.tensor([0, 1, 1]))  # (prompt, answer so far)
+    row = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0, 0.0, 0.0, 0.0, 0.0, 4.0]], dtype=torch.float64)
+    rules = LogitsRules(logit_bias={0: 2.0, 1: 3.0}, repetition_penalty=2.0, frequency_penalty=0.5,
+                        presence_penalty=0.25, banned_token_ids=(3,))
+    out = row.clone()
+    rules.apply(out, torch.tensor([5]), history)
+    # token 0: (2 + 2) / 2 - 0.5 - 0.25; token 1: (-1 + 3) / 2 - 2 * 0.5 - 0.25; token 9 (the prompt's): 4 / 2
+    assert out[0, 0].item() == 1.25 and out[0, 1].item() == -0.25 and out[0, 9].item() == 2.0
+    assert out[0, 3].item() == float("-inf") and out[0, 2].item() == 0.5

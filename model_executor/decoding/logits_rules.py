@@ -79,9 +79,20 @@ class LogitsRules:
               history: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """``logits [n, V]``: rows of a request's canvases, row ``j`` predicting the answer's token
         ``answer_offsets[j]`` (0 = the first answer token; host). ``history = (prompt ids, answer ids committed so
-        far)`` for the penalties. In place."""
+        far)`` for the penalties. In place, in vLLM's order (its sampler's ``apply_logits_processors``): allowed
+        tokens, banned words, ``min_tokens``' stop tokens and the bias, then the penalties on what they left."""
         V = logits.shape[-1]
         const = self.on(logits.device, V)
+        if "keep" in const:
+            logits.masked_fill_(~const["keep"], float("-inf"))
+        if "banned" in const:
+            logits.index_fill_(-1, const["banned"], float("-inf"))
+        if "bias_ids" in const:
+            logits[..., const["bias_ids"]] += const["bias"].to(logits.dtype)
+        if "stop" in const:
+            early = torch.from_numpy((answer_offsets < self.min_tokens).numpy().nonzero()[0])  # host offsets
+            if early.numel():
+                logits[early.to(logits.device, non_blocking=True)[:, None], const["stop"]] = float("-inf")
         if self.penalized:
             prompt, output = history
             # the answer so far goes up as ids (a few, without waiting) and is counted there (index_add_: a
@@ -100,16 +111,6 @@ class LogitsRules:
                 logits.copy_(torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits))
             if self.frequency_penalty or self.presence_penalty:
                 logits -= self.frequency_penalty * counts + self.presence_penalty * (counts > 0).to(logits.dtype)
-        if "keep" in const:
-            logits.masked_fill_(~const["keep"], float("-inf"))
-        if "banned" in const:
-            logits.index_fill_(-1, const["banned"], float("-inf"))
-        if "bias_ids" in const:
-            logits[..., const["bias_ids"]] += const["bias"].to(logits.dtype)
-        if "stop" in const:
-            early = torch.from_numpy((answer_offsets < self.min_tokens).numpy().nonzero()[0])  # host offsets
-            if early.numel():
-                logits[early.to(logits.device, non_blocking=True)[:, None], const["stop"]] = float("-inf")
 
 
 def _counts(ids: torch.Tensor, V: int, device: torch.device) -> torch.Tensor:

@@ -174,17 +174,19 @@ def row_draws(jobs: list[tuple[Sampling, int, list[int], list[int], int, np.ndar
 
 
 def filter_rows(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Per row of (temperature-scaled) ``x [n, V]``: keep the ``top_k`` best tokens (0: all), then the smallest set
-    of best tokens whose probability reaches ``top_p``, then the tokens with at least ``min_p`` times the best
-    one's probability; the others get -inf, in place. The best token always stays (ties by sort order).
-    ``top_k``/``top_p``/``min_p``: ``[n]`` on ``x``'s device. Returns ``x``."""
+    """Per row of (temperature-scaled) ``x [n, V]``, in vLLM's order (its sampler applies ``min_p`` as an
+    argmax-invariant logits processor before its top-k/top-p sampler): keep the tokens with at least ``min_p``
+    times the best one's probability, then the ``top_k`` best of those (0: all), then the smallest set of best
+    tokens whose probability, renormalised over what is left, reaches ``top_p``; the others get -inf, in place.
+    The best token always stays (ties by sort order). ``top_k``/``top_p``/``min_p``: ``[n]`` on ``x``'s device.
+    Returns ``x``."""
     srt, idx = x.sort(-1, descending=True)
     rank = torch.arange(x.shape[-1], device=x.device)
-    drop = (top_k[:, None] > 0) & (rank >= top_k[:, None])
+    drop = (srt - srt[:, :1]).exp() < min_p[:, None]  # p / p_max
+    drop |= (top_k[:, None] > 0) & (rank >= top_k[:, None])
     srt.masked_fill_(drop, float("-inf"))
     p = srt.softmax(-1)
     drop |= (top_p[:, None] < 1.0) & ((p.cumsum(-1) - p) >= top_p[:, None])
-    drop |= (srt - srt[:, :1]).exp() < min_p[:, None]  # p / p_max
     drop[:, 0] = False
     return x.scatter_(-1, idx, srt.masked_fill_(drop, float("-inf")))
 
