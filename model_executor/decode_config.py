@@ -27,6 +27,11 @@ from .block_schedule import CACHE_MODES, CacheSchedule, plan_blocks
 from .decoding import METHODS, BlockDecoder, DraftDAG, Sampling, make_decoder
 from .decoding.policies import SPATIAL_POLICIES
 
+# Methods that give no logprobs: every canvas of their step holds positions committed from the last forward's
+# predictions (LoPA's branches all extend its first, FreeDave's drafts all its first), whose distribution that
+# step does not compute (DecodeConfig.check_request)
+NO_LOGPROBS = ("lopa", "freedave")
+
 Threshold = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
 MAX_SKIP_DEPTH = 10  # dag_shape skip: 55 drafts a step
 
@@ -142,12 +147,19 @@ class DecodeConfig:
         refill = 0 if chunked else plan_blocks(P, M, B, self.aligned)[-1][0]  # preempted in its last block
         return max(first, self.max_canvases() * later, refill)
 
-    def check_request(self, penalized: bool = False) -> None:
-        """Raise :class:`ConfigError` for request options this config cannot decode (every method samples)."""
+    def check_request(self, penalized: bool = False, logprobs: bool = False) -> None:
+        """Raise :class:`ConfigError` for request options this config cannot decode (every method samples):
+        ``penalized``, a request with penalties; ``logprobs``, one asking for logprobs."""
         if penalized and self.method not in SPATIAL_POLICIES:
             raise ConfigError(f"penalties with decoding {self.method!r}: they count the tokens committed so far, "
                               "which its draft canvases would see out of date; use decoding "
                               f"{' | '.join(SPATIAL_POLICIES)}")
+        if logprobs and self.method in NO_LOGPROBS:
+            raise ConfigError(
+                f"logprobs with decoding {self.method!r}: a step's canvases all start from tokens committed from "
+                "the last forward's predictions (LoPA's first branch, FreeDave's first draft), so that forward has "
+                "no distribution for them; use decoding "
+                f"{' | '.join(m for m in METHODS if m not in NO_LOGPROBS)}")
 
     def sampling(self, temperature: float, seed: int, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0
                  ) -> Sampling | None:

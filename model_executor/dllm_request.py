@@ -27,7 +27,7 @@ import torch
 from .block_schedule import CacheSchedule, plan_blocks
 from .decoding import (BlockDecoder, Proposal, RowPredictions, apply_rules, logits_map, merge_stats, predict_rows,
                        update_all)
-from .decoding.base import decide_on_device, launch_all
+from .decoding.base import decide_on_device, exclude_mask_token, launch_all
 from .decoding.sampling import RowDraws, row_draws
 from .grammar import GrammarFrontier, constrain_rows, mask_frontiers
 from .staging import Staging
@@ -403,12 +403,14 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], pr
                     firsts: list[int], ks: list[int]) -> None:
     """Log-probabilities of the positions each request's decoder committed in this step (``befores[i]``: its
     state before the step), under its state canvas's distribution of this forward (the block's prediction rows
-    of ``preds`` from row ``firsts[i]``, whose logits are after the request's rules, mask token excluded; a
-    committed position was masked in the state canvas, so its logits were computed), with its ``ks[i]`` most
-    likely tokens. Stored per answer position in ``DLLMRequest.logprobs`` (:meth:`DLLMRequest.logprobs_of`): a
-    position is recorded when its token is written, and again whenever an editing decoder (joint_threshold)
-    rewrites it, so the entry a block emits is the distribution its final token was taken from. Every request's
-    rows are computed at once on the logits' device and come back in one copy."""
+    of ``preds`` from row ``firsts[i]``; a committed position was masked in the state canvas, so its logits were
+    computed): the model's distribution, the mask token excluded, after the request's grammar and before its
+    logits rules (vLLM's default ``raw_logprobs``; ``preds.raw``: the rows the rules changed, copied before them,
+    by :func:`step_predictions`), with its ``ks[i]`` most likely tokens. Stored per answer position in
+    ``DLLMRequest.logprobs`` (:meth:`DLLMRequest.logprobs_of`): a position is recorded when its token is written,
+    and again whenever an editing decoder (joint_threshold) rewrites it, so the entry a block emits is the
+    distribution its final token was taken from. Every request's rows are computed at once on the logits' device
+    and come back in one copy."""
     picks, want = [], []  # per request: its committed block positions; per committed position: (request, pos)
     for i, (r, before) in enumerate(zip(requests, befores)):
         if r.dec is None:
@@ -422,9 +424,20 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], pr
     dev, k = logits.device, max(ks)
     rows = preds.logits_of(torch.cat(picks))
     chosen_ids = torch.tensor([int(requests[i].dec.state[pos]) for i, pos in want])
-    lp = torch.log_softmax(logits[rows.to(dev, non_blocking=True)].double(), -1)
+    src = logits[rows.to(dev, non_blocking=True)]
+    raw = getattr(preds, "raw", None)
+    if raw is not None:  # rows the request's rules or grammar changed: their copy from before (host indices)
+        raw_rows, copy = raw
+        where = np.full(logits.shape[0], -1, dtype=np.int64)
+        where[raw_rows.numpy()] = np.arange(raw_rows.numel())
+        w = where[rows.numpy()]
+        sel = np.flatnonzero(w >= 0)
+        if sel.size:
+            take = torch.from_numpy(w[sel]).to(dev, non_blocking=True)
+            src[torch.from_numpy(sel).to(dev, non_blocking=True)] = copy[take]
+    lp = torch.log_softmax(src.double(), -1)
     chosen = lp.gather(1, chosen_ids.to(dev, non_blocking=True)[:, None])
-    ranks = (lp > chosen).sum(-1, keepdim=True).double() + 1
+    ranks = (lp >= chosen).sum(-1, keepdim=True).double()  # vLLM's rank: the tokens at least as likely
     parts = [chosen, ranks]
     if k > 0:
         top = lp.topk(k, -1)
@@ -439,7 +452,7 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], pr
 def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests: list[DLLMRequest],
                      steps: list[DLLMStep], firsts: list[list[int]], rules: list | None = None,
                      failed: dict[int, Exception] | None = None, staging: Staging | None = None,
-                     on_device: bool = False) -> RowPredictions:
+                     on_device: bool = False, logprobs: list[int | None] | None = None) -> RowPredictions:
     """What the decoders read of one forward's ``logits`` (the ``kept`` rows), both engines alike: the requests'
     rules applied (``rules``: per request of ``requests`` its :class:`~model_executor.decoding.LogitsRules` or
     None; :func:`~model_executor.decoding.apply_rules`), structured outputs' frontier rule (grammar masks before
@@ -457,8 +470,17 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     stay there (:class:`~model_executor.decoding.base.DeviceRowPredictions`): the methods' update decides on the
     device, checks the blocks' predictions are finite, and makes the step's one copy (of the decisions); its
     upload goes through the engine's ``staging`` (:class:`~model_executor.staging.Staging`; None: a plain copy).
-    ``on_device``: so wherever the logits are (the host too), for decisions taken ahead (:func:`launch_step`)."""
+    ``on_device``: so wherever the logits are (the host too), for decisions taken ahead (:func:`launch_step`).
+    ``logprobs``: per request the logprobs it asks for (None: none); the rows of those whose rules change their
+    logits are copied first (``preds.raw``: what :func:`record_logprobs` reports)."""
     at = logits_map(kept)
+    # the grammar's masks first (vLLM applies its bitmask before its sampler), then the rules: the two commute
+    # (both only lower logits to -inf, or shift or scale finite ones), and the logprobs are taken between them
+    owners, jobs = grammar_jobs(requests, steps, firsts, skip=failed)
+    job_failed = None if failed is None else {}
+    if jobs:
+        mask_frontiers(logits, jobs, at, job_failed)
+    raw = _before_rules(logits, at, mask_id, requests, steps, firsts, rules, logprobs)
     ruled = [i for i, r in enumerate(rules or ()) if r is not None]
     if ruled:
         rule_failed = None if failed is None else {}
@@ -467,19 +489,16 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
                     at, rule_failed)
         if rule_failed:
             failed.update({ruled[n]: e for n, e in rule_failed.items()})
-    owners, jobs = grammar_jobs(requests, steps, firsts, skip=failed)
-    job_failed = None if failed is None else {}
-    if jobs:
-        mask_frontiers(logits, jobs, at, job_failed)
     draws = step_draws(requests, steps, firsts, at, failed)
     if (on_device or logits.device.type != "cpu") and decide_on_device(
             [r.dec for i, r in enumerate(requests) if not failed or i not in failed]):
         # the decoders decide where the logits are: the predictions stay there, and their update copies the next
         # states back (and checks each block's predictions are finite) in the step's one copy
         preds = predict_rows(logits, mask_id=mask_id, kept=kept, draws=draws, on_device=True)
-        preds.staging = staging  # the engine's pinned buffers, for the update's upload
+        preds.staging, preds.raw = staging, raw  # the engine's pinned buffers, for the update's upload
         return preds
     preds = predict_rows(logits, mask_id=mask_id, kept=kept, draws=draws)
+    preds.raw = raw
     bad = preds.conf.isnan()
     if bool(bad.any()):  # host data; one reduction over the step's rows
         for i, (st, f) in enumerate(zip(steps, firsts)):
@@ -499,6 +518,27 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
         for n, e in job_failed.items():
             failed.setdefault(owners[n], e)
     return preds
+
+
+def _before_rules(logits: torch.Tensor, at: torch.Tensor, mask_id: int, requests: list[DLLMRequest],
+                  steps: list[DLLMStep], firsts: list[list[int]], rules: list | None,
+                  logprobs: list[int | None] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The state canvas's kept logits rows (the ones :func:`record_logprobs` reads) of every request that asks
+    for logprobs and whose rules will change them, copied before they do (after its grammar's masks, as vLLM's
+    ``raw_logprobs`` come after its bitmask), the mask token excluded: ``(their logits rows [n] (host), the copy
+    [n, V])``, or None (no such request: the reported distribution is the rows as the decoders read them)."""
+    picks = []
+    for i, (st, f) in enumerate(zip(steps, firsts)):
+        if logprobs is None or logprobs[i] is None or st.rebuild or not f:
+            continue
+        if rules is None or rules[i] is None or not rules[i].active:
+            continue
+        rows = at[f[0]: f[0] + st.block_len]
+        picks.append(rows[rows >= 0])
+    rows = torch.cat(picks) if picks else None
+    if rows is None or not rows.numel():
+        return None
+    return rows, exclude_mask_token(logits[rows.to(logits.device, non_blocking=True)], mask_id)
 
 
 def step_draws(requests: list[DLLMRequest], steps: list[DLLMStep], firsts: list[list[int]], at: torch.Tensor,
@@ -540,21 +580,23 @@ def decode_step(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests
     ``state``, never writes into it, so a decoder the batched update stepped holds its right next state, and
     one it did not step is untouched). Engine faults (:func:`engine_fault`) always raise; without ``failed``
     (the reference engine) everything raises."""
-    preds = step_predictions(logits, kept, mask_id, requests, steps, firsts, rules, failed, staging)
+    preds = step_predictions(logits, kept, mask_id, requests, steps, firsts, rules, failed, staging,
+                             logprobs=logprobs)
     return update_step(preds, requests, steps, firsts, logprobs, failed)
 
 
 def launch_step(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests: list[DLLMRequest],
                 steps: list[DLLMStep], firsts: list[list[int]], rules: list | None = None,
-                failed: dict[int, Exception] | None = None, staging: Staging | None = None
-                ) -> tuple[RowPredictions, list[torch.Tensor | None]]:
+                failed: dict[int, Exception] | None = None, staging: Staging | None = None,
+                logprobs: list[int | None] | None = None) -> tuple[RowPredictions, list[torch.Tensor | None]]:
     """:func:`decode_step`'s first half for decoders that decide ahead
     (:func:`~model_executor.decoding.base.decides_ahead`): the predictions where the logits are, and the decisions
     taken there with their copy to the host queued (:func:`~model_executor.decoding.base.launch_all`); nothing is
     stepped and the host waits for nothing. Returns the predictions, for :func:`update_step` (the second half,
     which waits for that copy), and per request its next block state on the logits' device (None: it failed
     here, in ``failed``)."""
-    preds = step_predictions(logits, kept, mask_id, requests, steps, firsts, rules, failed, staging, on_device=True)
+    preds = step_predictions(logits, kept, mask_id, requests, steps, firsts, rules, failed, staging, on_device=True,
+                             logprobs=logprobs)
     live = [i for i in range(len(requests)) if not failed or i not in failed]
     out: list = [None] * len(requests)
     try:

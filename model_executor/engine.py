@@ -97,7 +97,7 @@ class ReferenceEngine:
             except msgspec.ValidationError as e:
                 raise ConfigError(f"knobs: {e}") from None
             config = resolve(method, knobs, spec, block_size=block_size, graph=graph, dag=dag, where="generate")
-        config.check_request(rules is not None and rules.penalized)
+        config.check_request(rules is not None and rules.penalized, logprobs is not None)
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0 (got {max_tokens})")
         for p in prompts:

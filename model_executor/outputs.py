@@ -14,7 +14,7 @@ class GenerationResult:
     finish_reason: str = "length"  # "stop" when an EOS ended the answer
     stats: dict = field(default_factory=dict)  # method-specific counters (accepted drafts ...)
     # with logprobs=k: per token, {token: logprob, and the k most likely: their logprobs} under the state
-    # canvas's distribution of the forward that committed it (after the request's rules)
+    # canvas's distribution of the forward that committed it (the model's, before the request's rules)
     logprobs: list[dict[int, float]] | None = None
 
     @property

@@ -124,13 +124,13 @@ def _nan_for_poisoned(monkeypatch):
 
     module = sys.modules[original.__module__]  # (the name model_executor is vLLM's too: by module object)
 
-    def nan_row(logits, kept, mask_id, requests, steps, firsts, *args):
+    def nan_row(logits, kept, mask_id, requests, steps, firsts, *args, **kwargs):
         at = logits_map(kept)
         for r, st, f in zip(requests, steps, firsts):
             if getattr(r.dec, "poison", False):
                 rows = at[f[0]: f[0] + st.block_len]
                 logits[int(rows[rows >= 0][0]), 7] = float("nan")
-        return original(logits, kept, mask_id, requests, steps, firsts, *args)
+        return original(logits, kept, mask_id, requests, steps, firsts, *args, **kwargs)
 
     monkeypatch.setattr(module, "step_predictions", nan_row)
 

@@ -222,6 +222,52 @@ def test_rules_apply_vllms_formulas_and_keep_their_uploads():
     assert rules.on(torch.device("cpu"), V) is rules.on(torch.device("cpu"), V)
 
 
+@pytest.mark.parametrize("method", ["static", "confidence", "localleap", "psd", "spiffy", "lopa", "freedave"])
+def test_each_emitted_token_has_its_logprob_entry(mixed_prompts, method):
+    """``logprobs=2``: every emitted token's entry holds it (its log-probability under the state canvas of the
+    forward that committed it, and the 2 most likely), all <= 0; a spatial policy's greedy token is its forward's
+    most likely. LoPA and FreeDave are refused, naming the field and the methods that give logprobs: each of their
+    canvases holds positions committed from the last forward's predictions, which their step computes no logits
+    for (the request used to fail in its first verifying step)."""
+    from model_executor.decode_config import ConfigError
+    from model_executor.decoding import load_graph
+    from psd_plugin import default_graph
+
+    eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
+    knobs = {"policy": "static", "graph": load_graph(default_graph(DEFAULT_DLLM, "static"))} \
+        if method == "spiffy" else {}
+    kw = dict(max_tokens=24, block_size=8, method=method, logprobs=2, **knobs)
+    if method in ("lopa", "freedave"):
+        with pytest.raises(ConfigError, match=rf"logprobs with decoding '{method}'.*use decoding static"):
+            eng.generate(mixed_prompts[:1], **kw)
+        return
+    for sampled in ({}, {"temperature": 0.8, "seed": 3}):
+        out = eng.generate(mixed_prompts, **kw, **sampled)
+        for r in out:
+            assert r.token_ids and len(r.logprobs) == len(r.token_ids)
+            for tok, entry in zip(r.token_ids, r.logprobs):
+                assert tok in entry and all(v <= 0 for v in entry.values()), (tok, entry)
+                if method in ("static", "confidence", "localleap") and not sampled:
+                    assert entry[tok] == max(entry.values())
+
+
+def test_logprobs_are_the_models_before_the_requests_rules(mixed_prompts):
+    """Logprobs are vLLM's default ``raw_logprobs``: the model's distribution (the mask token excluded), before the
+    request's logits rules. A bias on, or a ban of, a token no answer uses leaves every decision as it was, and so
+    every logprob entry bit for bit; reported after the rules, each entry moves (the mass renormalised)."""
+    from model_executor.decoding import LogitsRules
+
+    eng = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
+    V, mask = eng.spec.vocab_size, eng.spec.mask_token_id
+    kw = dict(max_tokens=24, block_size=8, method="confidence", logprobs=2)
+    plain = eng.generate(mixed_prompts, **kw)
+    unused = [t for t in range(V - 1, 0, -1) if t != mask and all(t not in r.token_ids for r in plain)][:2]
+    for rules in (LogitsRules(logit_bias={unused[0]: 1.0}), LogitsRules(banned_token_ids=(unused[1],))):
+        ruled = eng.generate(mixed_prompts, rules=rules, **kw)
+        assert [r.token_ids for r in ruled] == [r.token_ids for r in plain]  # the same decisions
+        assert [r.logprobs for r in ruled] == [r.logprobs for r in plain], rules
+
+
 def test_a_rewritten_position_reports_the_logprob_of_the_token_it_emits(mixed_prompts):
     """joint_threshold with full editing (``edit_threshold=0``), greedy, ``logprobs=1``: a position rewritten after
     it was filled reports the distribution its final token was taken from, not the first token's (17 of 51

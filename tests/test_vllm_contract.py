@@ -504,3 +504,33 @@ def test_the_attention_backend_overrides_and_reads_only_listed_vllm_names():
         inherited = reads[ours.__name__] - (defined - set(compat.BACKEND_ATTRIBUTES.get(where, ())))
         unlisted = inherited - set(compat.BACKEND_ATTRIBUTES.get(where, ())) - set(hooks)
         assert not unlisted, f"{ours.__name__} reads vLLM's {sorted(unlisted)}, not listed in compat"
+
+
+def test_nan_counts_are_credited_to_the_request_whose_rows_hold_them(monkeypatch):
+    """``VLLM_COMPUTE_NANS_IN_LOGITS``: vLLM counts NaN logits per request reading logits row ``i`` as batch row
+    ``i``'s; a dLLM step's logits rows are its canvases' kept rows, so the dLLM runner counts over each request's
+    own rows (vLLM's way would credit "c"'s NaNs to "a" and "b" here), keyed by the batch vLLM's bookkeeping runs
+    on (under a step laid out ahead, the next step's), and raises where ``VLLM_RAISE_ON_LOGIT_NANS`` asks."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from psd_plugin.vllm.dllm_runner import DLLMRunnerMixin
+
+    # "a": two canvases of a 4-position block (prediction rows 0-7, rows 1 and 5 not kept); "b": plain rows (a
+    # prefill); "c": one canvas (prediction rows 8-11, all kept)
+    kept = torch.tensor([1, 0, 1, 1, 1, 0, 1, 1] + [1, 1, 1, 1], dtype=torch.bool)
+    logits = torch.zeros(int(kept.sum()) + 1, 5)  # (vLLM's one padding row past the kept ones)
+    logits[6, 2] = logits[7, :3] = float("nan")  # "c"'s first and second prediction rows (logits rows 6, 7)
+    logits[-1] = float("nan")  # past the kept rows: no one's
+    f = SimpleNamespace(batch=SimpleNamespace(canvas_rows=[[0, 4], None, [8]]), kept=kept, num_kept=10,
+                        rows=(["a", "b", "c"], None, None), live=None)
+    count = DLLMRunnerMixin._get_nans_in_logits
+    assert count(SimpleNamespace(inflight=f), logits) == {"a": 0, "b": 0, "c": 4}
+    f.live = ["c", "new"]  # "a" and "b" left the batch, "new" joined it
+    assert count(SimpleNamespace(inflight=f), logits) == {"c": 4, "new": 0}
+    assert count(SimpleNamespace(inflight=f), None) == {}
+    import vllm.envs as envs  # VLLM_RAISE_ON_LOGIT_NANS: raised on, as vLLM's runner does (a module attribute
+    monkeypatch.setattr(envs, "VLLM_RAISE_ON_LOGIT_NANS", True, raising=False)  # wins over the env cache)
+    with pytest.raises(Exception, match="NaN"):
+        count(SimpleNamespace(inflight=f), logits)

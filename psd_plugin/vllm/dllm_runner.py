@@ -44,7 +44,7 @@ from vllm.logger import init_logger
 from vllm.v1.outputs import AsyncModelRunnerOutput, SamplerOutput
 
 from attention_backends.step_batch import Rows, StepBatch, build_step_batch
-from model_executor.decoding import LogitsRules, merge_stats, predict_rows, propose_all
+from model_executor.decoding import LogitsRules, logits_map, merge_stats, predict_rows, propose_all
 from model_executor.decoding.base import decides_ahead
 from model_executor.dllm_request import DLLMRequest, decode_step, engine_fault, launch_step, update_step
 from model_executor.grammar import GrammarFrontier
@@ -513,6 +513,26 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=_logprobs_tensors(lps, want, width,
                                                                                            len(outs)))
 
+    def _get_nans_in_logits(self, logits) -> dict[str, int]:
+        """vLLM's per-request count of NaN logits (``VLLM_COMPUTE_NANS_IN_LOGITS``: opt-in diagnostics, read on
+        the host), over each request's own rows: a dLLM step's logits are its canvases' kept rows, in the step's
+        order, where vLLM reads row ``i`` as batch row ``i``'s and so credits one request's NaNs to another. Keyed
+        by the batch vLLM's bookkeeping runs on (under a step laid out ahead, the next step's:
+        :attr:`InFlight.live`). ``VLLM_RAISE_ON_LOGIT_NANS`` raises on them, as in vLLM."""
+        f = self.inflight
+        if logits is None or f is None or f.batch is None:
+            return {}
+        nans = torch.isnan(logits[: f.num_kept]).sum(-1).cpu().numpy()
+        at = logits_map(f.kept).numpy()  # prediction row -> its logits row (-1: none computed)
+        firsts = [(i, c[0]) for i, c in enumerate(f.batch.canvas_rows) if c]
+        out = dict.fromkeys(f.live if f.live is not None else f.rows[0], 0)
+        for (i, a), (_, b) in zip(firsts, firsts[1:] + [(None, at.size)]):
+            rows = at[a:b]  # the entry's prediction rows: contiguous, in order
+            rid = f.rows[0][i]
+            if rid in out:
+                out[rid] = int(nans[rows[rows >= 0]].sum())
+        return compat.nan_counts_checked(out)
+
     def _gone(self, rid: str) -> bool:
         """Whether a request of the step being decoded has left vLLM's batch since (finished or aborted: under a
         step laid out ahead, the next step's update ran first); it did not step in it (:meth:`_plan_ahead`)."""
@@ -760,7 +780,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         got = self._contain("decoding its step", rids, launch_step, logits[: f.num_kept], f.kept,
                             self.spec.mask_token_id, [f.stepping[i].req for i in decoding],
                             [steps[i] for i in decoding], [f.batch.canvas_rows[i] for i in decoding],
-                            [f.stepping[i].rules for i in decoding], failed, self._staging)
+                            [f.stepping[i].rules for i in decoding], failed, self._staging,
+                            [compat.sampling_params(self, rid).logprobs for rid in rids])
         if got is None:  # (what no one request caused: every one failed already)
             return None, failed, {}
         preds, nexts = got

@@ -119,7 +119,7 @@ class PSDRunnerMixin:
         """vLLM's bookkeeping of a step, without its rewind of the generators of the rows it discards (prompt
         chunks short of the prompt's end): the plugin's steps leave those generators as they were before the step
         (:func:`.compat.generators_left_alone`; the generators are read nowhere else there)."""
-        with compat.generators_left_alone(self, list(compat.request_generators(self))):
+        with compat.generators_left_alone(self):
             return super()._bookkeeping_sync(*args, **kwargs)
 
     def _skips_forward(self) -> bool:

@@ -74,6 +74,17 @@ def refuse_logprob_token_ids(params) -> None:
                                   parameter="logprob_token_ids", value=ids)
 
 
+def refuse_thinking_budget(params) -> None:
+    """Raise :class:`VLLMValidationError` for ``thinking_token_budget`` (vLLM ends a reasoning section after that
+    many tokens in its sampler and rejection sampler, which neither the dLLM steps nor PRESTO's tree verification
+    run): a budget the plugin would silently not keep."""
+    budget = getattr(params, "thinking_token_budget", None)
+    if budget is not None:
+        raise VLLMValidationError(f"thinking_token_budget={budget!r}: psd-plugin does not bound a reasoning section "
+                                  "(vLLM's sampler keeps that budget, and its steps do not run it); leave it unset",
+                                  parameter="thinking_token_budget", value=budget)
+
+
 def refuse_reserved_args(params) -> None:
     """Raise :class:`VLLMValidationError` (a 400) when a request's ``extra_args`` (a client's ``vllm_xargs``)
     holds a key of the plugin's (:data:`RESERVED_PREFIX`)."""
@@ -147,11 +158,17 @@ def check(vllm_config, cfg: DecodeConfig, params, prompt_len: int, chunked: bool
     """Raise :class:`VLLMValidationError` for a request the dLLM path (decoding with ``cfg``) cannot serve.
     ``chunked``: whether vLLM chunks this model's prefills (:func:`.config.chunks_prompts`; None: found here)."""
     penalized = next((name for name, default, _ in _PENALTIES if getattr(params, name, default) != default), None)
-    try:
-        cfg.check_request(penalized is not None)
-    except ConfigError as e:
-        value = getattr(params, penalized)
-        raise VLLMValidationError(f"{penalized}={value!r}: {e}", parameter=penalized, value=value) from None
+    for name, args in ((penalized, (penalized is not None,)), ("logprobs", (False, params.logprobs is not None))):
+        try:
+            cfg.check_request(*args)
+        except ConfigError as e:
+            value = getattr(params, name)
+            raise VLLMValidationError(f"{name}={value!r}: {e}", parameter=name, value=value) from None
+    if params.logprobs == -1:
+        raise VLLMValidationError(
+            "logprobs=-1 (every token of the vocabulary): dLLM decoding returns the emitted token's logprob and those "
+            "of the most likely tokens, as many as asked; ask for a number (up to --max-logprobs)",
+            parameter="logprobs", value=-1)
     if params.bad_words and any(len(ids) > 1 for ids in (params.bad_words_token_ids or [])):
         raise VLLMValidationError(
             f"bad_words {params.bad_words!r}: a word of several tokens cannot be kept out of an answer whose "
@@ -220,6 +237,7 @@ def install() -> None:
             if isinstance(request.sampling_params, SamplingParams) and ("psd" in extra or "presto" in extra):
                 refuse_reserved_args(request.sampling_params)
                 refuse_logprob_token_ids(request.sampling_params)
+                refuse_thinking_budget(request.sampling_params)
                 if compat.prompt_embeds(request) is not None or request.prompt_token_ids is None:
                     raise VLLMValidationError(
                         "prompt_embeds: psd-plugin decodes from the prompt's token ids (a dLLM's canvases and "
