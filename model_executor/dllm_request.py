@@ -426,7 +426,7 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], pr
     chosen_ids = torch.tensor([int(requests[i].dec.state[pos]) for i, pos in want])
     src = logits[rows.to(dev, non_blocking=True)]
     raw = getattr(preds, "raw", None)
-    if raw is not None:  # rows the request's rules or grammar changed: their copy from before (host indices)
+    if raw is not None:  # rows a request's rules changed: their copy from before the rules (host indices)
         raw_rows, copy = raw
         where = np.full(logits.shape[0], -1, dtype=np.int64)
         where[raw_rows.numpy()] = np.arange(raw_rows.numel())
@@ -480,7 +480,7 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     job_failed = None if failed is None else {}
     if jobs:
         mask_frontiers(logits, jobs, at, job_failed)
-    raw = _before_rules(logits, at, mask_id, requests, steps, firsts, rules, logprobs)
+    raw = _before_rules(logits, at, mask_id, steps, firsts, rules, logprobs)
     ruled = [i for i, r in enumerate(rules or ()) if r is not None]
     if ruled:
         rule_failed = None if failed is None else {}
@@ -520,8 +520,8 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
     return preds
 
 
-def _before_rules(logits: torch.Tensor, at: torch.Tensor, mask_id: int, requests: list[DLLMRequest],
-                  steps: list[DLLMStep], firsts: list[list[int]], rules: list | None,
+def _before_rules(logits: torch.Tensor, at: torch.Tensor, mask_id: int, steps: list[DLLMStep],
+                  firsts: list[list[int]], rules: list | None,
                   logprobs: list[int | None] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The state canvas's kept logits rows (the ones :func:`record_logprobs` reads) of every request that asks
     for logprobs and whose rules will change them, copied before they do (after its grammar's masks, as vLLM's

@@ -894,17 +894,15 @@ def test_logprobs_are_refused_where_the_method_has_no_distribution_for_its_commi
     from vllm.exceptions import VLLMValidationError
 
     from model_executor.decode_config import DecodeKnobs, resolve
-    from model_executor.decoding import METHODS
+    from model_executor.decoding import METHODS, load_graph
     from model_executor.models.configs import ArchSpec, register_configs
+    from psd_plugin import default_graph
     from psd_plugin.vllm.validation import check, refuse_thinking_budget
 
     register_configs()
     hf = AutoConfig.from_pretrained(str(DEFAULT_DLLM))
     vc = SimpleNamespace(model_config=SimpleNamespace(max_model_len=512, get_vocab_size=lambda: 512, hf_config=hf),
                          scheduler_config=SimpleNamespace(max_num_batched_tokens=300, max_num_seqs=16))
-    from model_executor.decoding import load_graph
-    from psd_plugin import default_graph
-
     graph = load_graph(default_graph(DEFAULT_DLLM, "static"))
     for method in METHODS:
         cfg = resolve(method, DecodeKnobs(), ArchSpec.from_hf_config(hf), graph=graph if method == "spiffy" else None)
