@@ -130,8 +130,35 @@ def tiny_checkpoints(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
     return {f: make_tiny_checkpoint(f, root / f, tokenizer_dir, seed=i) for i, f in enumerate(FAMILIES)}
 
 
+@pytest.fixture(scope="session")
+def _imported_heap_frozen():
+    """Each in-process engine's life runs six full garbage collections (vLLM freezes the heap after start-up and
+    unfreezes it at shutdown, collecting around both), each walking every object the test process holds, ~650k
+    from torch, vLLM and transformers alone: 0.5-0.8 s each, 3-4 s of an engine's ~5 s life here. The modules
+    are imported and frozen once, and vLLM's own freeze and unfreeze left out for the session: its collections
+    then walk what was made since (an engine, a test), and everything an engine holds is still collected (it is
+    never frozen; its KV cache and runner are gone after ``del`` and a collection, as before)."""
+    import gc
+
+    import vllm  # noqa: F401
+    import vllm.v1.engine.core  # noqa: F401
+    import vllm.v1.worker.cpu_model_runner  # noqa: F401
+    import vllm.v1.worker.cpu_worker  # noqa: F401
+
+    import psd_plugin.vllm.runner  # noqa: F401
+    import psd_plugin.vllm.scheduler  # noqa: F401
+
+    freeze, unfreeze = gc.freeze, gc.unfreeze
+    gc.collect()
+    freeze()
+    gc.freeze = gc.unfreeze = lambda: None
+    yield
+    gc.freeze, gc.unfreeze = freeze, unfreeze
+    unfreeze()
+
+
 @pytest.fixture(scope="module")
-def in_process_vllm():
+def in_process_vllm(_imported_heap_frozen):
     """Run vLLM's engine core in the test process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): faster start, and
     ``collective_rpc`` reaches the worker directly."""
     old = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
