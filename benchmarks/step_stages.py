@@ -353,7 +353,8 @@ def main() -> None:
                         after = engine.step_time()  # decoded at the next step's start, steps laid out ahead
                         r["runner"] = {k: after.get(k, 0) - before.get(k, 0)
                                        for k in ("forwards", "skipped_forwards", "cut_steps", "deferred", "ahead",
-                                                 "ahead_planned", "ahead_rebatched", "ahead_left")}
+                                                 "ahead_planned", "ahead_rebatched", "ahead_left",
+                                                 "ahead_idle_canvases")}
                     rows.append(r)
                     print(f"rep {rep} {method:<10} {cache or '':<6} c={c:<3} {r['steps']:4d} steps  step "
                           f"{r['step_ms']:6.2f} ms  device {r['device_ms']:6.2f}  host {r['host_ms']:6.2f}  "

@@ -303,33 +303,39 @@ class DLLMRequest:
 
     def continuation(self, step: DLLMStep) -> DLLMStep | None:
         """The step after ``step`` (planned, not yet decoded) as its block goes on, laid out before ``step``'s
-        outcome is known (:meth:`step_after`'s guess, whole): its window, kept K/V and suffix, one canvas whose
-        ids are ``step``'s state's until the engine writes the next state there, and ``step``'s kept rows (a
-        position masked after ``step`` was masked in it, so its logits are computed; a decoder that does not
-        read all rows ignores the others). Its ``proposal`` stands in until the plan is known
-        (:meth:`settle`). None where :meth:`step_after` makes no guess, and for a step of several canvases."""
-        if step.num_canvases != 1 or self.step_after(step) is None:
+        outcome is known (:meth:`step_after`'s guess, whole): its window, kept K/V and suffix, as many canvases
+        as the decoder lays out ahead (:meth:`~model_executor.decoding.BlockDecoder.canvases_ahead`: a bound on
+        the plan's, which may decode fewer), each with ``step``'s state's ids until the engine writes the next canvases
+        there, and each with the kept rows of ``step``'s first canvas (a position masked in any later canvas was
+        masked in it, so its logits are computed; a decoder that does not read all rows ignores the others). Its
+        ``proposal`` stands in until the plan is known (:meth:`settle`). None where :meth:`step_after` makes no
+        guess, or the decoder cannot tell its next step's canvases before its decisions reach the host."""
+        if self.step_after(step) is None or (K := self.dec.canvases_ahead(step.proposal)) is None:
             return None
         b0, b1 = step.b0, step.b1
         w0, w1 = self.schedule.window((b0, b1), self.total, fresh=False, cached=step.keep, prompt_len=self.prompt_len)
         keep = self.schedule.cached_after((b0, b1), w0, fresh=False, cached=step.keep)
-        rows = self._canvas_rows(w0, w1, b0, b1, [step.tokens.numpy()[0, b0 - step.w0: b1 - step.w0]])
+        rows = self._canvas_rows(w0, w1, b0, b1, [step.tokens.numpy()[0, b0 - step.w0: b1 - step.w0]] * K)
         return DLLMStep(w0, w1, b0, b1, torch.from_numpy(rows), keep, step.shift, step.suffix, step.proposal,
-                        step.kept.clone())
+                        step.kept[: step.block_len].repeat(K))
 
     def settle(self, ahead: DLLMStep) -> bool:
         """The planned step (:attr:`step`, after the last one's outcome) is ``ahead`` (:meth:`continuation`, laid
-        out and forwarded before that outcome, its block's ids written from the decisions where they were
-        taken): then ``ahead`` becomes the step, with the plan's ids and proposal, and True. False where the
-        plan is another step (the last one completed the block, or the request is done): ``ahead``'s rows
-        decode nothing."""
+        out and forwarded before that outcome, its canvases' ids written from the decisions where they were
+        taken): then ``ahead`` becomes the step, with the plan's ids, canvases and proposal, and True; the plan
+        may have fewer canvases than were laid out (a draft past the block's masks is not forwarded), whose
+        rows then decode nothing, the step's kept rows its first canvases'. False where the plan is another
+        step (the last one completed the block, or the request is done): ``ahead``'s rows decode nothing."""
         st = self.step
-        if st is None or st.num_canvases != 1 or st.geometry != ahead.geometry or st.tail is not None:
+        if st is None or st.num_canvases > ahead.num_canvases or st.geometry != ahead.geometry \
+                or st.tail is not None:
             return False
-        if not np.all(ahead.kept.numpy() >= st.kept.numpy()):  # (masks only shrink: every row the plan reads)
+        kept = ahead.kept[: st.kept.numel()]
+        if not np.all(kept.numpy() >= st.kept.numpy()):  # (masks only shrink: every row the plan reads)
             return False
-        ahead.tokens.numpy()[:] = st.tokens.numpy()
-        ahead.__dict__.pop("drafts", None)  # (a cached property, of the stand-in ids)
+        ahead.tokens, ahead.kept = st.tokens, kept
+        for cached in ("drafts", "num_logits_rows"):  # (cached properties, of the stand-in ids and rows)
+            ahead.__dict__.pop(cached, None)
         ahead.proposal = st.proposal
         self.step = ahead
         return True

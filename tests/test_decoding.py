@@ -467,7 +467,7 @@ def test_policy_decisions_taken_ahead_are_the_update(monkeypatch):
         update_all(ahead, props, preds, starts)
         assert len(commits) == launched and not preds.launched  # the update took the queued copies
         for h, d, n in zip(host, ahead, nexts):
-            assert torch.equal(d.state, h.state) and torch.equal(n, h.state), trial
+            assert torch.equal(d.state, h.state) and torch.equal(n, h.state[None]), trial  # its one canvas
     # a NaN in one block's predictions: its group's update raises, none of that group stepped
     logits[0, 0] = float("nan")
     ahead = [make_decoder("confidence", b, M, **kw) for b in blocks]
@@ -476,6 +476,61 @@ def test_policy_decisions_taken_ahead_are_the_update(monkeypatch):
     with pytest.raises(RuntimeError, match="non-finite"):
         update_all(ahead, propose_all(ahead), preds, starts)
     assert all(d.t == 0 for d in ahead)
+
+
+def test_psd_decisions_and_drafts_taken_ahead_are_the_update_and_the_proposal():
+    """PSD's :meth:`~model_executor.decoding.psd.PSDDecoder.launch_batch`: its decisions, taken where the
+    predictions are, are the update's (which takes their queued copy), and the next step's canvases it assembles
+    there are :func:`propose_all`'s after that update, bit for bit, at most as many as this step's: on ties in
+    the confidences (logits on a coarse grid), tokens banned to -inf, chain and skip DAGs of every depth, every
+    mask count down to the block's end, blocks of mixed lengths and policies in one step."""
+    import copy
+
+    from model_executor.decoding import predict_rows, propose_all, update_all
+    from model_executor.decoding.base import decides_ahead, launch_all
+
+    M, V = 7, 9
+    g = torch.Generator().manual_seed(5)
+    compared = 0
+    for trial in range(40):
+        n = int(torch.randint(1, 6, (1,), generator=g))
+        lens = [int(x) for x in torch.randint(1, 12, (n,), generator=g)]
+        shape, depth = ("chain", "skip")[trial % 2], int(torch.randint(0, 5, (1,), generator=g))
+        names = [("confidence", "static", "localleap")[int(i)] for i in torch.randint(0, 3, (n,), generator=g)]
+        decs = [make_decoder("psd", torch.full((L,), M), M, policy=p, threshold=0.5, relaxed_threshold=0.3,
+                             radius=1, depth=depth, dag_shape=shape) for p, L in zip(names, lens)]
+        assert decides_ahead(decs)
+        launched = None
+        while True:
+            live = [d for d in decs if bool((d.state == M).any())]
+            if not live:
+                break
+            props = propose_all(live)
+            if launched is not None:  # the last step's canvases, assembled where its decisions were
+                for d, p in zip(live, props):
+                    if (c := launched.get(id(d))) is None:
+                        continue
+                    assert len(p.canvases) <= c.shape[0], (trial, len(p.canvases), c.shape)
+                    assert torch.equal(torch.stack(p.canvases), c[: len(p.canvases)]), trial
+                    compared += 1
+            starts, at = [], 0
+            for d, p in zip(live, props):
+                starts.append([at + k * d.state.numel() for k in range(len(p.canvases))])
+                at += len(p.canvases) * d.state.numel()
+            logits = torch.randint(-2, 3, (at, V), generator=g).float()  # a coarse grid: ties everywhere
+            logits[torch.rand(at, V, generator=g) < 0.2] = float("-inf")
+            logits[:, 0] = 3.0  # (no row all -inf)
+            host = copy.deepcopy(live)
+            update_all(host, props, predict_rows(logits.clone(), mask_id=M), starts)
+            preds = predict_rows(logits.clone(), mask_id=M, on_device=True)
+            nexts = launch_all(live, props, preds, starts)
+            assert all(t.shape == (d.canvases_ahead(p), d.state.numel()) for t, p, d in zip(nexts, props, live))
+            update_all(live, props, preds, starts)
+            assert not preds.launched  # the update took the queued copies
+            for h, d in zip(host, live):
+                assert torch.equal(d.state, h.state) and d.t == h.t, trial
+            launched = {id(d): t for d, t in zip(live, nexts)}
+    assert compared > 150
 
 
 def test_a_decision_taken_ahead_that_raises_fails_its_request_alone(monkeypatch):
@@ -515,7 +570,7 @@ def test_a_decision_taken_ahead_that_raises_fails_its_request_alone(monkeypatch)
     monkeypatch.setattr(pol.PolicyDecoder, "_commit_on_device", staticmethod(commit))
     update_step(preds, reqs, steps, firsts, failed=failed)
     for i in (0, 2):
-        assert torch.equal(nexts[i], plain[i].dec.state) and torch.equal(reqs[i].dec.state, plain[i].dec.state)
+        assert torch.equal(nexts[i][0], plain[i].dec.state) and torch.equal(reqs[i].dec.state, plain[i].dec.state)
         assert reqs[i].dec.t == 1
     assert reqs[1].dec.t == 0
 

@@ -152,13 +152,17 @@ class DeviceRowPredictions:
     def read_back_columns(self, cols: list[torch.Tensor], at: torch.Tensor) -> list[np.ndarray]:
         """:meth:`read_back`, the copy split again: each column as a float64 host array of its own shape
         ``[R, ...]`` (views of the one copy; ids ``.astype(np.int64)``, flags ``> 0``)."""
-        h = self.read_back(cols, at).numpy()
-        out, a = [], 0
-        for c in cols:
-            n = int(np.prod(c.shape[1:], dtype=np.int64))
-            out.append(h[:, a: a + n].reshape(c.shape))
-            a += n
-        return out
+        return split_columns(self.read_back(cols, at).numpy(), [c.shape for c in cols])
+
+
+def split_columns(h: np.ndarray, shapes: list[tuple]) -> list[np.ndarray]:
+    """A read-back's columns (:meth:`DeviceRowPredictions.read_back`, ``[R, sum n]``) each in its shape (views)."""
+    out, a = [], 0
+    for shape in shapes:
+        n = int(np.prod(shape[1:], dtype=np.int64))
+        out.append(h[:, a: a + n].reshape(shape))
+        a += n
+    return out
 
 
 def finite_decisions(out: torch.Tensor) -> torch.Tensor:
@@ -520,10 +524,17 @@ class BlockDecoder:
     def launch_batch(cls, decoders: list["BlockDecoder"], proposals: list[Proposal], preds: "DeviceRowPredictions",
                      canvas_rows: list[list[int]]) -> list[torch.Tensor]:
         """The decisions :meth:`update_batch` will take, taken now where the predictions are, nothing stepped
-        (:func:`launch_all`): per decoder its next state on the device, and the copy back queued in
-        ``preds.launched`` under :func:`launch_key` of the group the update will make. Only methods whose next
-        canvases follow from their next state alone have it (:func:`decides_ahead`)."""
+        (:func:`launch_all`): per decoder its next step's canvases on the device (``[K, L]``, ``K`` the
+        decoder's canvases in this step, :meth:`canvases_ahead`), and the copy back queued in ``preds.launched``
+        under :func:`launch_key` of the group the update will make. Only methods whose next canvases follow
+        from the decisions where they are taken have it (:func:`decides_ahead`)."""
         raise NotImplementedError
+
+    def canvases_ahead(self, proposal: Proposal) -> int | None:
+        """How many canvases the step after the one forwarding ``proposal`` is laid out with before its decisions
+        reach the host (:meth:`launch_batch`): at least as many as that step's plan will have (where it has fewer,
+        the rest decode nothing); None where no bound is known before. One canvas stays one."""
+        return 1 if len(proposal.canvases) == 1 else None
 
 
 def groups(items: list, key) -> list[list[int]]:
@@ -553,8 +564,9 @@ def decide_on_device(decoders: list[BlockDecoder]) -> bool:
 
 def decides_ahead(decoders: list[BlockDecoder]) -> bool:
     """Whether a step of ``decoders`` can take its decisions ahead of its update (:func:`launch_all`): every one
-    decides on the device (:func:`decide_on_device`) by a method whose next states are known there before the
-    host reads anything (:meth:`BlockDecoder.launch_batch`: the spatial policies, one canvas each)."""
+    decides on the device (:func:`decide_on_device`) by a method whose next canvases are known there before the
+    host reads anything (:meth:`BlockDecoder.launch_batch`: the spatial policies, one canvas each, and PSD, whose
+    drafts are assembled there from its decisions)."""
     base = BlockDecoder.launch_batch.__func__
     return decide_on_device(decoders) and all(type(d).launch_batch.__func__ is not base for d in decoders)
 
@@ -562,7 +574,8 @@ def decides_ahead(decoders: list[BlockDecoder]) -> bool:
 def launch_all(decoders: list[BlockDecoder], proposals: list[Proposal], preds: "DeviceRowPredictions",
                canvas_rows: list[list[int]]) -> list[torch.Tensor]:
     """The decisions of a step of ``decoders`` (:func:`decides_ahead`) taken where the predictions are, before
-    their update: per decoder its next state on the device (``[L]``), and each method group's copy of them to the
+    their update: per decoder its next step's canvases on the device (``[K, L]``: the next state, then any
+    drafts :meth:`BlockDecoder.launch_batch`), and each method group's copy of them to the
     host queued on the way (``preds.launched``), which :func:`update_all` then waits for instead of deciding
     again. A step's next canvases can so be written on the device while the host has learnt nothing yet."""
     preds.launched = {} if preds.launched is None else preds.launched

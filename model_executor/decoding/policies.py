@@ -213,7 +213,7 @@ class PolicyDecoder(BlockDecoder):
             new, at = cls._commit_on_device(group, rows, preds, f"policies-ahead/{len(preds.launched)}")
             preds.launched[launch_key(group, rows)] = preds.read_back_later([new], at)
             for r, i in enumerate(idx):
-                out[i] = new[r, : decoders[i].state.numel()]
+                out[i] = new[r: r + 1, : decoders[i].state.numel()]  # (the next step's one canvas)
         return out
 
     @staticmethod

@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions,
-                   canvas_row_index, groups, host_rows, update_in_groups)
+                   canvas_row_index, finite_decisions, groups, host_rows, launch_key, split_columns,
+                   update_in_groups)
 from .policies import Policy, policy_key
 
 
@@ -207,11 +208,27 @@ class PSDDecoder(BlockDecoder):
         state = torch.from_numpy(np.where(commits[ar, best] & fb[:, None], tok[ar, best], D[ar, best]))  # L26
         return best, acc, state, torch.from_numpy(tok[ar, best]), torch.from_numpy(conf[ar, best])
 
-    @staticmethod
-    def _decide_on_device(first, preds: DeviceRowPredictions, D, E, F, sigma, node_rows):
+    @classmethod
+    def _decide_on_device(cls, first, preds: DeviceRowPredictions, D, E, F, sigma, node_rows, pending=None):
         """:meth:`_decide` where the predictions are (tensor ops; the policy's tensor form), decision for
         decision: the drafts, the nodes' rows, σ and the DAG's index lists go up in one copy, and the decisions
-        (with each block's count of non-finite predictions: one raises, nothing is stepped) come back in one."""
+        (with each block's count of non-finite predictions: one raises, nothing is stepped) come back in one;
+        ``pending``: that copy, queued when they were taken ahead (:meth:`launch_batch`)."""
+        if pending is not None:
+            R, N, L = D.shape
+            cols = split_columns(finite_decisions(pending.wait()).numpy(), [(R, L), (R, L), (R, L), (R,), (R, N)])
+        else:
+            dev, at = cls._device_decisions(first, preds, D, E, F, sigma, node_rows)
+            cols = preds.read_back_columns(dev, at)
+        state, tok_b, conf_b, best, acc = cols
+        return (best.astype(np.int64), acc > 0, torch.from_numpy(state.astype(np.int64)),
+                torch.from_numpy(tok_b.astype(np.int64)), torch.from_numpy(conf_b).to(preds.conf.dtype))
+
+    @staticmethod
+    def _device_decisions(first, preds: DeviceRowPredictions, D, E, F, sigma, node_rows, key: str = "psd"):
+        """:meth:`_decide_on_device`'s decisions, left where they are: ``([next states, the best node's tokens
+        and confidences [R, L], best [R], acc [R, N]], the nodes' logits rows)``; the host arrays go up through
+        the engine's staging buffer ``key``."""
         mask, (R, N, L), dag = first.mask_id, D.shape, first.dag
         # the DAG's rank lists, each (k, p) edge's new ranks σ-indexed; with the node sizes, one index array
         edges, flat = [], []
@@ -223,7 +240,7 @@ class PSDDecoder(BlockDecoder):
                         edges.append((k, p, len(flat), len(new)))
                         flat.extend(new)
         size = np.array([len(s) for s in dag.sets]) if sigma is not None else np.zeros(N, dtype=np.int64)
-        Dd, at, Ed, Fd, size, ranks, sig = preds.upload("psd", [
+        Dd, at, Ed, Fd, size, ranks, sig = preds.upload(key, [
             D, preds.logits_rows(node_rows), E, F, size, np.array(flat, dtype=np.int64),
             sigma if sigma is not None else np.zeros(0, dtype=np.int64)])
         Ed, Fd = Ed.bool(), Fd.bool()
@@ -248,17 +265,15 @@ class PSDDecoder(BlockDecoder):
             best = torch.zeros(R, dtype=torch.long, device=Dd.device)
         ar = torch.arange(R, device=Dd.device)
         state = torch.where(commits[ar, best] & Fd[ar, best][:, None], tok[ar, best], Dd[ar, best])
-        state, tok_b, conf_b, best, acc = preds.read_back_columns(
-            [state, tok[ar, best], conf[ar, best], best, acc], at)
-        return (best.astype(np.int64), acc > 0, torch.from_numpy(state.astype(np.int64)),
-                torch.from_numpy(tok_b.astype(np.int64)), torch.from_numpy(conf_b).to(preds.conf.dtype))
+        return [state, tok[ar, best], conf[ar, best], best, acc], at
 
-    @classmethod
-    def _update(cls, decoders, proposals, preds, canvas_rows):
-        first = decoders[0]
-        verifies = [p.data is not None for p in proposals]
-        verify = any(verifies)
-        R, ar = len(decoders), np.arange(len(decoders))
+    @staticmethod
+    def _inputs(decoders, proposals, canvas_rows):
+        """What a step's decisions read of its decoders' proposals (host arrays): ``(verify, D [R, N, L], E, F
+        [R, N], σ [R, L], the nodes' prediction rows [R, N, L])``; ``verify`` False where every block takes its
+        first forward (then one node, the root: the state)."""
+        verify, first = any(p.data is not None for p in proposals), decoders[0]
+        R = len(decoders)
         rows = canvas_row_index(decoders, canvas_rows).numpy()  # [R, K, L]
         if not verify:  # every block's first forward: Stage 1 on the state's prediction
             D = host_rows([(d.state,) for d in decoders])[0][:, None]  # [R, 1, L]
@@ -281,8 +296,79 @@ class PSDDecoder(BlockDecoder):
             canvas = np.maximum(F.cumsum(-1) - 1, 0)
             node_rows = np.take_along_axis(rows, canvas[..., None], axis=1)
             node_rows = np.where(F[..., None], node_rows, -1)
-        decide = cls._decide_on_device if isinstance(preds, DeviceRowPredictions) else cls._decide
-        best, acc, state, tok_b, conf_b = decide(first, preds, D, E, F, sigma if verify else None, node_rows)
+        return verify, D, E, F, sigma if verify else None, node_rows
+
+    @classmethod
+    def launch_batch(cls, decoders, proposals, preds, canvas_rows):
+        """:meth:`update_batch`'s decisions taken ahead (:func:`~.base.launch_all`), a policy and DAG at a time as
+        it groups them, their copy queued for it; and from them, where they are, the next step's canvases
+        (:meth:`_next_canvases`): per decoder ``[K, L]``, ``K`` what :meth:`canvases_ahead` bounds them by."""
+        out = [None] * len(decoders)
+        for idx in groups(decoders, lambda d: (policy_key(d.policy), d.dag)):
+            group, props = [decoders[i] for i in idx], [proposals[i] for i in idx]
+            rows = [canvas_rows[i] for i in idx]
+            verify, D, E, F, sigma, node_rows = cls._inputs(group, props, rows)
+            # (each group's upload a buffer of its own: none is waited for before the next group's)
+            cols, at = cls._device_decisions(group[0], preds, D, E, F, sigma, node_rows,
+                                             f"psd-ahead/{len(preds.launched)}")
+            preds.launched[launch_key(group, rows)] = preds.read_back_later(cols, at)
+            state, tok_b, conf_b = cols[:3]
+            K = [d.canvases_ahead(p) for d, p in zip(group, props)]
+            canv = cls._next_canvases(group[0], state, tok_b, conf_b, max(K))
+            for r, (i, k) in enumerate(zip(idx, K)):
+                out[i] = canv[r, :k, : decoders[i].state.numel()]
+        return out
+
+    @staticmethod
+    def _next_canvases(first, S, T, C, K: int) -> torch.Tensor:
+        """:meth:`propose_batch` of the next states ``S [R, L]`` and the best node's prediction (tokens ``T``,
+        confidences ``C``) where they are, its first ``K`` forwarded canvases ``[R, K, L]`` (the state, then the
+        drafts, in node order; past a block's own count, the state again: rows that decode nothing). Decision for
+        decision the host's: σ by a stable sort (ties: the lower position first; numpy's stable argsort of the
+        negation orders them alike), each node's draft by index, dropped where it asks for
+        more ranks than there are masks, forwarded where a mask is left. A block the step completes has no
+        next step (its canvases are the state: whatever they are, no one reads them)."""
+        mask, dag, (R, L) = first.mask_id, first.dag, S.shape
+        C = torch.where(S == mask, C, torch.full_like(C, float("-inf")))
+        order = torch.sort(-C, dim=-1, stable=True).indices  # L13: σ
+        n = torch.isfinite(C).sum(-1)
+        D = S[:, None].repeat(1, len(dag.sets), 1)  # [R, N, L]
+        E = torch.zeros((R, len(dag.sets)), dtype=torch.bool, device=S.device)
+        for k, s in enumerate(dag.sets):  # L14-15: index assembly, Eq. 2
+            ranks = sorted(s)
+            if not ranks:
+                E[:, k] = True
+            elif ranks[-1] < L:
+                pos = torch.zeros((R, L), dtype=torch.bool, device=S.device)
+                pos.scatter_(1, order[:, ranks], True)
+                D[:, k] = torch.where(pos, T, S)
+                E[:, k] = n > ranks[-1]
+        F = E & (D == mask).any(-1)
+        D = torch.where(F[..., None], D, S[:, None])  # (a dropped node's draft may hold -1: no forward reads it)
+        forwarded = torch.sort((~F).to(torch.int8), dim=-1, stable=True).indices[:, :K]  # in node order
+        return D.gather(1, forwarded[..., None].expand(R, forwarded.shape[1], L))
+
+    def canvases_ahead(self, proposal: Proposal) -> int:
+        """The next step's canvases are at most this one's: a node is forwarded while its ranks are within the
+        masks and fewer than them (:meth:`propose_batch`), and masks only shrink. After a block's first forward
+        (the state alone) they are at most the nodes forwarded with one mask fewer than the state has (the policy
+        commits one at least)."""
+        if proposal.data is not None:
+            return len(proposal.canvases)
+        m = int(np.count_nonzero(proposal.canvases[0].numpy() == self.mask_id)) - 1
+        return sum(1 for s in self.dag.sets if not s or (max(s) < m and len(s) < m))
+
+    @classmethod
+    def _update(cls, decoders, proposals, preds, canvas_rows):
+        first = decoders[0]
+        verifies = [p.data is not None for p in proposals]
+        R, ar = len(decoders), np.arange(len(decoders))
+        verify, D, E, F, sigma, node_rows = cls._inputs(decoders, proposals, canvas_rows)
+        if isinstance(preds, DeviceRowPredictions):
+            pending = (preds.launched or {}).pop(launch_key(decoders, canvas_rows), None)
+            best, acc, state, tok_b, conf_b = cls._decide_on_device(first, preds, D, E, F, sigma, node_rows, pending)
+        else:
+            best, acc, state, tok_b, conf_b = cls._decide(first, preds, D, E, F, sigma, node_rows)
         N = D.shape[1]
         size = np.array([len(s) for s in first.dag.sets]) if verify else np.zeros(1, dtype=np.int64)
         past = np.array(first.dag.depths if verify else (0,))[best].tolist()  # k*'s steps past the root

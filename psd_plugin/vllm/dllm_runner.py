@@ -171,6 +171,12 @@ class InFlight:
     live: list[str] | None = None
     elsewhere: dict[str, list[int]] = field(default_factory=dict)
 
+    def canvas_rows(self, i: int, step) -> list[int]:
+        """The first prediction row of each canvas of batch row ``i``'s ``step``: a step laid out ahead may have
+        more canvases in the layout than its plan decodes (:meth:`~model_executor.dllm_request.DLLMRequest.settle`),
+        whose rows then decode nothing."""
+        return self.batch.canvas_rows[i][: step.num_canvases]
+
 
 class DLLMRunnerMixin(PSDRunnerMixin):
     """Decodes dLLM requests with :mod:`model_executor.decoding` (module docstring)."""
@@ -232,6 +238,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.step_time["ahead_planned"] = 0
         self.step_time["ahead_rebatched"] = 0  # of those steps, the ones where requests joined or left vLLM's batch
         self.step_time["ahead_left"] = 0  # requests that stepped in N and were not in N + 1's batch (alive)
+        # canvases laid out ahead past the plan's (PSD: a draft past the block's masks is not forwarded)
+        self.step_time["ahead_idle_canvases"] = 0
 
     # ------------------------------------------------------------------ per-request decoding state
     def _served(self, req_id: str) -> _Served:
@@ -482,8 +490,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             f.forward_t0 = None
         self._publish(None)
         req_ids, qsl, computed = f.rows
-        canvas_rows = {i: f.batch.canvas_rows[i] for i in f.stepping}
         steps = {i: s.req.step for i, s in f.stepping.items()}
+        canvas_rows = {i: f.canvas_rows(i, st) for i, st in steps.items()}
         logits = logits[: f.num_kept]  # past them: vLLM's one row when the step keeps none
         decoding = [i for i, st in steps.items() if not st.rebuild]  # a rebuild's logits are not for the decoder
         self._decode(logits, decoding, steps, canvas_rows, req_ids)
@@ -671,7 +679,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         Only where every request that stepped in the last step is scheduled now as its block going on, or not at
         all (it leaves vLLM's batch alive: what it emits is recorded apart; not with logprobs), none of them
         finished and no one preempted or resumed (:func:`.compat.carries_over`), and every such decoder decides
-        ahead (:func:`~model_executor.decoding.base.decides_ahead`: the spatial policies, no grammar). A request
+        ahead (:func:`~model_executor.decoding.base.decides_ahead`: the spatial policies and PSD, no grammar). A request
         that did not step in it (its rows were cut: a block completed before, a guess missed; or it failed) is laid
         out as ever, from the step planned for it before, which the last step's decode does not touch; one that
         the decode would plan (no step planned yet) keeps the whole step from being laid out ahead. Requests may
@@ -755,6 +763,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         for i, s in list(step_next.stepping.items()):
             if req_ids[i] not in ahead:  # laid out from its plan, made before (N's decode left it as it was)
                 self.step_time["ahead_planned"] += 1
+            elif s.req.step is ahead[req_ids[i]]:  # settled; canvases laid out past its plan's decode nothing
+                self.step_time["ahead_idle_canvases"] += len(step_next.batch.canvas_rows[i]) - s.req.step.num_canvases
             elif s.req.step is not ahead[req_ids[i]]:  # its plan is another step: these rows decode nothing
                 del step_next.stepping[i]
                 step_next.wasted.add(i)
@@ -779,7 +789,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             return None, failed, {}
         got = self._contain("decoding its step", rids, launch_step, logits[: f.num_kept], f.kept,
                             self.spec.mask_token_id, [f.stepping[i].req for i in decoding],
-                            [steps[i] for i in decoding], [f.batch.canvas_rows[i] for i in decoding],
+                            [steps[i] for i in decoding], [f.canvas_rows(i, steps[i]) for i in decoding],
                             [f.stepping[i].rules for i in decoding], failed, self._staging,
                             [compat.sampling_params(self, rid).logprobs for rid in rids])
         if got is None:  # (what no one request caused: every one failed already)
@@ -788,16 +798,23 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         return preds, failed, {rid: t for rid, t in zip(rids, nexts) if t is not None}
 
     def _ids_ahead(self, entries: list, req_ids: list[str], qsl) -> tuple | None:
-        """The block ids of the steps laid out ahead: ``(rows of vLLM's input buffer, their ids where the last
-        step's logits are)``, which :meth:`_preprocess` writes after vLLM's own copy of the placeholders."""
+        """The block ids of the steps laid out ahead, every canvas's: ``(rows of vLLM's input buffer, their ids
+        where the last step's logits are)``, which :meth:`_preprocess` writes after vLLM's own copy of the
+        placeholders (the first canvas's rows) and of the runner's extra rows (the further canvases')."""
         dst, src = [], []
+        batch = self.inflight.batch
+        logits_rows = batch.logits_rows.numpy()
         for i, rid in enumerate(req_ids):
             e, ids = entries[i], self._ahead_ids.get(rid)
             if ids is None or e is not self._ahead.get(rid):
                 continue
-            a = int(qsl[i]) + e.b0 - e.w0
-            dst.append(np.arange(a, a + e.block_len))
-            src.append(ids)
+            if ids.shape[0] != e.num_canvases:
+                raise RuntimeError(f"psd-plugin: a step laid out ahead with {e.num_canvases} canvases got "
+                                   f"{ids.shape[0]} from the last step's decisions")
+            for a in batch.canvas_rows[i]:  # the row predicting the block's first position, then that position
+                b = int(logits_rows[a]) + e.shift
+                dst.append(np.arange(b, b + e.block_len))
+            src.append(ids.reshape(-1))
         if not dst:
             return None
         return torch.from_numpy(np.concatenate(dst)), torch.cat(src)
