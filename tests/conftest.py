@@ -140,14 +140,11 @@ def _imported_heap_frozen():
     never frozen; its KV cache and runner are gone after ``del`` and a collection, as before)."""
     import gc
 
-    import vllm  # noqa: F401
-    import vllm.v1.engine.core  # noqa: F401
-    import vllm.v1.worker.cpu_model_runner  # noqa: F401
-    import vllm.v1.worker.cpu_worker  # noqa: F401
+    import importlib
 
-    import psd_plugin.vllm.runner  # noqa: F401
-    import psd_plugin.vllm.scheduler  # noqa: F401
-
+    for module in ("vllm", "vllm.v1.engine.core", "vllm.v1.worker.cpu_model_runner", "vllm.v1.worker.cpu_worker",
+                   "psd_plugin.vllm.runner", "psd_plugin.vllm.scheduler"):
+        importlib.import_module(module)
     freeze, unfreeze = gc.freeze, gc.unfreeze
     gc.collect()
     freeze()

@@ -362,7 +362,7 @@ class PSDDecoder(BlockDecoder):
     def _update(cls, decoders, proposals, preds, canvas_rows):
         first = decoders[0]
         verifies = [p.data is not None for p in proposals]
-        R, ar = len(decoders), np.arange(len(decoders))
+        ar = np.arange(len(decoders))
         verify, D, E, F, sigma, node_rows = cls._inputs(decoders, proposals, canvas_rows)
         if isinstance(preds, DeviceRowPredictions):
             pending = (preds.launched or {}).pop(launch_key(decoders, canvas_rows), None)
