@@ -406,13 +406,16 @@ class DLLMRequest:
 
 
 def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], preds: RowPredictions,
-                    firsts: list[int], ks: list[int]) -> None:
+                    firsts: list[list[int]], ks: list[int]) -> None:
     """Log-probabilities of the positions each request's decoder committed in this step (``befores[i]``: its
-    state before the step), under its state canvas's distribution of this forward (the block's prediction rows
-    of ``preds`` from row ``firsts[i]``; a committed position was masked in the state canvas, so its logits were
-    computed): the model's distribution, the mask token excluded, after the request's grammar and before its
-    logits rules (vLLM's default ``raw_logprobs``; ``preds.raw``: the rows the rules changed, copied before them,
-    by :func:`step_predictions`), with its ``ks[i]`` most likely tokens. Stored per answer position in
+    state before the step), under the distribution of this forward its token was taken from: the state canvas's
+    (the block's prediction rows of ``preds`` from row ``firsts[i][0]``), or where the decoder took it from
+    another canvas the row of that canvas (``firsts[i][k]``,
+    :meth:`~model_executor.decoding.BlockDecoder.commit_canvases`: PSD's commits on its best draft's output and
+    its accepted drafts; the position was masked there, so its logits were computed): the model's distribution,
+    the mask token excluded, after the request's grammar and before its logits rules (vLLM's default
+    ``raw_logprobs``; ``preds.raw``: the rows the rules changed, copied before them, by
+    :func:`step_predictions`), with its ``ks[i]`` most likely tokens. Stored per answer position in
     ``DLLMRequest.logprobs`` (:meth:`DLLMRequest.logprobs_of`): a position is recorded when its token is written,
     and again whenever an editing decoder (joint_threshold) rewrites it, so the entry a block emits is the
     distribution its final token was taken from. Every request's rows are computed at once on the logits' device
@@ -422,7 +425,9 @@ def record_logprobs(requests: list[DLLMRequest], befores: list[torch.Tensor], pr
         if r.dec is None:
             continue
         new = ((before != r.dec.state) & (r.dec.state != r.mask_id)).nonzero().flatten()  # filled or rewritten
-        picks.append(firsts[i] + new)
+        canvases = r.dec.commit_canvases()
+        start = firsts[i][0] if canvases is None else torch.tensor(firsts[i])[canvases[new.numpy()]]
+        picks.append(start + new)
         want.extend((i, pos) for pos in new.tolist())
     if not want:
         return
@@ -529,8 +534,9 @@ def step_predictions(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, req
 def _before_rules(logits: torch.Tensor, at: torch.Tensor, mask_id: int, steps: list[DLLMStep],
                   firsts: list[list[int]], rules: list | None,
                   logprobs: list[int | None] | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The state canvas's kept logits rows (the ones :func:`record_logprobs` reads) of every request that asks
-    for logprobs and whose rules will change them, copied before they do (after its grammar's masks, as vLLM's
+    """The kept logits rows of every canvas (:func:`record_logprobs` reads the state canvas's, and those a
+    decoder took commits from) of every request that asks for logprobs and whose rules will change them, copied
+    before they do (after its grammar's masks, as vLLM's
     ``raw_logprobs`` come after its bitmask), the mask token excluded: ``(their logits rows [n] (host), the copy
     [n, V])``, or None (no such request: the reported distribution is the rows as the decoders read them)."""
     picks = []
@@ -539,8 +545,9 @@ def _before_rules(logits: torch.Tensor, at: torch.Tensor, mask_id: int, steps: l
             continue
         if rules is None or rules[i] is None or not rules[i].active:
             continue
-        rows = at[f[0]: f[0] + st.block_len]
-        picks.append(rows[rows >= 0])
+        for a in f:
+            rows = at[a: a + st.block_len]
+            picks.append(rows[rows >= 0])
     rows = torch.cat(picks) if picks else None
     if rows is None or not rows.numel():
         return None
@@ -577,8 +584,8 @@ def decode_step(logits: torch.Tensor, kept: torch.Tensor, mask_id: int, requests
     """One forward's decoding, both engines alike: the requests' predictions (:func:`step_predictions`), every
     decoder updated at once (:func:`~model_executor.decoding.update_all`, a method at a time), and the
     log-probabilities of what each committed, for the requests whose ``logprobs[i]`` is not None
-    (:func:`record_logprobs`, under the state canvas's distribution). The engine then calls each request's
-    :meth:`DLLMRequest.stepped`.
+    (:func:`record_logprobs`, under the distribution each token was taken from). The engine then calls each
+    request's :meth:`DLLMRequest.stepped`.
 
     ``failed`` (the serving engine's): a request whose predictions, update or logprobs raise is recorded there
     under its index and the others' decoding is that of a step without it: where the batched update raises,
@@ -651,7 +658,7 @@ def update_step(preds: RowPredictions, requests: list[DLLMRequest], steps: list[
                     failed[i] = err
     want = [i for i in want if not failed or i not in failed]
     if want:
-        args = ([requests[i] for i in want], [before[i] for i in want], preds, [firsts[i][0] for i in want],
+        args = ([requests[i] for i in want], [before[i] for i in want], preds, [firsts[i] for i in want],
                 [max(logprobs[i], 0) for i in want])
         try:
             record_logprobs(*args)

@@ -181,11 +181,13 @@ def test_the_next_step_waits_for_a_decode_on_vllms_output_thread():
 
 @pytest.mark.parametrize("method, cache, kw", [("confidence", "dual", {}), ("static", "prefix", {}),
                                                ("confidence", "prefix", {"temperature": 0.8, "seed": 0}),
-                                               ("psd", "dual", {}), ("psd", "prefix", {"temperature": 0.8, "seed": 0})])
+                                               ("psd", "dual", {}), ("psd", "prefix", {"temperature": 0.8, "seed": 0}),
+                                               ("lopa", "dual", {}), ("freedave", "prefix", {}),
+                                               ("joint_threshold", "prefix", {})])
 def test_steps_laid_out_ahead_equal_the_reference_engine(monkeypatch, heldout_prompts, method, cache, kw):
-    """The spatial policies and PSD decide ahead: while the batch stays the same, step N + 1 is laid out and
+    """Every method but Spiffy decides ahead: while the batch stays the same, step N + 1 is laid out and
     forwarded before step N's decisions reach the host (its canvases' ids written from them where they were
-    taken: PSD's drafts assembled there), and N is decoded on the host after that forward; the answers and
+    taken: PSD's drafts, LoPA's branches, FreeDave's jumps made there), and N is decoded on the host after that forward; the answers and
     decoding forwards are the reference engine's (greedy and sampled), and a block completed at N costs its N + 1
     rows only. The order is checked on the runner's calls: every step decided ahead launches N's decisions, then
     runs N + 1's forward, then updates N's decoders."""
@@ -225,7 +227,7 @@ def test_steps_laid_out_ahead_equal_the_reference_engine(monkeypatch, heldout_pr
     finally:
         del llm
     assert st["ahead"] > 0, st
-    if method == "psd":  # drafts laid out ahead: some past what the plan forwards once few masks are left
+    if method in ("psd", "lopa", "freedave"):  # drafts laid out ahead: some past the plan's once few masks are left
         assert st["ahead_idle_canvases"] > 0, st
     # every step decided ahead: N's decisions launched, N + 1's forward, then N's decoders updated from them
     text = "".join({"launch": "L", "forward": "F", "update": "U", "decode": "D"}[e] for e in events)
@@ -233,7 +235,8 @@ def test_steps_laid_out_ahead_equal_the_reference_engine(monkeypatch, heldout_pr
     assert text.count("LFU") == st["ahead"], text
 
 
-@pytest.mark.parametrize("method, budget", [("confidence", None), ("confidence", 96), ("static", 96), ("psd", 96)])
+@pytest.mark.parametrize("method, budget", [("confidence", None), ("confidence", 96), ("static", 96), ("psd", 96),
+                                            ("lopa", 96)])
 def test_steps_are_laid_out_ahead_while_requests_join_leave_and_get_cut(monkeypatch, heldout_prompts, method,
                                                                         budget):
     """Answers of four blocks each (``ignore_eos``), whose blocks complete at different steps, requests admitted

@@ -224,9 +224,11 @@ def test_rules_apply_vllms_formulas_and_keep_their_uploads():
 
 @pytest.mark.parametrize("method", ["static", "confidence", "localleap", "psd", "spiffy", "lopa", "freedave"])
 def test_each_emitted_token_has_its_logprob_entry(mixed_prompts, method):
-    """``logprobs=2``: every emitted token's entry holds it (its log-probability under the state canvas of the
-    forward that committed it, and the 2 most likely), all <= 0; a spatial policy's greedy token is its forward's
-    most likely. LoPA and FreeDave are refused, naming the field and the methods that give logprobs: each of their
+    """``logprobs=2``: every emitted token's entry holds it (its log-probability under the canvas row of the
+    forward it was taken from, and the 2 most likely), all <= 0; a spatial policy's greedy token is its forward's
+    most likely, and so is PSD's, chain and skip DAG (a commit on its best draft's output is that row's top-1, an
+    accepted draft's token its accepting parent's: before, the state canvas's row was reported for both, where
+    the token may rank second). LoPA and FreeDave are refused, naming the field and the methods that give logprobs: each of their
     canvases holds positions committed from the last forward's predictions, which their step computes no logits
     for (the request used to fail in its first verifying step)."""
     from model_executor.decode_config import ConfigError
@@ -241,14 +243,15 @@ def test_each_emitted_token_has_its_logprob_entry(mixed_prompts, method):
         with pytest.raises(ConfigError, match=rf"logprobs with decoding '{method}'.*use decoding static"):
             eng.generate(mixed_prompts[:1], **kw)
         return
-    for sampled in ({}, {"temperature": 0.8, "seed": 3}):
-        out = eng.generate(mixed_prompts, **kw, **sampled)
+    shapes = ({}, {"dag_shape": "skip"}) if method == "psd" else ({},)
+    for sampled, shape in [(s, d) for s in ({}, {"temperature": 0.8, "seed": 3}) for d in shapes]:
+        out = eng.generate(mixed_prompts, **kw, **sampled, **shape)
         for r in out:
             assert r.token_ids and len(r.logprobs) == len(r.token_ids)
             for tok, entry in zip(r.token_ids, r.logprobs):
                 assert tok in entry and all(v <= 0 for v in entry.values()), (tok, entry)
-                if method in ("static", "confidence", "localleap") and not sampled:
-                    assert entry[tok] == max(entry.values())
+                if method in ("static", "confidence", "localleap", "psd") and not sampled:
+                    assert entry[tok] == max(entry.values()), (shape, tok, entry)
 
 
 def test_logprobs_are_the_models_before_the_requests_rules(mixed_prompts):

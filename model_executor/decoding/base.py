@@ -493,6 +493,11 @@ class BlockDecoder:
         s = self.state
         return bool((s.numpy() == self.mask_id).any()) if s.device.type == "cpu" else bool(self.masked.any())
 
+    def commit_canvases(self) -> np.ndarray | None:
+        """Per block position, the canvas (index into the last step's proposal) whose prediction row the token the
+        last update committed there was taken from, for its logprobs; None: the state canvas, every position."""
+        return None
+
     rewrites_tokens = False  # whether the method edits positions it committed (then no grammar applies)
     # whether the method's update can decide where the logits are (from DeviceRowPredictions: decide_on_device)
     device_update = False
@@ -565,8 +570,9 @@ def decide_on_device(decoders: list[BlockDecoder]) -> bool:
 def decides_ahead(decoders: list[BlockDecoder]) -> bool:
     """Whether a step of ``decoders`` can take its decisions ahead of its update (:func:`launch_all`): every one
     decides on the device (:func:`decide_on_device`) by a method whose next canvases are known there before the
-    host reads anything (:meth:`BlockDecoder.launch_batch`: the spatial policies, one canvas each, and PSD, whose
-    drafts are assembled there from its decisions)."""
+    host reads anything (:meth:`BlockDecoder.launch_batch`: every method but Spiffy, whose draft graph is walked
+    on the host; PSD's and FreeDave's drafts are assembled there from the decisions, LoPA's branches are made by
+    them)."""
     base = BlockDecoder.launch_batch.__func__
     return decide_on_device(decoders) and all(type(d).launch_batch.__func__ is not base for d in decoders)
 

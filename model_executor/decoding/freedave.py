@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions,
-                   canvas_row_index, commit, first_max, first_max_tensor, host_rows)
+                   canvas_row_index, commit, finite_decisions, first_max, first_max_tensor, host_rows, launch_key,
+                   split_columns)
 
 
 def topk_jump(state: torch.Tensor, pred: Prediction, k: int) -> torch.Tensor:
@@ -100,13 +101,29 @@ class FreeDaveDecoder(BlockDecoder):
         state = np.where(((state == mask).sum(-1) == 1)[:, None], jump[ar, m], state)  # L14-17
         return m, torch.from_numpy(state), torch.from_numpy(tok[ar, m]), torch.from_numpy(conf[ar, m])
 
-    @staticmethod
-    def _decide_on_device(mask, preds: DeviceRowPredictions, D, rows, n_fwd):
+    @classmethod
+    def _decide_on_device(cls, mask, preds: DeviceRowPredictions, D, rows, n_fwd, pending=None):
         """:meth:`_decide` where the predictions are (tensor ops), decision for decision: the drafts and their
         rows go up in one copy, the decisions (with each block's count of non-finite predictions: one raises,
-        nothing is stepped) come back in one."""
+        nothing is stepped) come back in one; ``pending``: that copy, queued when they were taken ahead
+        (:meth:`launch_batch`)."""
         R, K, L = D.shape
-        Dd, at, nf = preds.upload("freedave", [D, preds.logits_rows(rows), n_fwd])
+        if pending is not None:
+            cols = split_columns(finite_decisions(pending.wait()).numpy(), [(R, L), (R, L), (R, L), (R,)])
+        else:
+            dev, at = cls._device_decisions(mask, preds, D, rows, n_fwd)
+            cols = preds.read_back_columns(dev, at)
+        state, tok_m, conf_m, m = cols
+        return (m.astype(np.int64), torch.from_numpy(state.astype(np.int64)), torch.from_numpy(tok_m.astype(np.int64)),
+                torch.from_numpy(conf_m).to(preds.conf.dtype))
+
+    @staticmethod
+    def _device_decisions(mask, preds: DeviceRowPredictions, D, rows, n_fwd, key: str = "freedave"):
+        """:meth:`_decide_on_device`'s decisions, left where they are: ``([next states, the accepted draft's
+        prediction tokens and confidences [R, L], m [R]], the drafts' logits rows)``; the host arrays go up
+        through the engine's staging buffer ``key``."""
+        R, K, L = D.shape
+        Dd, at, nf = preds.upload(key, [D, preds.logits_rows(rows), n_fwd])
         tok, conf = preds.gather(at, Dd, mask)
         jump = torch.where(first_max_tensor(conf), tok, Dd)
         order = torch.arange(1, K, device=Dd.device)
@@ -115,15 +132,48 @@ class FreeDaveDecoder(BlockDecoder):
         ar = torch.arange(R, device=Dd.device)
         state = Dd[ar, m]
         state = torch.where(((state == mask).sum(-1) == 1)[:, None], jump[ar, m], state)
-        state, tok_m, conf_m, m = preds.read_back_columns([state, tok[ar, m], conf[ar, m], m], at)
-        return (m.astype(np.int64), torch.from_numpy(state.astype(np.int64)), torch.from_numpy(tok_m.astype(np.int64)),
-                torch.from_numpy(conf_m).to(preds.conf.dtype))
+        return [state, tok[ar, m], conf[ar, m], m], at
+
+    @staticmethod
+    def _next_drafts(S, T, C, K: int, mask: int) -> torch.Tensor:
+        """:meth:`propose_batch` of the next states ``S [R, L]`` and the accepted draft's prediction (tokens
+        ``T``, confidences ``C``) where they are: drafts 1..K ``[R, K, L]`` (past a block's own count, drafts
+        that are not forwarded: rows that decode nothing). Decision for decision the host's: ranks by a stable
+        sort (ties: the lower position first), draft ``k`` the positions of rank < ``k`` with a finite
+        confidence."""
+        C = torch.where(S == mask, C, torch.full_like(C, float("-inf")))
+        order = torch.sort(-C, dim=-1, stable=True).indices
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(S.shape[1], device=S.device).expand_as(order))
+        fill = (rank[:, None, :] < torch.arange(1, K + 1, device=S.device)[:, None]) & torch.isfinite(C)[:, None]
+        return torch.where(fill, T[:, None], S[:, None])
+
+    def canvases_ahead(self, proposal: Proposal) -> int:
+        """The next step's drafts are at most this one's: ``min(masks left - 1, steps)`` each step, and every step
+        after a block's first fills one mask at least. After the first (the state alone, which that step keeps)
+        they are at most ``min(masks - 1, steps)``, and one at least (a canvas to lay out)."""
+        if proposal.data:
+            return max(1, len(proposal.canvases))
+        n = int(np.count_nonzero(proposal.canvases[0].numpy() == self.mask_id))
+        return max(1, min(n - 1, self.steps))
 
     @classmethod
-    def update_batch(cls, decoders, proposals, preds, canvas_rows):
-        """L18-37 for every decoder: the longest run of drafts each equal to one static step of the one
-        before (``m``), the jump to draft ``m`` with its prediction, and L14-17 (the first step: L2, m = 0)."""
-        mask, R = decoders[0].mask_id, len(decoders)
+    def launch_batch(cls, decoders, proposals, preds, canvas_rows):
+        """:meth:`update_batch`'s decisions taken ahead (:func:`~.base.launch_all`), their copy queued for it, and
+        the next step's drafts made where they are (:meth:`_next_drafts`): per decoder ``[K, L]``, ``K`` what
+        :meth:`canvases_ahead` bounds them by."""
+        mask = decoders[0].mask_id
+        D, rows, n_fwd = cls._inputs(decoders, proposals, canvas_rows)
+        cols, at = cls._device_decisions(mask, preds, D, rows, n_fwd, f"freedave-ahead/{len(preds.launched)}")
+        preds.launched[launch_key(decoders, canvas_rows)] = preds.read_back_later(cols, at)
+        K = [d.canvases_ahead(p) for d, p in zip(decoders, proposals)]
+        drafts = cls._next_drafts(cols[0], cols[1], cols[2], max(K), mask)
+        return [drafts[r, :k, : d.state.numel()] for r, (d, k) in enumerate(zip(decoders, K))]
+
+    @staticmethod
+    def _inputs(decoders, proposals, canvas_rows):
+        """What a step's decisions read of its decoders' proposals (host arrays): ``(the forwarded drafts
+        [R, K, L] (-1 past them), their prediction rows, how many each forwards [R])``."""
+        R = len(decoders)
         K = max(len(p.canvases) for p in proposals)
         L = max(d.state.numel() for d in decoders)
         D = np.full((R, K, L), -1, dtype=np.int64)  # the forwarded drafts, -1 past them
@@ -131,9 +181,19 @@ class FreeDaveDecoder(BlockDecoder):
             for k, c in enumerate(p.canvases):
                 D[r, k, : c.numel()] = c.numpy()
         n_fwd = np.array([len(p.canvases) for p in proposals])
-        rows = canvas_row_index(decoders, canvas_rows, K).numpy()
-        decide = cls._decide_on_device if isinstance(preds, DeviceRowPredictions) else cls._decide
-        m, state, tok_m, conf_m = decide(mask, preds, D, rows, n_fwd)
+        return D, canvas_row_index(decoders, canvas_rows, K).numpy(), n_fwd
+
+    @classmethod
+    def update_batch(cls, decoders, proposals, preds, canvas_rows):
+        """L18-37 for every decoder: the longest run of drafts each equal to one static step of the one
+        before (``m``), the jump to draft ``m`` with its prediction, and L14-17 (the first step: L2, m = 0)."""
+        mask = decoders[0].mask_id
+        D, rows, n_fwd = cls._inputs(decoders, proposals, canvas_rows)
+        if isinstance(preds, DeviceRowPredictions):
+            pending = (preds.launched or {}).pop(launch_key(decoders, canvas_rows), None)
+            m, state, tok_m, conf_m = cls._decide_on_device(mask, preds, D, rows, n_fwd, pending)
+        else:
+            m, state, tok_m, conf_m = cls._decide(mask, preds, D, rows, n_fwd)
         for r, (d, p, mm) in enumerate(zip(decoders, proposals, m.tolist())):
             L_d = d.state.numel()
             d.state, d.pred = state[r, :L_d], Prediction(tok_m[r, :L_d], conf_m[r, :L_d])

@@ -29,8 +29,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import (BlockDecoder, DeviceRowPredictions, Proposal, canvas_row_index, onehot_first_max,
-                   pad_rows)
+from .base import (BlockDecoder, DeviceRowPredictions, Proposal, canvas_row_index, finite_decisions, launch_key,
+                   onehot_first_max, pad_rows)
 
 
 class JointThresholdDecoder(BlockDecoder):
@@ -68,14 +68,44 @@ class JointThresholdDecoder(BlockDecoder):
         predictions are on the device (:class:`~.base.DeviceRowPredictions`) the same tensor ops run there: the
         states, thresholds and editable positions go up in one copy, the next states (with the edit counts and
         each block's count of non-finite predictions: one raises, nothing is stepped) come back in one."""
+        on_device = isinstance(preds, DeviceRowPredictions)
+        pending = (preds.launched or {}).pop(launch_key(decoders, canvas_rows), None) if on_device else None
+        if pending is not None:  # decided ahead (launch_batch): its copy
+            out = finite_decisions(pending.wait()).long()
+        else:
+            new, n_edits, full, rows = cls._decisions(decoders, preds, canvas_rows)
+            if on_device:  # the step's one copy back
+                out = preds.read_back([new, n_edits, full], rows).long()
+        if on_device:
+            new, n_edits, full = out[:, :-2], out[:, -2], out[:, -1].bool()
+        for d, row, f, e in zip(decoders, new, full.tolist(), n_edits.tolist()):
+            d.state = row[: d.state.numel()]
+            d.t += 1
+            d.edits += e
+            if f:
+                d.post_steps += 1
+                d.settled = e == 0
+
+    @classmethod
+    def launch_batch(cls, decoders, proposals, preds, canvas_rows):
+        """:meth:`update_batch`'s decisions taken ahead (:func:`~.base.launch_all`), their copy queued for it: per
+        decoder its next state, the next step's one canvas ``[1, L]``."""
+        new, n_edits, full, rows = cls._decisions(decoders, preds, canvas_rows,
+                                                  f"joint_threshold-ahead/{len(preds.launched)}")
+        preds.launched[launch_key(decoders, canvas_rows)] = preds.read_back_later([new, n_edits, full], rows)
+        return [new[r: r + 1, : d.state.numel()] for r, d in enumerate(decoders)]
+
+    @staticmethod
+    def _decisions(decoders, preds, canvas_rows, key: str = "joint_threshold"):
+        """The step's rule where the predictions are: ``(next states [R, L], edits [R], post-edit step [R], the
+        prediction rows)``; on a device the host arrays go up through the engine's staging buffer ``key``."""
         mask = decoders[0].mask_id
         rows = canvas_row_index(decoders, canvas_rows, 1)[:, 0]  # [R, L] prediction rows, -1 past a block's end
         S = pad_rows([d.state for d in decoders], -1)  # [R, L], never the mask past a block's end
         editable = pad_rows([d.editable for d in decoders], False)
         thr = torch.tensor([[d.threshold, d.edit_threshold] for d in decoders], dtype=torch.float64)
-        on_device = isinstance(preds, DeviceRowPredictions)
-        if on_device:  # logits rows, and the host arrays up in one copy (thresholds as their float64 bits)
-            S, rows, editable, thr = preds.upload("joint_threshold", [
+        if isinstance(preds, DeviceRowPredictions):  # logits rows, and the host arrays up in one copy (thresholds as
+            S, rows, editable, thr = preds.upload(key, [  # their float64 bits)
                 S.numpy(), preds.logits_rows(rows.numpy()), editable.numpy(), thr.numpy().view(np.int64)])
             editable, thr = editable.bool(), thr.view(torch.float64)
         at = rows.clamp(min=0)
@@ -88,14 +118,4 @@ class JointThresholdDecoder(BlockDecoder):
         unmask |= onehot_first_max(conf_masked) & ~unmask.any(-1, keepdim=True)
         edit = editable & ~masked & (T != S) & (T >= 0) & (C > thr[:, 1:])
         new = torch.where(unmask | edit, T, S)
-        n_edits = edit.sum(-1)
-        if on_device:  # the step's one copy back
-            out = preds.read_back([new, n_edits, full], rows).long()
-            new, n_edits, full = out[:, :-2], out[:, -2], out[:, -1].bool()
-        for d, row, f, e in zip(decoders, new, full.tolist(), n_edits.tolist()):
-            d.state = row[: d.state.numel()]
-            d.t += 1
-            d.edits += e
-            if f:
-                d.post_steps += 1
-                d.settled = e == 0
+        return new, edit.sum(-1), full, rows

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions, canvas_row_index,
-                   update_in_groups)
+                   finite_decisions, groups, launch_key, split_columns, update_in_groups)
 from .policies import Policy, policy_key
 
 
@@ -72,26 +72,65 @@ class LoPADecoder(BlockDecoder):
         update_in_groups(cls._update, lambda d, p: (policy_key(d.policy), d.k), decoders,
                          proposals, preds, canvas_rows)
 
+    def canvases_ahead(self, proposal: Proposal) -> int:
+        """The next step's branches are at most this one's: B0 has fewer masks each step (B* has at most B0's, and
+        the policy commits one at least), and a lookahead branch is one of B0's masks. After a block's first
+        forward (the state alone) they are at most one more than the state's masks less one, and ``k + 1``."""
+        if proposal.data is not None:
+            return len(proposal.canvases)
+        m = int(np.count_nonzero(proposal.canvases[0].numpy() == self.mask_id)) - 1
+        return 1 + max(0, min(self.k, m))
+
+    @classmethod
+    def launch_batch(cls, decoders, proposals, preds, canvas_rows):
+        """:meth:`update_batch`'s decisions taken ahead (:func:`~.base.launch_all`), a policy and ``k`` at a time
+        as it groups them, their copy queued for it; the next step's canvases are the next branches, made there
+        by the same decisions: per decoder ``[K, L]``, ``K`` what :meth:`canvases_ahead` bounds them by (past a
+        block's own count, B0 again: rows that decode nothing)."""
+        out = [None] * len(decoders)
+        for idx in groups(decoders, lambda d: (policy_key(d.policy), d.k)):
+            group, props = [decoders[i] for i in idx], [proposals[i] for i in idx]
+            rows = [canvas_rows[i] for i in idx]
+            first = group[0]
+            B, exists, at_rows = cls._inputs(group, props, rows)
+            # (each group's upload a buffer of its own: none is waited for before the next group's)
+            cols, at = cls._device_decisions(first.mask_id, first.policy, first.k, preds, B, exists, at_rows,
+                                             f"lopa-ahead/{len(preds.launched)}")
+            preds.launched[launch_key(group, rows)] = preds.read_back_later(cols, at)
+            branches = cols[3]
+            for r, (i, d, p) in enumerate(zip(idx, group, props)):
+                out[i] = branches[r, : d.canvases_ahead(p), : d.state.numel()]
+        return out
+
+    @staticmethod
+    def _inputs(decoders, proposals, canvas_rows):
+        """What a step's decisions read of its decoders' proposals (host arrays): ``(B [R, k + 1, L], which
+        branches exist [R, k + 1], their prediction rows)``; a block on its first forward takes part as a
+        verification of one branch (its state)."""
+        k, R = decoders[0].k, len(decoders)
+        B = np.full((R, k + 1, max(d.state.numel() for d in decoders)), -1, dtype=np.int64)  # [R, k + 1, L]
+        n = np.ones(R, dtype=np.int64)
+        for r, (d, p) in enumerate(zip(decoders, proposals)):
+            if p.data is not None:
+                B[r, :, : p.data[0].shape[1]] = p.data[0]
+                n[r] = p.data[1]
+            else:
+                B[r, 0, : d.state.numel()] = d.state.numpy()
+        exists = np.arange(k + 1) < n[:, None]
+        return B, exists, canvas_row_index(decoders, canvas_rows, B.shape[1]).numpy()
+
     @classmethod
     def _update(cls, decoders, proposals, preds, canvas_rows):
         """One group's step: a block on its first forward takes part as a verification of one branch (its state),
         so that a step of mixed blocks makes one update (on an accelerator, one copy back)."""
         first = decoders[0]
         mask, policy, k = first.mask_id, first.policy, first.k
-        R = len(decoders)
         verify = [p.data is not None for p in proposals]
-        B = np.full((R, k + 1, max(d.state.numel() for d in decoders)), -1, dtype=np.int64)  # [R, k + 1, L]
-        n = np.ones(R, dtype=np.int64)
-        for r, (d, p) in enumerate(zip(decoders, proposals)):
-            if verify[r]:
-                B[r, :, : p.data[0].shape[1]] = p.data[0]
-                n[r] = p.data[1]
-            else:
-                B[r, 0, : d.state.numel()] = d.state.numpy()
-        exists = np.arange(k + 1) < n[:, None]
-        rows = canvas_row_index(decoders, canvas_rows, B.shape[1]).numpy()
+        B, exists, rows = cls._inputs(decoders, proposals, canvas_rows)
         if isinstance(preds, DeviceRowPredictions):
-            j, state, T, C, branches, n_br, done = cls._decide_on_device(mask, policy, k, preds, B, exists, rows)
+            pending = (preds.launched or {}).pop(launch_key(decoders, canvas_rows), None)
+            j, state, T, C, branches, n_br, done = cls._decide_on_device(mask, policy, k, preds, B, exists, rows,
+                                                                         pending)
         else:
             free = np.array([d.grammar is None for d in decoders])
             j, state, T, C, branches, n_br, done = cls._decide(mask, policy, k, preds, B, exists, rows, free)
@@ -136,15 +175,32 @@ class LoPADecoder(BlockDecoder):
         state = torch.from_numpy(np.where(done[:, None], branches[ar, complete.argmax(-1)], S))
         return j, state, torch.from_numpy(T), torch.from_numpy(C), branches, n_br, done
 
-    @staticmethod
-    def _decide_on_device(mask, policy, k, preds: DeviceRowPredictions, B, exists, rows):
+    @classmethod
+    def _decide_on_device(cls, mask, policy, k, preds: DeviceRowPredictions, B, exists, rows, pending=None):
         """:meth:`_decide` where the predictions are (tensor ops, no host read, no data-dependent shape; no grammar:
         :func:`~.base.decide_on_device`), decision for decision: the branches, which exist and their rows go up in
         one copy, the decisions (with each block's count of non-finite predictions: one raises, nothing is
-        stepped) come back in one. Eq. 2 sums exactly in float64 here as on the host, so its order (the device's
+        stepped) come back in one; ``pending``: that copy, queued when they were taken ahead
+        (:meth:`launch_batch`). Eq. 2 sums exactly in float64 here as on the host, so its order (the device's
         reduction) decides nothing; sorts are stable, argmaxes take the first maximum, as numpy's."""
+        R, K, L = B.shape
+        if pending is not None:
+            cols = split_columns(finite_decisions(pending.wait()).numpy(),
+                                 [(R, L), (R, L), (R, L), (R, K, L), (R,), (R,), (R,)])
+        else:
+            dev, at = cls._device_decisions(mask, policy, k, preds, B, exists, rows)
+            cols = preds.read_back_columns(dev, at)  # the step's one copy back
+        state, T, C, branches, j, n_br, done = cols
+        return (j.astype(np.int64), torch.from_numpy(state.astype(np.int64)), torch.from_numpy(T.astype(np.int64)),
+                torch.from_numpy(C).to(preds.conf.dtype), branches.astype(np.int64), n_br.astype(np.int64), done > 0)
+
+    @staticmethod
+    def _device_decisions(mask, policy, k, preds: DeviceRowPredictions, B, exists, rows, key: str = "lopa"):
+        """:meth:`_decide_on_device`'s decisions, left where they are: ``([next states, B*'s prediction tokens and
+        confidences [R, L], the next branches [R, k + 1, L], j, how many branches, done [R]], the branches'
+        logits rows)``; the host arrays go up through the engine's staging buffer ``key``."""
         R, _, L = B.shape
-        Bd, at, ex = preds.upload("lopa", [B, preds.logits_rows(rows), exists])
+        Bd, at, ex = preds.upload(key, [B, preds.logits_rows(rows), exists])
         tok, conf = preds.gather(at, Bd, mask)
         scores = branch_scores(conf, Bd == mask)
         j = torch.where(ex.bool(), scores, float("-inf")).argmax(-1)
@@ -163,7 +219,4 @@ class LoPADecoder(BlockDecoder):
         complete = ~(branches == mask).any(-1) & (torch.arange(k + 1, device=Bd.device) < n_br[:, None])
         done = complete.any(-1)
         state = torch.where(done[:, None], branches[ar, complete.int().argmax(-1)], S)
-        state, T, C, branches, j, n_br, done = preds.read_back_columns(
-            [state, T, C, branches, j, n_br, done], at)  # the step's one copy back
-        return (j.astype(np.int64), torch.from_numpy(state.astype(np.int64)), torch.from_numpy(T.astype(np.int64)),
-                torch.from_numpy(C).to(preds.conf.dtype), branches.astype(np.int64), n_br.astype(np.int64), done > 0)
+        return [state, T, C, branches, j, n_br, done], at

@@ -125,6 +125,26 @@ class PSDDecoder(BlockDecoder):
         self.accepted_depth = self.iterations = 0
         self.node_tried = [0] * len(dag.sets)
         self.node_accepted = [0] * len(dag.sets)
+        # the last update's best node, each node's accepting parent, which nodes were forwarded, and σ (None: the
+        # block's first forward, whose one canvas is the state)
+        self.accepted_via: tuple | None = None
+
+    def commit_canvases(self) -> np.ndarray | None:
+        """Per block position, the canvas of the last step whose prediction row the token committed there was
+        taken from: L26's commits from k*'s verification output, and an accepted draft's position from the
+        canvas of the parent that accepted it (π on that parent's output committed the drafted token there),
+        walking back from k* to the root along the accepting parents."""
+        if self.accepted_via is None:
+            return None
+        best, via, F, sigma = self.accepted_via
+        canvas = np.maximum(np.cumsum(F) - 1, 0)  # forwarded node -> its canvas
+        out = np.full(self.state.numel(), canvas[best], dtype=np.int64)
+        k = best
+        while k > 0:
+            p = int(via[k])
+            out[sigma[sorted(self.dag.sets[k] - self.dag.sets[p])]] = canvas[p]
+            k = p
+        return out
 
     def stats(self):
         return {"accepted_positions": self.accepted_depth, "verify_iterations": self.iterations,
@@ -179,18 +199,18 @@ class PSDDecoder(BlockDecoder):
 
     @staticmethod
     def _decide(first, preds, D, E, F, sigma, node_rows):
-        """L19-26's decisions on host data (numpy): ``(best [R], acc [R, N], next states [R, L], the best node's
-        prediction tokens and confidences [R, L])``; ``sigma`` None on the block's first forward."""
+        """L19-26's decisions on host data (numpy): ``(best [R], via [R, N], next states [R, L], the best node's
+        prediction tokens and confidences [R, L])``; ``via``: per node the parent that accepted it (the first in
+        the DAG's order; the root itself, 0), -1 where not accepted; ``sigma`` None on the block's first forward."""
         mask, R, ar = first.mask_id, D.shape[0], np.arange(D.shape[0])
         tok, conf = canvas_predictions(preds, node_rows, D, mask)
         commits = first.policy(torch.from_numpy(conf)).numpy()  # what π commits from each node's verification output
         N = D.shape[1]
-        acc = np.zeros((R, N), dtype=bool)
-        acc[:, 0] = True
+        via = np.full((R, N), -1, dtype=np.int64)
+        via[:, 0] = 0
         if sigma is not None:
             dag = first.dag
             for k in range(1, N):  # L20-22: a parent accepted, verified, and π agreeing on every new position
-                ok = np.zeros(R, dtype=bool)
                 for p in dag.parents[k]:
                     new = sorted(dag.sets[k] - dag.sets[p])
                     if new[-1] >= sigma.shape[1]:  # node k exists in no block of the step
@@ -198,15 +218,15 @@ class PSDDecoder(BlockDecoder):
                     pos = np.zeros(commits[:, p].shape, dtype=bool)
                     np.put_along_axis(pos, sigma[:, new], True, axis=1)
                     agree = commits[:, p] & (tok[:, p] == D[:, k])
-                    ok |= acc[:, p] & F[:, p] & ~(pos & ~agree).any(-1)
-                acc[:, k] = ok & E[:, k]
+                    ok = (via[:, p] >= 0) & F[:, p] & ~(pos & ~agree).any(-1) & E[:, k]
+                    via[:, k] = np.where((via[:, k] < 0) & ok, p, via[:, k])
             size = np.array([len(s) for s in dag.sets])
-            best = np.where(acc, size * (N + 1) + N - np.arange(N), -1).argmax(-1)  # L25: deepest, earliest
+            best = np.where(via >= 0, size * (N + 1) + N - np.arange(N), -1).argmax(-1)  # L25: deepest, earliest
         else:
             best = np.zeros(R, dtype=np.int64)
         fb = F[ar, best]
         state = torch.from_numpy(np.where(commits[ar, best] & fb[:, None], tok[ar, best], D[ar, best]))  # L26
-        return best, acc, state, torch.from_numpy(tok[ar, best]), torch.from_numpy(conf[ar, best])
+        return best, via, state, torch.from_numpy(tok[ar, best]), torch.from_numpy(conf[ar, best])
 
     @classmethod
     def _decide_on_device(cls, first, preds: DeviceRowPredictions, D, E, F, sigma, node_rows, pending=None):
@@ -220,14 +240,14 @@ class PSDDecoder(BlockDecoder):
         else:
             dev, at = cls._device_decisions(first, preds, D, E, F, sigma, node_rows)
             cols = preds.read_back_columns(dev, at)
-        state, tok_b, conf_b, best, acc = cols
-        return (best.astype(np.int64), acc > 0, torch.from_numpy(state.astype(np.int64)),
+        state, tok_b, conf_b, best, via = cols
+        return (best.astype(np.int64), via.astype(np.int64), torch.from_numpy(state.astype(np.int64)),
                 torch.from_numpy(tok_b.astype(np.int64)), torch.from_numpy(conf_b).to(preds.conf.dtype))
 
     @staticmethod
     def _device_decisions(first, preds: DeviceRowPredictions, D, E, F, sigma, node_rows, key: str = "psd"):
         """:meth:`_decide_on_device`'s decisions, left where they are: ``([next states, the best node's tokens
-        and confidences [R, L], best [R], acc [R, N]], the nodes' logits rows)``; the host arrays go up through
+        and confidences [R, L], best [R], via [R, N]], the nodes' logits rows)``; the host arrays go up through
         the engine's staging buffer ``key``."""
         mask, (R, N, L), dag = first.mask_id, D.shape, first.dag
         # the DAG's rank lists, each (k, p) edge's new ranks σ-indexed; with the node sizes, one index array
@@ -246,26 +266,22 @@ class PSDDecoder(BlockDecoder):
         Ed, Fd = Ed.bool(), Fd.bool()
         tok, conf = preds.gather(at, Dd, mask)
         commits = first.policy(conf)  # on the device: the policy's tensor form
-        acc = torch.zeros((R, N), dtype=torch.bool, device=Dd.device)
-        acc[:, 0] = True
+        via = torch.full((R, N), -1, dtype=torch.long, device=Dd.device)
+        via[:, 0] = 0
         if sigma is not None:
-            for k in range(1, N):
-                ok = torch.zeros(R, dtype=torch.bool, device=Dd.device)
-                for kk, p, a, n in edges:
-                    if kk != k:
-                        continue
-                    pos = torch.zeros((R, L), dtype=torch.bool, device=Dd.device)
-                    pos.scatter_(1, sig.index_select(1, ranks[a: a + n]), True)
-                    agree = commits[:, p] & (tok[:, p] == Dd[:, k])
-                    ok |= acc[:, p] & Fd[:, p] & ~(pos & ~agree).any(-1)
-                acc[:, k] = ok & Ed[:, k]
+            for k, p, a, n in edges:  # (in order of k, then of k's parents: the host's loop)
+                pos = torch.zeros((R, L), dtype=torch.bool, device=Dd.device)
+                pos.scatter_(1, sig.index_select(1, ranks[a: a + n]), True)
+                agree = commits[:, p] & (tok[:, p] == Dd[:, k])
+                ok = (via[:, p] >= 0) & Fd[:, p] & ~(pos & ~agree).any(-1) & Ed[:, k]
+                via[:, k] = torch.where((via[:, k] < 0) & ok, p, via[:, k])
             order = torch.arange(N, device=Dd.device)
-            best = torch.where(acc, size * (N + 1) + N - order, torch.full_like(size, -1)).argmax(-1)
+            best = torch.where(via >= 0, size * (N + 1) + N - order, torch.full_like(size, -1)).argmax(-1)
         else:
             best = torch.zeros(R, dtype=torch.long, device=Dd.device)
         ar = torch.arange(R, device=Dd.device)
         state = torch.where(commits[ar, best] & Fd[ar, best][:, None], tok[ar, best], Dd[ar, best])
-        return [state, tok[ar, best], conf[ar, best], best, acc], at
+        return [state, tok[ar, best], conf[ar, best], best, via], at
 
     @staticmethod
     def _inputs(decoders, proposals, canvas_rows):
@@ -366,9 +382,10 @@ class PSDDecoder(BlockDecoder):
         verify, D, E, F, sigma, node_rows = cls._inputs(decoders, proposals, canvas_rows)
         if isinstance(preds, DeviceRowPredictions):
             pending = (preds.launched or {}).pop(launch_key(decoders, canvas_rows), None)
-            best, acc, state, tok_b, conf_b = cls._decide_on_device(first, preds, D, E, F, sigma, node_rows, pending)
+            best, via, state, tok_b, conf_b = cls._decide_on_device(first, preds, D, E, F, sigma, node_rows, pending)
         else:
-            best, acc, state, tok_b, conf_b = cls._decide(first, preds, D, E, F, sigma, node_rows)
+            best, via, state, tok_b, conf_b = cls._decide(first, preds, D, E, F, sigma, node_rows)
+        acc = via >= 0
         N = D.shape[1]
         size = np.array([len(s) for s in first.dag.sets]) if verify else np.zeros(1, dtype=np.int64)
         past = np.array(first.dag.depths if verify else (0,))[best].tolist()  # k*'s steps past the root
@@ -380,6 +397,8 @@ class PSDDecoder(BlockDecoder):
             d.t += past[r] + 1  # k*'s steps, then L26's commit
             if f:
                 d.pred = Prediction(tok_b[r, :L_d], conf_b[r, :L_d])
+            # what commit_canvases reads (views of the step's arrays: nothing computed unless logprobs ask)
+            d.accepted_via = (int(best[r]), via[r], F[r], sigma[r]) if verifies[r] else None
             if verifies[r]:
                 d.accepted_depth += depth
                 d.iterations += 1

@@ -679,7 +679,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         Only where every request that stepped in the last step is scheduled now as its block going on, or not at
         all (it leaves vLLM's batch alive: what it emits is recorded apart; not with logprobs), none of them
         finished and no one preempted or resumed (:func:`.compat.carries_over`), and every such decoder decides
-        ahead (:func:`~model_executor.decoding.base.decides_ahead`: the spatial policies and PSD, no grammar). A request
+        ahead (:func:`~model_executor.decoding.base.decides_ahead`: every method but Spiffy, no grammar). A
+        request
         that did not step in it (its rows were cut: a block completed before, a guess missed; or it failed) is laid
         out as ever, from the step planned for it before, which the last step's decode does not touch; one that
         the decode would plan (no step planned yet) keeps the whole step from being laid out ahead. Requests may
