@@ -537,6 +537,35 @@ def test_drafts_taken_ahead_are_the_update_and_the_proposal(method):
     assert compared > 60
 
 
+def test_each_commit_is_credited_to_the_canvas_it_was_taken_from():
+    """The canvas whose logits row each committed position's logprobs come from (``commit_canvases``). PSD: L26's
+    commits from the best node's canvas, an accepted draft's position from the canvas of the parent that accepted
+    it, walking back along the accepting parents (σ maps ranks to positions; a node not forwarded has no canvas).
+    Spiffy: each of Alg. 1's passes from its own canvas, the first from the state's."""
+    from model_executor.decoding import make_decoder
+    from model_executor.decoding.spiffy import SpiffyDecoder
+
+    M = 9
+    psd = make_decoder("psd", torch.full((5,), M), M, depth=2)
+    assert psd.commit_canvases() is None  # (no step yet: the state canvas)
+    # nodes {}, {σ0}, {σ0, σ1}: node 2 accepted through node 1, node 1 through the root; all three forwarded
+    psd.accepted_via = (2, np.array([0, 0, 1]), np.array([True, True, True]), np.array([3, 1, 0, 2, 4]))
+    assert psd.commit_canvases().tolist() == [2, 1, 2, 0, 2]
+    # node 1 the best (node 2 not accepted): σ0's position from the root's canvas, the rest from node 1's
+    psd.accepted_via = (1, np.array([0, 0, -1]), np.array([True, True, True]), np.array([3, 1, 0, 2, 4]))
+    assert psd.commit_canvases().tolist() == [1, 1, 1, 0, 1]
+
+    sp = SpiffyDecoder.__new__(SpiffyDecoder)
+    sp.mask_id, sp.state = M, torch.tensor([5, 6, 7, M])
+    c0, c1, c2 = torch.tensor([M, M, M, M]), torch.tensor([5, M, M, M]), torch.tensor([5, 6, M, M])
+    # pass 0 from the state commits position 0, equal to draft 0 (canvas 1); pass 1 from it commits position 1,
+    # equal to draft 1 (canvas 2); pass 2 from canvas 2 commits position 2 and matches nothing
+    sp.accepted_chain = (np.array([True, True, False]), np.array([0, 1, 0]), [c0, c1, c2])
+    assert sp.commit_canvases()[:3].tolist() == [0, 1, 2]
+    sp.accepted_chain = (np.array([False, False, False]), np.array([0, 0, 0]), [c0, c1, c2])
+    assert sp.commit_canvases()[:3].tolist() == [0, 0, 0]
+
+
 def test_a_decision_taken_ahead_that_raises_fails_its_request_alone(monkeypatch):
     """:func:`~model_executor.dllm_request.launch_step` as :func:`decode_step`'s update: where the batched launch
     raises for one request, each is launched alone, the one that raises is failed (``failed``), the others' next

@@ -228,7 +228,7 @@ def test_each_emitted_token_has_its_logprob_entry(mixed_prompts, method):
     forward it was taken from, and the 2 most likely), all <= 0; a spatial policy's greedy token is its forward's
     most likely, and so is PSD's, chain and skip DAG (a commit on its best draft's output is that row's top-1, an
     accepted draft's token its accepting parent's: before, the state canvas's row was reported for both, where
-    the token may rank second). LoPA and FreeDave are refused, naming the field and the methods that give logprobs: each of their
+    the token may rank second), and Spiffy's (each of Alg. 1's passes commits from its own canvas's row). LoPA and FreeDave are refused, naming the field and the methods that give logprobs: each of their
     canvases holds positions committed from the last forward's predictions, which their step computes no logits
     for (the request used to fail in its first verifying step)."""
     from model_executor.decode_config import ConfigError
@@ -250,7 +250,7 @@ def test_each_emitted_token_has_its_logprob_entry(mixed_prompts, method):
             assert r.token_ids and len(r.logprobs) == len(r.token_ids)
             for tok, entry in zip(r.token_ids, r.logprobs):
                 assert tok in entry and all(v <= 0 for v in entry.values()), (tok, entry)
-                if method in ("static", "confidence", "localleap", "psd") and not sampled:
+                if method in ("static", "confidence", "localleap", "psd", "spiffy") and not sampled:
                     assert entry[tok] == max(entry.values()), (shape, tok, entry)
 
 

@@ -139,6 +139,9 @@ class SpiffyDecoder(BlockDecoder):
         self.accepted = self.iterations = 0
         self.node_tried = [0] * len(graph.nodes)
         self.node_accepted = [0] * len(graph.nodes)
+        # the last update's passes (which accepted a draft, and which) and its proposal's canvases: what
+        # commit_canvases reads (nothing computed unless logprobs ask)
+        self.accepted_chain: tuple | None = None
 
     device_update = True  # :meth:`_decide_on_device`
 
@@ -226,6 +229,24 @@ class SpiffyDecoder(BlockDecoder):
         Dt = torch.from_numpy(D)
         return chosen, [[Dt[r, k, : d.state.numel()] for k in row] for r, (d, row) in enumerate(zip(decoders, chosen))]
 
+    def commit_canvases(self) -> np.ndarray | None:
+        """Per block position, the canvas of the last step whose prediction committed it (Alg. 1's passes): the
+        first pass commits from the state's prediction; where its result equals a forwarded draft, the next pass
+        commits from that draft's, and so on. A position committed by pass ``p`` was masked in that pass's canvas
+        (so its logits were computed) and is filled in the next pass's."""
+        if self.accepted_chain is None:
+            return None
+        hits, n_hits, canvases = self.accepted_chain
+        chain = [0]
+        for hit, n in zip(hits.tolist(), n_hits.tolist()):
+            if not hit:
+                break
+            chain.append(n + 1)
+        out = np.full(self.state.numel(), chain[-1], dtype=np.int64)  # the last pass: its canvas to the state
+        for a, b in zip(chain, chain[1:]):
+            out[(canvases[a].numpy() == self.mask_id) & (canvases[b].numpy() != self.mask_id)] = a
+        return out
+
     @classmethod
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """Alg. 1 for every decoder, a graph and base step at a time (greedy and sampling decoders apart)."""
@@ -259,8 +280,9 @@ class SpiffyDecoder(BlockDecoder):
             for r in np.flatnonzero(hits[:, n]).tolist():
                 decoders[r].accepted += 1
                 decoders[r].node_accepted[proposals[r].data[int(n_hits[r, n])]] += 1
-        for d, k in zip(decoders, taken.tolist()):
+        for r, (d, k, p) in enumerate(zip(decoders, taken.tolist(), proposals)):
             d.t += k
+            d.accepted_chain = (hits[r], n_hits[r], p.canvases)
         logp = _elementwise(_log, top_p)
         at = 0
         S, Yq, order = torch.from_numpy(S), torch.from_numpy(Yq), torch.from_numpy(order)
