@@ -163,6 +163,7 @@ class InFlight:
     kept: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))  # prediction rows with
     num_kept: int = 0  # logits (DLLMStep.kept), and how many
     want_lp: dict[int, int] = field(default_factory=dict)  # batch row -> logprobs asked (requests decoding)
+    asked: tuple | None = None  # (decoding request ids, the logprobs each asks for) (DLLMRunnerMixin._asked)
     skip_forward: bool = False  # every row wasted: no forward (DLLMRunnerMixin._model_forward)
     forward_t0: float | None = None  # when its input preparation ended (the forward's wall time)
     # under a step laid out ahead: the request ids of vLLM's batch after the next step's update where they differ
@@ -554,7 +555,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         f = self.inflight
         served = f.stepping
         rids = [req_ids[i] for i in decoding]
-        asked = [compat.sampling_params(self, rid).logprobs for rid in rids]
+        asked = self._asked(f, rids)
         f.want_lp = {i: k for i, k in zip(decoding, asked) if k is not None}
         failed: dict[int, Exception] = {}
         reqs, sts = [served[i].req for i in decoding], [steps[i] for i in decoding]
@@ -775,6 +776,13 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.step_time["ahead"] += 1
         return out
 
+    def _asked(self, f: InFlight, rids: list[str]) -> list[int | None]:
+        """The logprobs each of the step's decoding requests asks for (None: none), read once a step: a step laid
+        out ahead reads them when its decisions launch and again when it is decoded."""
+        if f.asked is None or f.asked[0] != rids:
+            f.asked = rids, [compat.sampling_params(self, rid).logprobs for rid in rids]
+        return f.asked[1]
+
     def _launch_ahead(self, logits) -> tuple:
         """Step N's decisions (:meth:`_execute_ahead`) taken where its ``logits`` are
         (:func:`~model_executor.dllm_request.launch_step`), the host waiting for nothing: ``(predictions,
@@ -791,8 +799,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         got = self._contain("decoding its step", rids, launch_step, logits[: f.num_kept], f.kept,
                             self.spec.mask_token_id, [f.stepping[i].req for i in decoding],
                             [steps[i] for i in decoding], [f.canvas_rows(i, steps[i]) for i in decoding],
-                            [f.stepping[i].rules for i in decoding], failed, self._staging,
-                            [compat.sampling_params(self, rid).logprobs for rid in rids])
+                            [f.stepping[i].rules for i in decoding], failed, self._staging, self._asked(f, rids))
         if got is None:  # (what no one request caused: every one failed already)
             return None, failed, {}
         preds, nexts = got
