@@ -305,9 +305,10 @@ class DLLMRequest:
         """The step after ``step`` (planned, not yet decoded) as its block goes on, laid out before ``step``'s
         outcome is known (:meth:`step_after`'s guess, whole): its window, kept K/V and suffix, as many canvases
         as the decoder lays out ahead (:meth:`~model_executor.decoding.BlockDecoder.canvases_ahead`: a bound on
-        the plan's, which may decode fewer), each with ``step``'s state's ids until the engine writes the next canvases
-        there, and each with the kept rows of ``step``'s first canvas (a position masked in any later canvas was
-        masked in it, so its logits are computed; a decoder that does not read all rows ignores the others). Its
+        the plan's, which may decode fewer), each with ``step``'s state's ids until the engine writes the next
+        canvases there, and each with the rows of ``step``'s state's masks kept (a position masked in any later
+        canvas is masked there, so its logits are computed; a decoder that does not read all rows ignores the
+        others; as its plan keeps them, not a step laid out ahead's wider rows, which would stay as wide). Its
         ``proposal`` stands in until the plan is known (:meth:`settle`). None where :meth:`step_after` makes no
         guess, or the decoder cannot tell its next step's canvases before its decisions reach the host."""
         if self.step_after(step) is None or (K := self.dec.canvases_ahead(step.proposal)) is None:
@@ -315,9 +316,11 @@ class DLLMRequest:
         b0, b1 = step.b0, step.b1
         w0, w1 = self.schedule.window((b0, b1), self.total, fresh=False, cached=step.keep, prompt_len=self.prompt_len)
         keep = self.schedule.cached_after((b0, b1), w0, fresh=False, cached=step.keep)
-        rows = self._canvas_rows(w0, w1, b0, b1, [step.tokens.numpy()[0, b0 - step.w0: b1 - step.w0]] * K)
+        block = step.tokens.numpy()[0, b0 - step.w0: b1 - step.w0]
+        rows = self._canvas_rows(w0, w1, b0, b1, [block] * K)
+        kept = np.ones(block.shape, dtype=bool) if self.dec.reads_all_rows else block == self.mask_id
         return DLLMStep(w0, w1, b0, b1, torch.from_numpy(rows), keep, step.shift, step.suffix, step.proposal,
-                        step.kept[: step.block_len].repeat(K))
+                        torch.from_numpy(np.tile(kept, K)))
 
     def settle(self, ahead: DLLMStep) -> bool:
         """The planned step (:attr:`step`, after the last one's outcome) is ``ahead`` (:meth:`continuation`, laid

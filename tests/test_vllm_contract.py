@@ -524,8 +524,13 @@ def test_nan_counts_are_credited_to_the_request_whose_rows_hold_them(monkeypatch
     logits[6, 2] = logits[7, :3] = float("nan")  # "c"'s first and second prediction rows (logits rows 6, 7)
     logits[-1] = float("nan")  # past the kept rows: no one's
     f = SimpleNamespace(batch=SimpleNamespace(canvas_rows=[[0, 4], None, [8]]), kept=kept, num_kept=10,
-                        rows=(["a", "b", "c"], None, None), live=None)
+                        rows=(["a", "b", "c"], None, None), live=None, decoded_rows={})
     count = DLLMRunnerMixin._get_nans_in_logits
+    assert count(SimpleNamespace(inflight=f), logits) == {"a": 0, "b": 0, "c": 4}
+    # "a" laid out ahead with two canvases, its plan decoding the first alone: a NaN in the idle one is no one's
+    logits[3, 0] = float("nan")  # "a"'s second canvas's first prediction row
+    assert count(SimpleNamespace(inflight=f), logits)["a"] == 1
+    f.decoded_rows = {0: (0, 4)}
     assert count(SimpleNamespace(inflight=f), logits) == {"a": 0, "b": 0, "c": 4}
     f.live = ["c", "new"]  # "a" and "b" left the batch, "new" joined it
     assert count(SimpleNamespace(inflight=f), logits) == {"c": 4, "new": 0}

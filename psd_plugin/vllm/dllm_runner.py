@@ -164,6 +164,8 @@ class InFlight:
     num_kept: int = 0  # logits (DLLMStep.kept), and how many
     want_lp: dict[int, int] = field(default_factory=dict)  # batch row -> logprobs asked (requests decoding)
     asked: tuple | None = None  # (decoding request ids, the logprobs each asks for) (DLLMRunnerMixin._asked)
+    decoded_rows: dict[int, tuple[int, int]] = field(default_factory=dict)  # batch row -> (first, count) of the
+    # prediction rows its decoder read
     skip_forward: bool = False  # every row wasted: no forward (DLLMRunnerMixin._model_forward)
     forward_t0: float | None = None  # when its input preparation ended (the forward's wall time)
     # under a step laid out ahead: the request ids of vLLM's batch after the next step's update where they differ
@@ -493,6 +495,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         req_ids, qsl, computed = f.rows
         steps = {i: s.req.step for i, s in f.stepping.items()}
         canvas_rows = {i: f.canvas_rows(i, st) for i, st in steps.items()}
+        # each decoding entry's prediction rows: its plan's canvases (under a step laid out ahead, not the idle ones)
+        f.decoded_rows = {i: (c[0], len(c) * steps[i].block_len) for i, c in canvas_rows.items() if c}
         logits = logits[: f.num_kept]  # past them: vLLM's one row when the step keeps none
         decoding = [i for i, st in steps.items() if not st.rebuild]  # a rebuild's logits are not for the decoder
         self._decode(logits, decoding, steps, canvas_rows, req_ids)
@@ -536,6 +540,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         firsts = [(i, c[0]) for i, c in enumerate(f.batch.canvas_rows) if c]
         out = dict.fromkeys(f.live if f.live is not None else f.rows[0], 0)
         for (i, a), (_, b) in zip(firsts, firsts[1:] + [(None, at.size)]):
+            if i in f.decoded_rows:  # (a step laid out ahead: the canvases past its plan's decode nothing)
+                a, n = f.decoded_rows[i]
+                b = a + n
             rows = at[a:b]  # the entry's prediction rows: contiguous, in order
             rid = f.rows[0][i]
             if rid in out:
