@@ -146,8 +146,9 @@ class DeviceRowPredictions:
 
     def read_back_later(self, cols: list[torch.Tensor], at: torch.Tensor) -> "PendingCopy":
         """:meth:`read_back`'s copy queued behind the work that computes it, the host not waiting
-        (:class:`PendingCopy`; :func:`finite_decisions` of what it brings)."""
-        return PendingCopy(self._packed(cols, at))
+        (:class:`PendingCopy`; :func:`finite_decisions` of what it brings, split again by
+        :meth:`PendingCopy.columns`)."""
+        return PendingCopy(self._packed(cols, at), [c.shape for c in cols])
 
     def read_back_columns(self, cols: list[torch.Tensor], at: torch.Tensor) -> list[np.ndarray]:
         """:meth:`read_back`, the copy split again: each column as a float64 host array of its own shape
@@ -180,8 +181,8 @@ class PendingCopy:
     copy alone, not for what was queued after it. Where the tensor is on the host, or there is no CUDA runtime (a
     stand-in device in the tests), the copy is made at once."""
 
-    def __init__(self, dev: torch.Tensor):
-        self.event = None
+    def __init__(self, dev: torch.Tensor, shapes: list | None = None):
+        self.event, self.shapes = None, shapes  # (the columns packed in it: DeviceRowPredictions.read_back_later)
         if dev.device.type == "cuda":
             self.host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
             self.host.copy_(dev, non_blocking=True)
@@ -194,6 +195,11 @@ class PendingCopy:
         if self.event is not None:
             self.event.synchronize()
         return self.host
+
+    def columns(self) -> list[np.ndarray]:
+        """A packed read-back's columns once it is here, as :meth:`DeviceRowPredictions.read_back_columns` gives
+        them (a block's non-finite prediction raises)."""
+        return split_columns(finite_decisions(self.wait()).numpy(), self.shapes)
 
 
 def logits_map(kept: torch.Tensor) -> torch.Tensor:

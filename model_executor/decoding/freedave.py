@@ -34,8 +34,7 @@ import numpy as np
 import torch
 
 from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions,
-                   canvas_row_index, commit, finite_decisions, first_max, first_max_tensor, host_rows, launch_key,
-                   split_columns)
+                   canvas_row_index, commit, first_max, first_max_tensor, host_rows, launch_key)
 
 
 def topk_jump(state: torch.Tensor, pred: Prediction, k: int) -> torch.Tensor:
@@ -107,9 +106,8 @@ class FreeDaveDecoder(BlockDecoder):
         rows go up in one copy, the decisions (with each block's count of non-finite predictions: one raises,
         nothing is stepped) come back in one; ``pending``: that copy, queued when they were taken ahead
         (:meth:`launch_batch`)."""
-        R, K, L = D.shape
         if pending is not None:
-            cols = split_columns(finite_decisions(pending.wait()).numpy(), [(R, L), (R, L), (R, L), (R,)])
+            cols = pending.columns()
         else:
             dev, at = cls._device_decisions(mask, preds, D, rows, n_fwd)
             cols = preds.read_back_columns(dev, at)

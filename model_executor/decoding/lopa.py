@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions, canvas_row_index,
-                   finite_decisions, groups, launch_key, split_columns, update_in_groups)
+                   groups, launch_key, update_in_groups)
 from .policies import Policy, policy_key
 
 
@@ -183,10 +183,8 @@ class LoPADecoder(BlockDecoder):
         stepped) come back in one; ``pending``: that copy, queued when they were taken ahead
         (:meth:`launch_batch`). Eq. 2 sums exactly in float64 here as on the host, so its order (the device's
         reduction) decides nothing; sorts are stable, argmaxes take the first maximum, as numpy's."""
-        R, K, L = B.shape
         if pending is not None:
-            cols = split_columns(finite_decisions(pending.wait()).numpy(),
-                                 [(R, L), (R, L), (R, L), (R, K, L), (R,), (R,), (R,)])
+            cols = pending.columns()
         else:
             dev, at = cls._device_decisions(mask, policy, k, preds, B, exists, rows)
             cols = preds.read_back_columns(dev, at)  # the step's one copy back

@@ -43,8 +43,7 @@ import numpy as np
 import torch
 
 from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions,
-                   canvas_row_index, finite_decisions, groups, host_rows, launch_key, split_columns,
-                   update_in_groups)
+                   canvas_row_index, groups, host_rows, launch_key, update_in_groups)
 from .policies import Policy, policy_key
 
 
@@ -235,8 +234,7 @@ class PSDDecoder(BlockDecoder):
         (with each block's count of non-finite predictions: one raises, nothing is stepped) come back in one;
         ``pending``: that copy, queued when they were taken ahead (:meth:`launch_batch`)."""
         if pending is not None:
-            R, N, L = D.shape
-            cols = split_columns(finite_decisions(pending.wait()).numpy(), [(R, L), (R, L), (R, L), (R,), (R, N)])
+            cols = pending.columns()
         else:
             dev, at = cls._device_decisions(first, preds, D, E, F, sigma, node_rows)
             cols = preds.read_back_columns(dev, at)

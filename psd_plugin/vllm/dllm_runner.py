@@ -344,7 +344,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         f.batch = self._build(entries, req_ids)
         f.skip_forward = self.overlap and self.pp_size == 1 and len(f.wasted) == len(entries) > 0
         if self._ahead_ids:
-            self._ahead_write = self._ids_ahead(entries, req_ids, qsl)
+            self._ahead_write = self._ids_ahead(entries, req_ids)
         self._publish(f.batch)
         # logits only for the rows the decoders read (a rebuild's: none); vLLM computes at least one row
         kept = [e.kept.numpy() for e in entries if not isinstance(e, Rows)]
@@ -812,7 +812,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         preds, nexts = got
         return preds, failed, {rid: t for rid, t in zip(rids, nexts) if t is not None}
 
-    def _ids_ahead(self, entries: list, req_ids: list[str], qsl) -> tuple | None:
+    def _ids_ahead(self, entries: list, req_ids: list[str]) -> tuple | None:
         """The block ids of the steps laid out ahead, every canvas's: ``(rows of vLLM's input buffer, their ids
         where the last step's logits are)``, which :meth:`_preprocess` writes after vLLM's own copy of the
         placeholders (the first canvas's rows) and of the runner's extra rows (the further canvases')."""
