@@ -354,7 +354,7 @@ def main() -> None:
                         r["runner"] = {k: after.get(k, 0) - before.get(k, 0)
                                        for k in ("forwards", "skipped_forwards", "cut_steps", "deferred", "ahead",
                                                  "ahead_planned", "ahead_rebatched", "ahead_left",
-                                                 "ahead_idle_canvases")}
+                                                 "ahead_idle_canvases", "ahead_mismatch")}
                     rows.append(r)
                     print(f"rep {rep} {method:<10} {cache or '':<6} c={c:<3} {r['steps']:4d} steps  step "
                           f"{r['step_ms']:6.2f} ms  device {r['device_ms']:6.2f}  host {r['host_ms']:6.2f}  "

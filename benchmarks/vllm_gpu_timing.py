@@ -49,14 +49,18 @@ TINY = [("AR (same shape)", None, True),
         ("PSD skip d3", {"decoding": "psd", "dag_shape": "skip"}, False),
         # async scheduling (vLLM's batch queue: the next step scheduled and the last one's output processed while
         # a step runs; vLLM's AR above runs with it by default on a GPU); ms/forward counts its cut steps too
-        # a step of the spatial policies or PSD laid out ahead of the last one's host decode (decide_ahead, on by
+        # a step of any method laid out ahead of the last one's host decode (decide_ahead, on by
         # default on a GPU); "ahead off": async scheduling alone, what it adds to
         ("confidence async", {"decoding": "confidence", "async_scheduling": True}, True),
         ("confidence async (ahead off)", {"decoding": "confidence", "async_scheduling": True,
                                          "decide_ahead": "off"}, True),
         ("PSD chain d3 async", {"decoding": "psd", "async_scheduling": True}, True),
         ("PSD chain d3 async (ahead off)", {"decoding": "psd", "async_scheduling": True, "decide_ahead": "off"},
-         True)]
+         True),
+        # Spiffy (the model's shipped confidence-base graph: the decode config's default policy), laid out ahead
+        # since 2026-12-07: its graph's drafts made where the logits are
+        ("Spiffy async", {"decoding": "spiffy", "async_scheduling": True}, False),
+        ("Spiffy async (ahead off)", {"decoding": "spiffy", "async_scheduling": True, "decide_ahead": "off"}, False)]
 # vLLM captures graphs up to 512 rows by default (min(max_num_seqs x (1 + num_speculative_tokens) x 2, 512));
 # a dLLM step of one request with prefix cache and long answers has up to ~200 rows a canvas, so PSD's canvases
 # and most steps of 16 requests run eagerly there. These also run with graphs captured up to WIDE_GRAPH_ROWS.
@@ -124,7 +128,8 @@ def measure(llm, prompts, params, dllm: bool) -> dict:
         # the steps that skipped theirs (guesses that missed alone) and the cut ones
         st = compat.psd_stats(llm)["step_time"]
         steps = {k: st.get(k, 0) for k in ("steps", "forwards", "skipped_forwards", "cut_steps", "deferred", "ahead",
-                                         "ahead_planned", "ahead_rebatched", "ahead_left", "ahead_idle_canvases")}
+                                         "ahead_planned", "ahead_rebatched", "ahead_left", "ahead_idle_canvases",
+                                         "ahead_mismatch")}
     else:
         nfe = [len(t) for t in tokens]  # one forward a token (the prefill's included)
     wall = statistics.median(walls)

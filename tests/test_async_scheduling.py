@@ -183,11 +183,12 @@ def test_the_next_step_waits_for_a_decode_on_vllms_output_thread():
                                                ("confidence", "prefix", {"temperature": 0.8, "seed": 0}),
                                                ("psd", "dual", {}), ("psd", "prefix", {"temperature": 0.8, "seed": 0}),
                                                ("lopa", "dual", {}), ("freedave", "prefix", {}),
-                                               ("joint_threshold", "prefix", {})])
+                                               ("joint_threshold", "prefix", {}), ("spiffy", "dual", {}),
+                                               ("spiffy", "prefix", {"temperature": 0.8, "seed": 0})])
 def test_steps_laid_out_ahead_equal_the_reference_engine(monkeypatch, heldout_prompts, method, cache, kw):
-    """Every method but Spiffy decides ahead: while the batch stays the same, step N + 1 is laid out and
+    """Every method decides ahead: while the batch stays the same, step N + 1 is laid out and
     forwarded before step N's decisions reach the host (its canvases' ids written from them where they were
-    taken: PSD's drafts, LoPA's branches, FreeDave's jumps made there), and N is decoded on the host after that forward; the answers and
+    taken: PSD's drafts, LoPA's branches, FreeDave's jumps, Spiffy's graph drafts made there), and N is decoded on the host after that forward; the answers and
     decoding forwards are the reference engine's (greedy and sampled), and a block completed at N costs its N + 1
     rows only. The order is checked on the runner's calls: every step decided ahead launches N's decisions, then
     runs N + 1's forward, then updates N's decoders."""
@@ -208,7 +209,8 @@ def test_steps_laid_out_ahead_equal_the_reference_engine(monkeypatch, heldout_pr
     monkeypatch.setattr(dllm_runner.DLLMRunnerMixin, "_model_forward",
                         lambda self, *a, **k: events.append("forward") or forward(self, *a, **k))
     threshold = {"threshold": 0.5} if method == "confidence" else {}  # blocks in several steps, with misses
-    ref = _reference(DEFAULT_DLLM, heldout_prompts, method, threshold, cache=cache, **kw)
+    ref = _reference(DEFAULT_DLLM, heldout_prompts, method, {**_knobs(DEFAULT_DLLM, method), **threshold}, cache=cache,
+                     **kw)
     llm, _ = _async_llm(DEFAULT_DLLM, method, cache, **threshold)
     try:
         if kw:  # the reference's request i draws with seed + i
@@ -226,13 +228,45 @@ def test_steps_laid_out_ahead_equal_the_reference_engine(monkeypatch, heldout_pr
         st = _psd_stats(llm)["step_time"]
     finally:
         del llm
-    assert st["ahead"] > 0, st
-    if method in ("psd", "lopa", "freedave"):  # drafts laid out ahead: some past the plan's once few masks are left
+    assert st["ahead"] > 0 and st["ahead_mismatch"] == 0, st  # (every laid-out canvas was its plan's)
+    if method in ("psd", "lopa", "freedave", "spiffy"):  # drafts laid out ahead: some past the plan's
         assert st["ahead_idle_canvases"] > 0, st
     # every step decided ahead: N's decisions launched, N + 1's forward, then N's decoders updated from them
     text = "".join({"launch": "L", "forward": "F", "update": "U", "decode": "D"}[e] for e in events)
     assert text.count("L") == text.count("U") == st["ahead"], (text, st)
     assert text.count("LFU") == st["ahead"], text
+
+
+@pytest.mark.parametrize("method", ["psd", "spiffy"])
+def test_canvases_laid_out_otherwise_than_planned_cost_a_step_not_the_answer(monkeypatch, heldout_prompts, method):
+    """Where the canvases a method lays out ahead (made where the logits are) are not its plan's (made on the host
+    after the update), which their bit-for-bit agreement rules out by construction, the runner sees it in the
+    laid-out ids' copy: those rows decode nothing and the plan runs as a step of its own, so the answers and the
+    decoding forwards stay the reference engine's, and ``ahead_mismatch`` counts it. Here the drafts laid out are
+    made wrong on purpose (the state in every canvas)."""
+    from model_executor.decoding.psd import PSDDecoder
+    from model_executor.decoding.spiffy import SpiffyDecoder
+
+    def states_only(original):
+        def wrong(*a, **k):
+            canvases = original(*a, **k)
+            return canvases[:, :1].expand_as(canvases).clone()
+        return wrong
+
+    cls = {"psd": PSDDecoder, "spiffy": SpiffyDecoder}[method]
+    monkeypatch.setattr(cls, "_next_canvases", staticmethod(states_only(cls._next_canvases)))
+    ref = _reference(DEFAULT_DLLM, heldout_prompts, method, _knobs(DEFAULT_DLLM, method), cache="dual")
+    llm, _ = _async_llm(DEFAULT_DLLM, method, "dual")
+    try:
+        tokens, nfe = _generate(llm, heldout_prompts, 32, merged=False)  # (each mismatch: one cut step more)
+        assert tokens == [r.token_ids for r in ref] and nfe == [r.nfe for r in ref]
+        for p, r in zip(heldout_prompts[:2], ref):
+            tokens, nfe = _generate(llm, [p], 32, merged=False)
+            assert (tokens[0], nfe[0]) == (r.token_ids, r.nfe)
+        st = _psd_stats(llm)["step_time"]
+    finally:
+        del llm
+    assert st["ahead"] > 0 and st["ahead_mismatch"] > 0, st
 
 
 @pytest.mark.parametrize("method, budget", [("confidence", None), ("confidence", 96), ("static", 96), ("psd", 96),

@@ -21,7 +21,7 @@ Where the work runs: the logits stay on the engine's device and :func:`predict_r
 row's top-1 and its confidence come back in one copy). Everything after it, the methods' commit rules over a
 step's states and predictions ``[R, K, L]``, is host data, computed in numpy on views of the host tensors (a few
 microseconds an op where a small torch op costs tens, which a step pays dozens of times); every float operation
-there is an element-wise IEEE one, Python's libm or a reduction kept in torch, so the decisions are bit for bit
+there is an element-wise IEEE one, :mod:`.portable_math`'s logarithm or a reduction kept in torch, so the decisions are bit for bit
 those of the one-block oracles. The spatial policies' decoders are the exception where the logits are on an
 accelerator: their step decides there (:class:`DeviceRowPredictions`, :meth:`~.policies.PolicyDecoder.update_batch`)
 and the one copy brings their next states back instead of the predictions.
@@ -30,8 +30,6 @@ and the one copy brings their next states back instead of the predictions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import math
 
 import numpy as np
 import torch
@@ -47,7 +45,7 @@ class Prediction:
     tokens: torch.Tensor  # [L] argmax (or drawn) token per position
     conf: torch.Tensor  # [L] its commit confidence; -inf at positions already decoded
     probs: torch.Tensor | None = None  # [L, V] full distribution (calibration only)
-    logits: torch.Tensor | None = None  # [L, V] the canvas's logits (greedy; mask token excluded): :func:`top_tokens`
+    logits: torch.Tensor | None = None  # [L, V] the canvas's logits (greedy; mask token excluded): :func:`top_token_gaps`
 
 
 @dataclass
@@ -220,7 +218,7 @@ def exclude_mask_token(logits: torch.Tensor, mask_id: int) -> torch.Tensor:
 
 
 def work_bytes(device: torch.device) -> int:
-    """The most memory a row-wise pass over logits (:func:`predict_rows`, :func:`top_tokens`) takes for its work
+    """The most memory a row-wise pass over logits (:func:`predict_rows`, :func:`top_token_gaps`) takes for its work
     buffers, so a step's cost beyond its logits is bounded whatever its rows: about 16 MB on a CPU (a chunk's
     second pass reads it from cache), 256 MB on an accelerator (few, large launches)."""
     return (16 << 20) if device.type == "cpu" else (256 << 20)
@@ -311,21 +309,10 @@ def predict_rows(logits: torch.Tensor, mask_id: int | None = None, kept: torch.T
     return RowPredictions(logits, torch.from_numpy(out_tok), torch.from_numpy(out_conf), logits_map(kept))
 
 
-def top_tokens(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, conf: torch.Tensor, k: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` likeliest tokens of the rows ``rows [n]`` of ``logits [N, V]`` and their probabilities ``[n, k]``
-    (float64, on the CPU): rank 1 is the row's prediction ``tokens`` (greedy or drawn) with its probability
-    ``conf``, then the likeliest other tokens, rank ``j`` with ``conf * exp(logit_j - logit_1)``. Only for the rows
-    a decoder reads (Spiffy: a few per request), never a whole step's: :func:`top_token_gaps` where the logits
-    are, one copy, then :func:`top_probs` on the host."""
-    ids, gaps = top_token_gaps(logits, rows, tokens, k)
-    both = torch.cat([ids.double(), gaps], 1).cpu()  # one copy
-    return top_probs(tokens.cpu(), conf.cpu(), both[:, : k - 1].long(), both[:, k - 1:])
-
-
 def top_token_gaps(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, k: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`top_tokens`' part where the logits are, with no host read: ranks 2..k of the rows ``rows [n]`` (the
+    """The likeliest tokens at a few rows where the logits are, with no host read (what Spiffy's formulas read:
+    :func:`~.spiffy.top_logprobs` makes their log-probabilities from these): ranks 2..k of the rows ``rows [n]`` (the
     likeliest tokens other than each row's prediction ``tokens [n]``, greedy or drawn), their ids ``[n, k - 1]``
     and their logits' gaps to the prediction's (float64), on the logits' device. The rows are gathered in chunks
     of :func:`work_bytes` into one reused buffer, as :func:`predict_rows` does; each row's result is its own
@@ -351,20 +338,6 @@ def top_token_gaps(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tenso
     return torch.cat(ids), torch.cat(gaps)
 
 
-def top_probs(tokens: torch.Tensor, conf: torch.Tensor, ids: torch.Tensor, gaps: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`top_tokens`' part on the host, from :func:`top_token_gaps` (host tensors ``[n, k - 1]``): ids
-    ``[n, k]`` (the predictions first) and probabilities ``conf * exp(gap)`` (float64). The exponentials are
-    Python's, so equal inputs give equal outputs wherever a row sits in a batch (a vectorised kernel may round a
-    batch's tail differently)."""
-    n = tokens.numel()
-    out = torch.cat([tokens.long().reshape(n, 1), ids.long()], 1)
-    g = [[0.0] + row for row in gaps.double().tolist()]
-    probs = torch.tensor([[c * math.exp(x) for x in row] for c, row in zip(conf.double().tolist(), g)],
-                         dtype=torch.float64)
-    return out, probs.view(n, out.shape[1])
-
-
 def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: int, keep_probs: bool = False,
             sampling: Sampling | None = None, position0: int = 0, step: int = 0) -> Prediction:
     """Greedy (or sampled) tokens and confidences over masked positions of one canvas, from its logits
@@ -373,7 +346,7 @@ def predict(out: torch.Tensor | RowPredictions, state: torch.Tensor, mask_id: in
     Predictions come from the batched rows (computed here when given bare logits; confidences in
     :func:`confidence_dtype`, so a float64 model gives float64 confidences, the exactness path), and keep the
     canvas's logits (``Prediction.logits``) for a decoder that ranks tokens at a few positions
-    (:func:`top_tokens`). ``sampling`` (bare logits only: the engines' rows are drawn already) draws the canvas
+    (:func:`top_token_gaps`). ``sampling`` (bare logits only: the engines' rows are drawn already) draws the canvas
     as the engines draw it: position ``j`` is absolute position ``position0 + j`` in the block's ``step``-th
     step (:mod:`.sampling`). ``keep_probs`` (greedy; calibration) gives the full distributions, in float64.
     Several canvases: :func:`predict_each`."""
@@ -576,9 +549,9 @@ def decide_on_device(decoders: list[BlockDecoder]) -> bool:
 def decides_ahead(decoders: list[BlockDecoder]) -> bool:
     """Whether a step of ``decoders`` can take its decisions ahead of its update (:func:`launch_all`): every one
     decides on the device (:func:`decide_on_device`) by a method whose next canvases are known there before the
-    host reads anything (:meth:`BlockDecoder.launch_batch`: every method but Spiffy, whose draft graph is walked
-    on the host; PSD's and FreeDave's drafts are assembled there from the decisions, LoPA's branches are made by
-    them)."""
+    host reads anything (:meth:`BlockDecoder.launch_batch`: every method; PSD's and FreeDave's drafts are
+    assembled there from the decisions, Spiffy's draft graph is instantiated, scored and pruned there, LoPA's
+    branches are made by them)."""
     base = BlockDecoder.launch_batch.__func__
     return decide_on_device(decoders) and all(type(d).launch_batch.__func__ is not base for d in decoders)
 

@@ -28,12 +28,16 @@ One step of all requests at once (:meth:`SpiffyDecoder.propose_batch`, :meth:`Sp
 decoders of one graph and base step together): formulas instantiated for all requests by gathers (Eqs. 8-11),
 scores (Eqs. 12-14) for every node at once and the connected top-D* a score rank at a time, Alg. 1 one
 accepted draft at a time for all requests. A proposal's data are the graph nodes of its drafts. Only the ``max_i`` most confident positions
-of the last commit's prediction get their top tokens (:func:`~.base.top_tokens`: no formula reads further),
-not every row of the step. The logarithms and exponentials of the scores are Python's, so a request's drafts
-rank the same whichever requests share its step, bit for bit (``tests/oracles/decoders.py`` holds the
-one-block reading of §4, which the tests compare against). Where the predictions are on an accelerator, Alg. 1
-and the top tokens' selection run there (:meth:`SpiffyDecoder._decide_on_device`: one copy back), and the
-probabilities and logarithms stay Python's on the host, so the drafts rank as in the host's form.
+of the last commit's prediction get their top tokens (:func:`~.base.top_token_gaps`: no formula reads further),
+not every row of the step. The scores are computed in logarithms (a geometric mean is the exponential of a mean
+of logarithms, and ranks as that mean does): the tokens' log-probabilities ``log(conf) + logit gap``
+(:func:`top_logprobs`, the logarithm :mod:`.portable_math`'s, IEEE basic operations only), then sums, means and
+halves, so a request's drafts rank the same whichever requests share its step and wherever they are ranked, bit
+for bit (``tests/oracles/decoders.py`` holds the one-block reading of §4, which the tests compare against). Where the predictions are on an accelerator, Alg. 1 and the top tokens'
+selection run there (:meth:`SpiffyDecoder._decide_on_device`: one copy back); under async scheduling the next
+step's drafts are made there too, before the host has read anything (:meth:`SpiffyDecoder.launch_batch`: the
+graph instantiated, scored and pruned by :meth:`SpiffyDecoder._choose_on_device`, the host's
+:meth:`SpiffyDecoder._choose` decision for decision).
 
 Choices the paper leaves open, made here: a draft must extend the current state (agree on every decoded
 position, decode more); drafts that fill the whole block are kept for acceptance but need no forward;
@@ -47,15 +51,15 @@ reused (its draw would be another step's).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
+from . import portable_math
 from .base import (BlockDecoder, DeviceRowPredictions, Prediction, Proposal, canvas_predictions, canvas_row_index,
-                   commit, groups, host_rows, top_probs, top_token_gaps, top_tokens, update_in_groups)
+                   commit, groups, host_rows, launch_key, top_token_gaps, update_in_groups)
 from .policies import policy_key
 from .spiffy_graph import DraftGraph
 
@@ -68,22 +72,25 @@ class Ranked:
     state: torch.Tensor  # [L] Y_q
     order: torch.Tensor  # [n] masked positions of Y_q, most confident first (ties: lower position)
     top_tok: torch.Tensor  # [min(n, max_i), max_j] token of rank j at the position of rank i
-    logp: torch.Tensor  # [min(n, max_i), max_j] float64: log of its probability (floored at 1e-300)
+    logp: torch.Tensor  # [min(n, max_i), max_j] float64: log of its probability (top_logprobs)
 
 
-def _log(p: float) -> float:
-    return math.log(max(p, 1e-300))
+LOG_FLOOR = portable_math.log_float(1e-300)  # the least log-probability a formula pair counts with
 
 
-def _elementwise(fn: Callable[[float], float], t: torch.Tensor) -> torch.Tensor:
-    """``fn`` (Python's libm) on every element of a float64 tensor: the same result for the same input wherever
-    it sits in a batch, so the batched step ranks drafts exactly as the one-block step does."""
-    return torch.from_numpy(_each(fn, t.numpy()))
-
-
-def _each(fn: Callable[[float], float], a: np.ndarray) -> np.ndarray:
-    """:func:`_elementwise` of a float64 numpy array."""
-    return np.array([fn(x) for x in a.ravel().tolist()], dtype=np.float64).reshape(a.shape)
+def top_logprobs(conf, gaps):
+    """The log-probabilities ``[n, max_j]`` of the likeliest tokens at ``n`` positions, from the predictions'
+    confidences ``conf [n]`` (the probability of rank 1) and the logit gaps of ranks 2..max_j to it ``gaps
+    [n, max_j - 1]`` (:func:`~.base.top_token_gaps`): ``log(conf) + gap`` (rank 1: ``log(conf)``), floored at
+    :data:`LOG_FLOOR` (a banned token's -inf counts as a probability of 1e-300). A numpy array or a tensor on any
+    device: the logarithm is :mod:`.portable_math`'s and the rest IEEE additions, so the host's and the device's
+    drafts rank alike (:meth:`SpiffyDecoder.launch_batch`), and a position's values are the same whichever
+    requests share its step."""
+    if isinstance(conf, torch.Tensor):
+        lc = portable_math.log(conf.double().clamp(min=1e-300))[:, None]
+        return torch.cat([lc, lc + gaps.double()], 1).clamp(min=LOG_FLOOR)
+    lc = portable_math.log(np.maximum(np.asarray(conf, dtype=np.float64), 1e-300))[:, None]
+    return np.maximum(np.concatenate([lc, lc + np.asarray(gaps, dtype=np.float64)], 1), LOG_FLOOR)
 
 
 _TABLES: dict = {}
@@ -114,6 +121,29 @@ def _tables(graph: DraftGraph) -> tuple[np.ndarray, ...]:
         got = _TABLES[id(graph)] = (graph, (fi, fj, flen, np.arange(F) < flen[:, None], distinct, parents, kid,
                                             kid_ok))
     return got[1]
+
+
+_DEVICE_TABLES: dict = {}
+
+
+def _device_tables(graph: DraftGraph, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """:func:`_tables` on ``device``, uploaded once per graph and device."""
+    key = (id(graph), str(device))
+    got = _DEVICE_TABLES.get(key)
+    if got is None or got[0] is not graph:
+        if len(_DEVICE_TABLES) > 16:
+            _DEVICE_TABLES.clear()
+        pin = torch.device(device).type == "cuda"  # (from pinned memory: the host does not wait for the stream)
+        got = _DEVICE_TABLES[key] = (graph, tuple((torch.from_numpy(a).pin_memory() if pin else torch.from_numpy(a))
+                                                  .to(device, non_blocking=True) for a in _tables(graph)))
+    return got[1]
+
+
+def _top(tok, conf, ids, gaps) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top tokens ``[n, max_j]`` (the predictions ``tok [n]`` first, then ``ids``) and their log-probabilities
+    (:func:`top_logprobs` of the confidences ``conf`` and the logit gaps ``gaps``), host arrays in, tensors out."""
+    top = np.concatenate([np.asarray(tok).reshape(-1, 1), np.asarray(ids)], 1).astype(np.int64)
+    return torch.from_numpy(top), torch.from_numpy(top_logprobs(conf, gaps))
 
 
 class BaseStep:
@@ -169,12 +199,10 @@ class SpiffyDecoder(BlockDecoder):
         ``Y_q`` (Eqs. 8-11, one gather per formula pair), the drafts that extend the state kept and deduplicated,
         Eqs. 12-14 scored, and the top-D* taken in score order keeping the pruned graph connected, a score rank
         at a time. Returns each decoder's chosen nodes and their drafts, in score order."""
-        d0 = decoders[0]
-        mask, R = d0.mask_id, len(decoders)
-        fi, fj, flen, pair, distinct, parents, kid, kid_ok = _tables(d0.graph)
-        N, F = fi.shape
+        d0, R = decoders[0], len(decoders)
         # host data in numpy (a step's few small arrays cost microseconds an op in numpy, tens as torch ops); every
-        # float op is an element-wise IEEE one or Python's libm, so the results are those of the one-block step
+        # float op is an element-wise IEEE one or portable_math's, so the results are those of the one-block step
+        # and of the device's form (_choose_on_device)
         S, Y = host_rows([(d.state, d.q.state) for d in decoders])  # [R, L]
         n_q = np.array([d.q.order.numel() for d in decoders])
         order = np.zeros((R, max(int(n_q.max()), d0.max_i)), dtype=np.int64)  # [R, n]
@@ -183,6 +211,20 @@ class SpiffyDecoder(BlockDecoder):
         for r, d in enumerate(decoders):
             order[r, : n_q[r]] = d.q.order.numpy()
             top[r, : d.q.top_tok.shape[0]], logp[r, : d.q.logp.shape[0]] = d.q.top_tok.numpy(), d.q.logp.numpy()
+        picks, D = SpiffyDecoder._choose(d0, S, Y, order, n_q, top, logp)
+        chosen = [[k for k in row if k >= 0] for row in picks.tolist()]
+        Dt = torch.from_numpy(D)
+        return chosen, [[Dt[r, k, : d.state.numel()] for k in row] for r, (d, row) in enumerate(zip(decoders, chosen))]
+
+    @staticmethod
+    def _choose(d0, S, Y, order, n_q, top, logp):
+        """:meth:`_drafts` on the decoders' host arrays: the states ``S`` and ``Y_q`` ``[R, L]``, the masked positions
+        of ``Y_q`` by confidence ``order [R, >= max_i]`` (0 past their count ``n_q [R]``), the top tokens at the first
+        ``max_i`` of them and the logarithms of their probabilities ``[R, max_i, max_j]`` (0 past them). Returns the
+        chosen nodes ``[R, N]`` in score order (-1 after them) and every node's draft ``[R, N, L]``."""
+        mask, R = d0.mask_id, S.shape[0]
+        fi, fj, flen, pair, distinct, parents, kid, kid_ok = _tables(d0.graph)
+        N, F = fi.shape
         ar = np.arange(R)[:, None, None]
         pos = order[ar, fi]  # [R, N, F]
         tok = top[ar, fi, fj]
@@ -195,18 +237,19 @@ class SpiffyDecoder(BlockDecoder):
         known = S != mask
         extends = ((D == S[:, None]) | ~known[:, None]).all(-1) & ((D != mask).sum(-1) > known.sum(-1)[:, None])
         ok = applies & extends & (D == mask).any(-1)  # a draft: extends the state and keeps a mask
-        local = _each(math.exp, lp / flen)  # Eq. 12
+        # Eqs. 12-14 in logarithms (a geometric mean is the exponential of a mean of logarithms, and the
+        # exponential orders as its argument does): no exponential or logarithm here, IEEE operations alone
+        local = lp / flen  # Eq. 12: log localScore
         same = (D[:, :, None] == D[:, None, :]).all(-1) & ok[:, None, :]  # [R, N, N]
         dup = (same & (np.arange(N)[None, :] < np.arange(N)[:, None])).any(-1)  # equals an earlier draft
-        log_local = _each(math.log, np.where(ok, local, 1.0))
         acc, cnt = np.zeros((R, N), dtype=np.float64), np.zeros((R, N), dtype=np.int64)
         for j in range(kid.shape[1]):  # Eq. 13 for every node at once: its j-th child, children in graph order
             c = kid[:, j]
             v = kid_ok[:, j] & ok[:, c]  # [R, N]
-            acc = acc + np.where(v, log_local[:, c], 0.0)
+            acc = acc + np.where(v, local[:, c], 0.0)
             cnt = cnt + v
-        child = np.where(cnt > 0, _each(math.exp, acc / np.maximum(cnt, 1)), local)
-        score = np.where(ok & ~dup, np.sqrt(local * child), -np.inf)  # Eq. 14
+        child = np.where(cnt > 0, acc / np.maximum(cnt, 1), local)  # log childScore (a leaf: its localScore)
+        score = np.where(ok & ~dup, (local + child) * 0.5, -np.inf)  # Eq. 14: log score
         rank = np.argsort(-score, axis=1, kind="stable")  # descending; ties: the lower node first
         added = (D != mask).sum(-1) - known.sum(-1)[:, None]
         direct = np.ones((R, N), dtype=bool) if d0.max_commit is None else added <= d0.max_commit
@@ -225,9 +268,68 @@ class SpiffyDecoder(BlockDecoder):
             taken += take
             if bool((taken == d0.budget).all()):
                 break
-        chosen = [[k for k in row if k >= 0] for row in picks.tolist()]
-        Dt = torch.from_numpy(D)
-        return chosen, [[Dt[r, k, : d.state.numel()] for k in row] for r, (d, row) in enumerate(zip(decoders, chosen))]
+        return picks, D
+
+    @staticmethod
+    def _choose_on_device(d0, S, Y, order, n_q, top, logp):
+        """:meth:`_choose` where its inputs are (tensor ops, no host read, no data-dependent shape), decision for
+        decision: the same IEEE operations in the same order and :mod:`.portable_math`'s exponentials and
+        logarithms, a stable sort for numpy's stable argsort, and every score rank walked (the host stops once
+        every request has its drafts; the ranks after that take nothing). With a base step that commits any number
+        of positions (confidence) every draft can be the next state, so the top-D* are the first ``budget`` ranks
+        with a score, taken at once."""
+        mask, R, dev = d0.mask_id, S.shape[0], S.device
+        fi, fj, flen, pair, distinct, parents, kid, kid_ok = _device_tables(d0.graph, dev)
+        N, F = fi.shape
+        ar = torch.arange(R, device=dev)[:, None, None]
+        pos = order[ar, fi]  # [R, N, F]
+        tok = top[ar, fi, fj]
+        lp = torch.zeros((R, N), dtype=torch.float64, device=dev)
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        for m in range(F):
+            lp = lp + torch.where(pair[:, m], logp[ar[:, :, 0], fi[:, m], fj[:, m]], zero)
+        applies = ((fi < n_q[:, None, None]) | ~pair).all(-1) & distinct
+        D = Y[:, None].repeat(1, N, 1)
+        D.scatter_(2, torch.where(pair, pos, pos[..., :1]), torch.where(pair, tok, tok[..., :1]))
+        known = S != mask
+        extends = ((D == S[:, None]) | ~known[:, None]).all(-1) & ((D != mask).sum(-1) > known.sum(-1)[:, None])
+        ok = applies & extends & (D == mask).any(-1)
+        local = lp / flen  # (tensor / tensor divisions only: a CUDA tensor divided by a Python float is a
+        # multiplication by its reciprocal, which numpy's division is not)
+        same = (D[:, :, None] == D[:, None, :]).all(-1) & ok[:, None, :]
+        nodes = torch.arange(N, device=dev)
+        dup = (same & (nodes[None, :] < nodes[:, None])).any(-1)
+        acc = torch.zeros((R, N), dtype=torch.float64, device=dev)
+        cnt = torch.zeros((R, N), dtype=torch.int64, device=dev)
+        for j in range(kid.shape[1]):
+            c = kid[:, j]
+            v = kid_ok[:, j] & ok[:, c]
+            acc = acc + torch.where(v, local[:, c], zero)
+            cnt = cnt + v
+        child = torch.where(cnt > 0, acc / cnt.clamp(min=1), local)
+        score = torch.where(ok & ~dup, (local + child) * 0.5, torch.full_like(local, float("-inf")))
+        rank = torch.sort(-score, dim=1, stable=True).indices
+        finite = torch.isfinite(score.gather(1, rank))  # [R, N] in rank order
+        if d0.max_commit is None:  # every draft direct: the first `budget` ranks with a score
+            take = finite & (finite.long().cumsum(-1) <= d0.budget)
+            slot = torch.where(take, take.long().cumsum(-1) - 1, torch.full_like(rank, N))
+            picks = torch.full((R, N + 1), -1, dtype=torch.int64, device=dev)
+            picks.scatter_(1, slot, torch.where(take, rank, torch.full_like(rank, -1)))
+            return picks[:, :N], D
+        added = (D != mask).sum(-1) - known.sum(-1)[:, None]
+        direct = added <= d0.max_commit
+        admitted = torch.zeros((R, N), dtype=torch.bool, device=dev)
+        taken = torch.zeros(R, dtype=torch.int64, device=dev)
+        picks = torch.full((R, N), -1, dtype=torch.int64, device=dev)
+        rr = torch.arange(R, device=dev)
+        for t in range(N):
+            k = rank[:, t]
+            take = finite[:, t] & (taken < d0.budget) & (direct[rr, k] | (admitted & parents[k]).any(-1))
+            slot = taken.clamp(max=N - 1)
+            picks[rr, slot] = torch.where(take, k, picks[rr, slot])
+            admitted[rr, k] = admitted[rr, k] | take
+            taken = taken + take
+        return picks, D
 
     def commit_canvases(self) -> np.ndarray | None:
         """Per block position, the canvas of the last step whose prediction committed it (Alg. 1's passes): the
@@ -247,11 +349,86 @@ class SpiffyDecoder(BlockDecoder):
             out[(canvases[a].numpy() == self.mask_id) & (canvases[b].numpy() != self.mask_id)] = a
         return out
 
+    @staticmethod
+    def _group_key(d, p):
+        """What one batched update cannot mix: the graph, the base step, greedy and sampling decoders."""
+        return id(d.graph), policy_key(d.next_state.rule), d.sampling is not None
+
     @classmethod
     def update_batch(cls, decoders, proposals, preds, canvas_rows):
         """Alg. 1 for every decoder, a graph and base step at a time (greedy and sampling decoders apart)."""
-        update_in_groups(cls._update, lambda d, p: (id(d.graph), policy_key(d.next_state.rule),
-                                                    d.sampling is not None), decoders, proposals, preds, canvas_rows)
+        update_in_groups(cls._update, cls._group_key, decoders, proposals, preds, canvas_rows)
+
+    @staticmethod
+    def _inputs(decoders, proposals, canvas_rows):
+        """What a step's decisions read of its decoders' proposals (host arrays): ``(the states [R, L], the
+        forwarded drafts [R, K, L] (-2: none, never equal to a state; -1 past a shorter block), each draft's base
+        steps past the state [R, K], the canvases' prediction rows [R, K + 1, L], K)``."""
+        R = len(decoders)
+        S = host_rows([(d.state,) for d in decoders])[0]  # [R, L] (host data in numpy, as in _drafts)
+        L = S.shape[1]
+        K = max(len(p.canvases) for p in proposals) - 1
+        D = np.full((R, max(K, 1), L), -2, dtype=np.int64)
+        level = np.zeros((R, max(K, 1)), dtype=np.int64)
+        for r, (d, p) in enumerate(zip(decoders, proposals)):
+            for n, (x, st) in enumerate(zip(p.canvases[1:], p.canvas_steps(d.t)[1:])):
+                D[r, n, : x.numel()], D[r, n, x.numel():] = x.numpy(), -1
+                level[r, n] = st - d.t
+        return S, D, level, canvas_row_index(decoders, canvas_rows).numpy(), K
+
+    @classmethod
+    def launch_batch(cls, decoders, proposals, preds, canvas_rows):
+        """:meth:`update_batch`'s decisions taken ahead (:func:`~.base.launch_all`), a group at a time as it makes
+        them, their copy queued for it; and from them, where they are, the next step's canvases
+        (:meth:`_next_canvases`: the draft graph instantiated, scored and pruned there): per decoder ``[K, L]``,
+        ``K`` what :meth:`canvases_ahead` bounds them by."""
+        out = [None] * len(decoders)
+        for idx in groups(range(len(decoders)), lambda i: cls._group_key(decoders[i], proposals[i])):
+            group, props, rows = [decoders[i] for i in idx], [proposals[i] for i in idx], [canvas_rows[i] for i in idx]
+            S, D, level, rix, K = cls._inputs(group, props, rows)
+            cols, at = cls._device_decisions(group[0], preds, S, D, level, rix, K,
+                                             f"spiffy-ahead/{len(preds.launched)}")
+            preds.launched[launch_key(group, rows)] = preds.read_back_later(cols, at)
+            # the drafts a budget and base step at a time, as propose_batch makes them: each made for every row of
+            # the group (a row's drafts are its own) and the sub-group's rows taken (no index to upload)
+            for sub in groups(range(len(group)), lambda r: (group[r].budget, group[r].max_commit)):
+                canv = cls._next_canvases(group[sub[0]], *cols)
+                for r in sub:
+                    d = group[r]
+                    out[idx[r]] = canv[r, : d.canvases_ahead(props[r]), : d.state.numel()]
+        return out
+
+    @staticmethod
+    def _next_canvases(d0, S, Yq, order, n_q, taken, hits, n_hits, ok, tok_sel, conf_sel, ids, gaps) -> torch.Tensor:
+        """:meth:`propose_batch` of the decisions where they are (:meth:`_device_decisions`' columns), with the graph,
+        budget and base step of the decoder ``d0``: ``[R, 1 + min(budget, nodes), L]``, the next state then its
+        drafts in score order (past a block's own drafts, the state again: rows that decode nothing). Decision for
+        decision the host's: the top tokens' log-probabilities (:func:`top_logprobs`), zero past each block's first
+        ``max_i`` masked positions as :meth:`_drafts` pads them, then :meth:`_choose_on_device`."""
+        (R, L), dev = S.shape, S.device
+        w = ok.shape[1]
+        ok = ok[..., None]
+        top = torch.where(ok, torch.cat([tok_sel[..., None], ids], -1), torch.zeros((), dtype=ids.dtype, device=dev))
+        logp = torch.where(ok, top_logprobs(conf_sel.reshape(-1), gaps.reshape(R * w, gaps.shape[-1])).view(R, w, -1),
+                           torch.zeros((), dtype=torch.float64, device=dev))
+        if w < d0.max_i:  # (a block shorter than the graph's deepest position rank)
+            top = torch.nn.functional.pad(top, (0, 0, 0, d0.max_i - w))
+            logp = torch.nn.functional.pad(logp, (0, 0, 0, d0.max_i - w))
+        order = torch.where(torch.arange(L, device=dev) < n_q[:, None], order, torch.zeros_like(order))
+        if L < d0.max_i:
+            order = torch.nn.functional.pad(order, (0, d0.max_i - L))
+        picks, D = SpiffyDecoder._choose_on_device(d0, S, Yq, order, n_q, top, logp)
+        sel = picks[:, : d0.budget]
+        drafts = D.gather(1, sel.clamp(min=0)[..., None].expand(R, sel.shape[1], L))
+        drafts = torch.where(sel[..., None] >= 0, drafts, S[:, None])
+        return torch.cat([S[:, None], drafts], 1)
+
+    def canvases_ahead(self, proposal: Proposal) -> int:
+        """The next step forwards the state and at most ``budget`` drafts (one per graph node at most); a draft
+        decodes more than the state and keeps a mask, and the base step commits one mask at least, so a state
+        with fewer than three masks now has none after it."""
+        m = int(np.count_nonzero(proposal.canvases[0].numpy() == self.mask_id))
+        return 1 + min(self.budget, len(self.graph.nodes)) if m >= 3 else 1
 
     @classmethod
     def _update(cls, decoders, proposals, preds, canvas_rows):
@@ -259,19 +436,13 @@ class SpiffyDecoder(BlockDecoder):
         that draft's prediction for the next step (one pass per accepted draft, all requests at once; sampling:
         a draft of the level the commits have reached); then Eqs. 8-9 at the last commit for the next proposal."""
         d0 = decoders[0]
-        R = len(decoders)
-        S = host_rows([(d.state,) for d in decoders])[0]  # [R, L] (host data in numpy, as in _drafts)
-        L = S.shape[1]
-        K = max(len(p.canvases) for p in proposals) - 1
-        D = np.full((R, max(K, 1), L), -2, dtype=np.int64)  # -2: no draft (never equals a state)
-        level = np.zeros((R, max(K, 1)), dtype=np.int64)  # each draft's steps past the state
-        for r, (d, p) in enumerate(zip(decoders, proposals)):
-            for n, (x, st) in enumerate(zip(p.canvases[1:], p.canvas_steps(d.t)[1:])):
-                D[r, n, : x.numel()], D[r, n, x.numel():] = x.numpy(), -1
-                level[r, n] = st - d.t
-        rows = canvas_row_index(decoders, canvas_rows).numpy()
-        decide = cls._decide_on_device if isinstance(preds, DeviceRowPredictions) else cls._decide
-        S, Yq, order, n_q, taken, hits, n_hits, top_tok, top_p, counts = decide(d0, preds, S, D, level, rows, K)
+        S, D, level, rows, K = cls._inputs(decoders, proposals, canvas_rows)
+        if isinstance(preds, DeviceRowPredictions):
+            pending = (preds.launched or {}).pop(launch_key(decoders, canvas_rows), None)
+            decided = cls._decide_on_device(d0, preds, S, D, level, rows, K, pending)
+        else:
+            decided = cls._decide(d0, preds, S, D, level, rows, K)
+        S, Yq, order, n_q, taken, hits, n_hits, top_tok, logp, counts = decided
         # (counted once the step's decisions stand: a decide that raises, a block's NaN, is retried block by block)
         for d, p in zip(decoders, proposals):
             for k in p.data:
@@ -283,7 +454,6 @@ class SpiffyDecoder(BlockDecoder):
         for r, (d, k, p) in enumerate(zip(decoders, taken.tolist(), proposals)):
             d.t += k
             d.accepted_chain = (hits[r], n_hits[r], p.canvases)
-        logp = _elementwise(_log, top_p)
         at = 0
         S, Yq, order = torch.from_numpy(S), torch.from_numpy(Yq), torch.from_numpy(order)
         for d, s, y, o, n, c in zip(decoders, S, Yq, order, n_q.tolist(), counts.tolist()):
@@ -300,7 +470,7 @@ class SpiffyDecoder(BlockDecoder):
         the level the commits have reached); then Eqs. 8-9 at each request's last commit. Returns the states, the
         last commits' states ``Y_q`` and their masked positions by confidence ``[R, L]``, how many ``[R]``, the
         base steps taken ``[R]``, which blocks accepted a draft at each pass and which ``[R, passes]``, and the top
-        tokens at each block's first few positions with their probabilities (:func:`~.base.top_tokens`: ``[n, max_j]``
+        tokens at each block's first few positions with their log-probabilities (:func:`top_logprobs`: ``[n, max_j]``
         for the ``n`` positions the next drafts may read, block by block) and how many are each block's ``[R]``."""
         mask, R, rr = d0.mask_id, S.shape[0], np.arange(S.shape[0])
         sampled = d0.sampling is not None
@@ -333,23 +503,42 @@ class SpiffyDecoder(BlockDecoder):
         need = order[:, : d0.max_i]
         ok = (np.arange(need.shape[1]) < n_q[:, None]) & (S == mask).any(-1, keepdims=True)  # done: no drafts
         sel_rows = torch.from_numpy(q_rows[rr[:, None], need][ok])
-        top_tok, top_p = top_tokens(preds.logits, preds.logits_of(sel_rows),
-                                    torch.from_numpy(np.take_along_axis(tok_q, need, 1)[ok]),
-                                    torch.from_numpy(np.take_along_axis(conf_q, need, 1)[ok]), d0.max_j)
-        return S, Yq, order, n_q, taken, hits, n_hits, top_tok, top_p, ok.sum(-1)
+        tok_sel = np.take_along_axis(tok_q, need, 1)[ok]
+        ids, gaps = top_token_gaps(preds.logits, preds.logits_of(sel_rows), torch.from_numpy(tok_sel), d0.max_j)
+        both = torch.cat([ids.double(), gaps], 1).cpu().numpy()  # (one copy where the logits are elsewhere)
+        top_tok, logp = _top(tok_sel, np.take_along_axis(conf_q, need, 1)[ok], both[:, : d0.max_j - 1],
+                             both[:, d0.max_j - 1:])
+        return S, Yq, order, n_q, taken, hits, n_hits, top_tok, logp, ok.sum(-1)
+
+    @classmethod
+    def _decide_on_device(cls, d0, preds: DeviceRowPredictions, S, D, level, rows, K, pending=None):
+        """:meth:`_decide` where the predictions are (:meth:`_device_decisions`), decision for decision, in the step's
+        one copy back (``pending``: that copy, queued when they were taken ahead, :meth:`launch_batch`). The top
+        tokens' log-probabilities are computed on the host from what it brings (:func:`top_logprobs`), as in the
+        host's form and the device's proposal."""
+        if pending is not None:
+            cols = pending.columns()
+        else:
+            cols = preds.read_back_columns(*cls._device_decisions(d0, preds, S, D, level, rows, K))
+        S, Yq, order, n_q, taken, hits, n_hits, ok, tok_sel, conf_sel, ids, gaps = cols
+        ok = ok > 0
+        top_tok, logp = _top(tok_sel[ok], conf_sel[ok], ids[ok], gaps[ok])
+        return (S.astype(np.int64), Yq.astype(np.int64), order.astype(np.int64), n_q.astype(np.int64),
+                taken.astype(np.int64), hits > 0, n_hits.astype(np.int64), top_tok, logp, ok.sum(-1))
 
     @staticmethod
-    def _decide_on_device(d0, preds: DeviceRowPredictions, S, D, level, rows, K):
-        """:meth:`_decide` where the predictions are (tensor ops, no host read, no data-dependent shape; no grammar:
-        :func:`~.base.decide_on_device`), decision for decision: every pass of Alg. 1 runs (a block that accepted
+    def _device_decisions(d0, preds: DeviceRowPredictions, S, D, level, rows, K, key: str = "spiffy"):
+        """:meth:`_decide`'s decisions where the predictions are (tensor ops, no host read, no data-dependent shape;
+        no grammar: :func:`~.base.decide_on_device`), left there: every pass of Alg. 1 runs (a block that accepted
         nothing keeps its state through the rest), the top tokens are taken at every block's first ``max_i``
-        positions (:func:`~.base.top_token_gaps`; those past a block's masks are dropped on the host), and the
-        decisions, with each block's count of non-finite predictions, come back in the step's one copy. The
-        probabilities and their logarithms are Python's on the host, as in the host's form
-        (:func:`~.base.top_probs`), so the drafts rank the same."""
+        positions (:func:`~.base.top_token_gaps`; those past a block's masks are dropped). Returns ``([states,
+        Y_q, their masked positions by confidence [R, L], how many [R], base steps [R], hits and which [R, K + 1],
+        which of the first max_i positions are masked [R, w], their tokens and confidences [R, w], the top
+        tokens' ids and logit gaps [R, w, max_j - 1]], the canvases' logits rows)``; the host arrays go up through
+        the engine's staging buffer ``key``."""
         mask, R = d0.mask_id, S.shape[0]
         sampled = d0.sampling is not None
-        Sd, Dd, lev, at = preds.upload("spiffy", [S, D, level, preds.logits_rows(rows)])
+        Sd, Dd, lev, at = preds.upload(key, [S, D, level, preds.logits_rows(rows)])
         dev = Sd.device
         ar = torch.arange(R, device=dev)
         cur = torch.zeros(R, dtype=torch.long, device=dev)
@@ -389,11 +578,5 @@ class SpiffyDecoder(BlockDecoder):
         else:  # no logits rows at all: nothing to select (an index into none would fault the device)
             ids = torch.zeros(R * w, j, dtype=torch.long, device=dev)
             gaps = torch.zeros(R * w, j, dtype=torch.float64, device=dev)
-        S, Yq, order, n_q, taken, hits, n_hits, ok, tok_sel, conf_sel, ids, gaps = preds.read_back_columns(
-            [Sd, Yq, order, n_q, taken, torch.stack(hits, 1), torch.stack(n_hits, 1), ok, tok_sel, conf_sel,
-             ids.reshape(R, w, j), gaps.reshape(R, w, j)], at)  # the step's one copy back
-        ok = ok > 0
-        top_tok, top_p = top_probs(torch.from_numpy(tok_sel[ok].astype(np.int64)), torch.from_numpy(conf_sel[ok]),
-                                   torch.from_numpy(ids[ok].astype(np.int64)), torch.from_numpy(gaps[ok]))
-        return (S.astype(np.int64), Yq.astype(np.int64), order.astype(np.int64), n_q.astype(np.int64),
-                taken.astype(np.int64), hits > 0, n_hits.astype(np.int64), top_tok, top_p, ok.sum(-1))
+        return [Sd, Yq, order, n_q, taken, torch.stack(hits, 1), torch.stack(n_hits, 1), ok, tok_sel, conf_sel,
+                ids.reshape(R, w, j), gaps.reshape(R, w, j)], at

@@ -100,7 +100,7 @@ class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True
     # guess was wrong (its block completed) is cut. One engine process per model (no tensor, pipeline or data
     # parallelism yet); docs/architecture.md, "Overlap"
     async_scheduling: bool = False
-    # with async scheduling, a step of any method but Spiffy laid out and forwarded before the last step's
+    # with async scheduling, a step of any method laid out and forwarded before the last step's
     # decisions reach the host, its ids (the drafting methods' drafts too) written where those were taken
     # (docs/architecture.md,
     # "Overlap"): ``auto`` where the step's logits are on an accelerator (on a CPU the host and the forward run one

@@ -45,7 +45,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput, SamplerOutput
 
 from attention_backends.step_batch import Rows, StepBatch, build_step_batch
 from model_executor.decoding import LogitsRules, logits_map, merge_stats, predict_rows, propose_all
-from model_executor.decoding.base import decides_ahead
+from model_executor.decoding.base import PendingCopy, decides_ahead
 from model_executor.dllm_request import DLLMRequest, decode_step, engine_fault, launch_step, update_step
 from model_executor.grammar import GrammarFrontier
 from model_executor.models.configs import ArchSpec
@@ -228,6 +228,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._launched: tuple | None = None
         self._ahead_write: tuple | None = None
         self._settling: dict = {}
+        # the laid-out ids' copy to the host, queued before N + 1's forward, and each request's place in it
+        # (request id -> (offset, canvases, block length)): N's plans are checked against it before they settle
+        self._ahead_copy: tuple | None = None
+        self._settle_copy: PendingCopy | None = None
         # speculative_config.decide_ahead (auto: where the logits are on an accelerator); not under tensor
         # parallelism: there vLLM's output thread may decode the output rank's step N before N + 1 begins while
         # another rank decodes it at N + 1's start, so the ranks would lay N + 1 out differently (the logits rows of
@@ -243,6 +247,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self.step_time["ahead_left"] = 0  # requests that stepped in N and were not in N + 1's batch (alive)
         # canvases laid out ahead past the plan's (PSD: a draft past the block's masks is not forwarded)
         self.step_time["ahead_idle_canvases"] = 0
+        # requests whose laid-out ids (taken where the logits are) were not their plan's canvases (taken on the
+        # host): their rows decode nothing. Never seen: the two sides decide bit for bit alike by construction;
+        # counted and warned about so that a device that rounds otherwise costs a step, not a lossless answer
+        self.step_time["ahead_mismatch"] = 0
 
     # ------------------------------------------------------------------ per-request decoding state
     def _served(self, req_id: str) -> _Served:
@@ -642,8 +650,10 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             if proposals[id(s)] is None:  # its proposal failed (_propose)
                 return None
             self._plan(s, proposals[id(s)])
-            if (ahead := self._settling.get(id(s))) is not None:  # its next step is laid out and forwarded already
-                r.settle(ahead)  # (where the plan is that step, it is the step; else those rows decode nothing)
+            if (got := self._settling.get(id(s))) is not None:  # its next step is laid out and forwarded already
+                ahead, at = got  # (where the plan is that step, it is the step; else those rows decode nothing)
+                if self._laid_out_as_planned(r.step, ahead, at):
+                    r.settle(ahead)
         return None if r.done else r.step
 
     def _propose(self, ready: list[tuple[str, _Served]]) -> list:
@@ -687,8 +697,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         Only where every request that stepped in the last step is scheduled now as its block going on, or not at
         all (it leaves vLLM's batch alive: what it emits is recorded apart; not with logprobs), none of them
         finished and no one preempted or resumed (:func:`.compat.carries_over`), and every such decoder decides
-        ahead (:func:`~model_executor.decoding.base.decides_ahead`: every method but Spiffy, no grammar). A
-        request
+        ahead (:func:`~model_executor.decoding.base.decides_ahead`: every method, no grammar). A request
         that did not step in it (its rows were cut: a block completed before, a guess missed; or it failed) is laid
         out as ever, from the step planned for it before, which the last step's decode does not touch; one that
         the decode would plan (no step planned yet) keeps the whole step from being laid out ahead. Requests may
@@ -748,14 +757,17 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             if self.inflight is step_n:  # (_plan_ahead asks for a schedule whose inputs vLLM prepares)
                 raise RuntimeError("psd-plugin: vLLM ran a step laid out ahead without preparing its inputs")
         except BaseException as e:  # (an engine fault: N is not decoded, and asking for its output raises this)
-            d.error, self._deferred = e, None
+            d.error, self._deferred, self._ahead_copy = e, None, None
             raise
         finally:
             self._ahead = self._ahead_ids = self._ahead_write = None
         outputs_next, step_next = compat.take_step_outputs(self), self.inflight
         compat.put_step_outputs(self, outputs_n)
         self.inflight = step_n
-        self._settling = {id(s): ahead[rid] for rid in ahead if (s := self.served.get(rid)) is not None}
+        copy, where = self._ahead_copy or (None, {})
+        self._ahead_copy, self._settle_copy = None, copy
+        self._settling = {id(s): (ahead[rid], where.get(rid)) for rid in ahead
+                          if (s := self.served.get(rid)) is not None}
         self._launched = preds, failed
         # vLLM's batch as N + 1 left it (requests joined or left): N's bookkeeping runs on it
         live = compat.batch_req_ids(self)
@@ -765,7 +777,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         try:
             self._decode_deferred(d)
         finally:
-            self._launched, self._settling = None, {}
+            self._launched, self._settling, self._settle_copy = None, {}, None
             self.inflight = step_next
             compat.put_step_outputs(self, outputs_next)
         req_ids = step_next.rows[0]
@@ -816,7 +828,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         """The block ids of the steps laid out ahead, every canvas's: ``(rows of vLLM's input buffer, their ids
         where the last step's logits are)``, which :meth:`_preprocess` writes after vLLM's own copy of the
         placeholders (the first canvas's rows) and of the runner's extra rows (the further canvases')."""
-        dst, src = [], []
+        dst, src, where, at = [], [], {}, 0
         batch = self.inflight.batch
         logits_rows = batch.logits_rows.numpy()
         for i, rid in enumerate(req_ids):
@@ -830,9 +842,40 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 b = int(logits_rows[a]) + e.shift
                 dst.append(np.arange(b, b + e.block_len))
             src.append(ids.reshape(-1))
+            where[rid] = (at, ids.shape[0], ids.shape[1])
+            at += ids.numel()
         if not dst:
             return None
-        return torch.from_numpy(np.concatenate(dst)), torch.cat(src)
+        ids = torch.cat(src)
+        # their copy to the host, queued before the forward (waiting for it waits for the decisions, not for it)
+        self._ahead_copy = PendingCopy(ids), where
+        return torch.from_numpy(np.concatenate(dst)), ids
+
+    def _laid_out_as_planned(self, st, ahead, at: tuple | None) -> bool:
+        """Whether the step ``ahead``, laid out for a request before its last step's decisions reached the host,
+        forwarded the canvases of ``st``, the plan the host made after the update: the ids written where those
+        decisions were taken (copied back, ``at`` their place in that copy) against the plan's. The methods make
+        both bit for bit alike (their ``launch_batch``); where they are not, the step's rows decode nothing (the
+        plan is forwarded as a step of its own: a wasted forward, the answer unchanged),
+        ``step_time["ahead_mismatch"]`` counts it, and a warning says so. True where there is nothing to compare
+        (no plan, or another step than ``ahead``'s: ``settle`` decides)."""
+        if at is None or st is None or st.proposal is None or self._settle_copy is None \
+                or st.geometry != ahead.geometry:
+            return True
+        off, K, L = at
+        plan = st.proposal.canvases
+        if len(plan) > K or any(c.numel() != L for c in plan):
+            return True
+        launched = self._settle_copy.wait().numpy()[off: off + K * L].reshape(K, L)
+        if np.array_equal(launched[: len(plan)], np.stack([c.numpy() for c in plan])):
+            return True
+        self.step_time["ahead_mismatch"] += 1
+        if self.step_time["ahead_mismatch"] == 1:
+            logger.warning("psd-plugin: a step laid out ahead forwarded other canvases than its request's plan (the "
+                           "decisions taken where the logits are and on the host differ); its rows decode "
+                           "nothing and the plan runs as a step of its own. Answers are unaffected; please report "
+                           "it with the device and method (step_time['ahead_mismatch'] counts them)")
+        return False
 
     def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
         out = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)

@@ -14,15 +14,14 @@ freedave, psd, spiffy); this module cites their lines and follows them without b
 
 from __future__ import annotations
 
-import math
 
 import torch
 
-from model_executor.decoding.base import BlockDecoder, Prediction, commit, predict, top_tokens
+from model_executor.decoding.base import BlockDecoder, Prediction, commit, predict, top_token_gaps
 from model_executor.decoding.freedave import topk_jump
 from model_executor.decoding.policies import Policy, make_policy, SPATIAL_POLICIES
 from model_executor.decoding.psd import DraftDAG
-from model_executor.decoding.spiffy import Ranked, _elementwise, _log
+from model_executor.decoding.spiffy import Ranked, top_logprobs
 from model_executor.decoding.spiffy_graph import DraftGraph
 
 
@@ -197,16 +196,19 @@ class PSDOracle(OracleDecoder):
 
 def ranks(state_q: torch.Tensor, pred: Prediction, max_i: int, max_j: int) -> Ranked:
     """Spiffy Eqs. 8-9 for ``pred`` (the prediction of ``state_q``): the masked positions by confidence, and the
-    top-``max_j`` tokens with their probabilities at the ``max_i`` most confident."""
+    top-``max_j`` tokens with their log-probabilities at the ``max_i`` most confident."""
     masked = torch.isfinite(pred.conf)
     order = torch.sort(pred.conf, descending=True, stable=True).indices[: int(masked.sum())]
     at = order[:max_i]
-    top_tok, top_p = top_tokens(pred.logits, at, pred.tokens[at], pred.conf[at], max_j)
-    return Ranked(state_q, order.cpu(), top_tok, _elementwise(_log, top_p))
+    ids, gaps = top_token_gaps(pred.logits, at, pred.tokens[at], max_j)
+    top_tok = torch.cat([pred.tokens[at].long().reshape(-1, 1).cpu(), ids.cpu()], 1)
+    return Ranked(state_q, order.cpu(), top_tok,
+                  torch.from_numpy(top_logprobs(pred.conf[at].double().cpu().numpy(), gaps.cpu().numpy())))
 
 
 def instantiate(formula, q: Ranked) -> tuple[torch.Tensor, float] | None:
-    """The draft of ``formula`` on ``Y_q`` and its localScore (Eq. 12), or None if it does not apply."""
+    """The draft of ``formula`` on ``Y_q`` and the logarithm of its localScore (Eq. 12), or None if it does not
+    apply."""
     if any(i > q.order.numel() for i, _ in formula):
         return None
     pos = [int(q.order[i - 1]) for i, _ in formula]
@@ -217,7 +219,7 @@ def instantiate(formula, q: Ranked) -> tuple[torch.Tensor, float] | None:
     for (i, j), p in zip(formula, pos):
         draft[p] = q.top_tok[i - 1, j - 1]
         logp += float(q.logp[i - 1, j - 1])
-    return draft, math.exp(logp / len(formula))
+    return draft, logp / len(formula)  # log localScore
 
 
 def _extends(draft: torch.Tensor, state: torch.Tensor, mask_id: int) -> bool:
@@ -260,8 +262,9 @@ class SpiffyOracle(OracleDecoder):
                 continue
             seen.append(draft)
             child = [inst[c][1] for c in self.kids[k] if c in inst]
-            child_score = math.exp(sum(map(math.log, child)) / len(child)) if child else local  # Eq. 13
-            scored.append((math.sqrt(local * child_score), k, draft))  # Eq. 14
+            # Eqs. 13-14 in logarithms: a geometric mean is the exponential of the mean of the logarithms
+            child_score = sum(child) / len(child) if child else local  # Eq. 13
+            scored.append(((local + child_score) * 0.5, k, draft))  # Eq. 14
         scored.sort(key=lambda t: (-t[0], t[1]))
         chosen: list[tuple[int, torch.Tensor, float]] = []
         admitted: set[int] = set()
