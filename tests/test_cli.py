@@ -14,10 +14,13 @@ from psd_plugin import DEFAULT_AR, DEFAULT_DLLM
 
 def psd(*args, input=None):
     """The command; decoding verbs run the model eagerly (``--enforce-eager``: no compilation at every start,
-    which the vLLM and server tests cover)."""
+    which the vLLM and server tests cover) and vLLM's engine core in the command's process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: its own process imports vLLM and torch again, about 30 of a command's
+    50 s here; the engine-core process is the server tests' and the parallel tests')."""
     eager = ["--enforce-eager"] if args and args[0] in ("generate", "eval", "demo") and "--help" not in args else []
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     return subprocess.run([sys.executable, "-m", "psd_plugin.cli", *args, *eager], capture_output=True, text=True,
-                          input=input, timeout=600)
+                          input=input, timeout=600, env=env)
 
 
 @pytest.mark.engine
