@@ -60,7 +60,11 @@ TINY = [("AR (same shape)", None, True),
         # Spiffy (the model's shipped confidence-base graph: the decode config's default policy), laid out ahead
         # since 2026-12-07: its graph's drafts made where the logits are
         ("Spiffy async", {"decoding": "spiffy", "async_scheduling": True}, False),
-        ("Spiffy async (ahead off)", {"decoding": "spiffy", "async_scheduling": True, "decide_ahead": "off"}, False)]
+        ("Spiffy async (ahead off)", {"decoding": "spiffy", "async_scheduling": True, "decide_ahead": "off"}, False),
+        # FreeDave lays out min(masks - 1, steps) drafts ahead and often forwards fewer (idle canvases: real rows)
+        ("FreeDave async", {"decoding": "freedave", "async_scheduling": True}, False),
+        ("FreeDave async (ahead off)", {"decoding": "freedave", "async_scheduling": True, "decide_ahead": "off"},
+         False)]
 # vLLM captures graphs up to 512 rows by default (min(max_num_seqs x (1 + num_speculative_tokens) x 2, 512));
 # a dLLM step of one request with prefix cache and long answers has up to ~200 rows a canvas, so PSD's canvases
 # and most steps of 16 requests run eagerly there. These also run with graphs captured up to WIDE_GRAPH_ROWS.
