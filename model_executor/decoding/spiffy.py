@@ -273,8 +273,8 @@ class SpiffyDecoder(BlockDecoder):
     @staticmethod
     def _choose_on_device(d0, S, Y, order, n_q, top, logp):
         """:meth:`_choose` where its inputs are (tensor ops, no host read, no data-dependent shape), decision for
-        decision: the same IEEE operations in the same order and :mod:`.portable_math`'s exponentials and
-        logarithms, a stable sort for numpy's stable argsort, and every score rank walked (the host stops once
+        decision: the same IEEE operations in the same order (sums, tensor-by-tensor divisions, halves), a stable
+        sort for numpy's stable argsort, and every score rank walked (the host stops once
         every request has its drafts; the ranks after that take nothing). With a base step that commits any number
         of positions (confidence) every draft can be the next state, so the top-D* are the first ``budget`` ranks
         with a score, taken at once."""

@@ -652,8 +652,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             self._plan(s, proposals[id(s)])
             if (got := self._settling.get(id(s))) is not None:  # its next step is laid out and forwarded already
                 ahead, at = got  # (where the plan is that step, it is the step; else those rows decode nothing)
-                if self._laid_out_as_planned(r.step, ahead, at):
-                    r.settle(ahead)
+                if at is not None and self._laid_out_as_planned(r.step, ahead, at):  # (None: no ids written for
+                    r.settle(ahead)  # it, its layout cut: its plan stays the step)
         return None if r.done else r.step
 
     def _propose(self, ready: list[tuple[str, _Served]]) -> list:
@@ -851,16 +851,17 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         self._ahead_copy = PendingCopy(ids), where
         return torch.from_numpy(np.concatenate(dst)), ids
 
-    def _laid_out_as_planned(self, st, ahead, at: tuple | None) -> bool:
+    def _laid_out_as_planned(self, st, ahead, at: tuple) -> bool:
         """Whether the step ``ahead``, laid out for a request before its last step's decisions reached the host,
         forwarded the canvases of ``st``, the plan the host made after the update: the ids written where those
         decisions were taken (copied back, ``at`` their place in that copy) against the plan's. The methods make
         both bit for bit alike (their ``launch_batch``); where they are not, the step's rows decode nothing (the
         plan is forwarded as a step of its own: a wasted forward, the answer unchanged),
         ``step_time["ahead_mismatch"]`` counts it, and a warning says so. True where there is nothing to compare
-        (no plan, or another step than ``ahead``'s: ``settle`` decides)."""
-        if at is None or st is None or st.proposal is None or self._settle_copy is None \
-                or st.geometry != ahead.geometry:
+        (no plan, or another step than ``ahead``'s: ``settle`` decides). What is compared is the ids as the
+        decisions made them, before the runner writes them into vLLM's input buffer (the rows they go to are the
+        layout's, checked by the parity tests)."""
+        if st is None or st.proposal is None or self._settle_copy is None or st.geometry != ahead.geometry:
             return True
         off, K, L = at
         plan = st.proposal.canvases
