@@ -826,8 +826,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
 
     def _ids_ahead(self, entries: list, req_ids: list[str]) -> tuple | None:
         """The block ids of the steps laid out ahead, every canvas's: ``(rows of vLLM's input buffer, their ids
-        where the last step's logits are)``, which :meth:`_preprocess` writes after vLLM's own copy of the
-        placeholders (the first canvas's rows) and of the runner's extra rows (the further canvases')."""
+        where the last step's logits are, request id -> (offset, canvases, block length) in them)``, which
+        :meth:`_preprocess` writes after vLLM's own copy of the placeholders (the first canvas's rows) and of the
+        runner's extra rows (the further canvases')."""
         dst, src, where, at = [], [], {}, 0
         batch = self.inflight.batch
         logits_rows = batch.logits_rows.numpy()
@@ -846,10 +847,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             at += ids.numel()
         if not dst:
             return None
-        ids = torch.cat(src)
-        # their copy to the host, queued before the forward (waiting for it waits for the decisions, not for it)
-        self._ahead_copy = PendingCopy(ids), where
-        return torch.from_numpy(np.concatenate(dst)), ids
+        return torch.from_numpy(np.concatenate(dst)), torch.cat(src), where
 
     def _laid_out_as_planned(self, st, ahead, at: tuple) -> bool:
         """Whether the step ``ahead``, laid out for a request before its last step's decisions reached the host,
@@ -858,9 +856,8 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         both bit for bit alike (their ``launch_batch``); where they are not, the step's rows decode nothing (the
         plan is forwarded as a step of its own: a wasted forward, the answer unchanged),
         ``step_time["ahead_mismatch"]`` counts it, and a warning says so. True where there is nothing to compare
-        (no plan, or another step than ``ahead``'s: ``settle`` decides). What is compared is the ids as the
-        decisions made them, before the runner writes them into vLLM's input buffer (the rows they go to are the
-        layout's, checked by the parity tests)."""
+        (no plan, or another step than ``ahead``'s: ``settle`` decides). What is compared is what the forward read:
+        the rows of vLLM's input buffer the ids were written to (:meth:`_preprocess`)."""
         if st is None or st.proposal is None or self._settle_copy is None or st.geometry != ahead.geometry:
             return True
         off, K, L = at
@@ -881,10 +878,15 @@ class DLLMRunnerMixin(PSDRunnerMixin):
     def _preprocess(self, scheduler_output, num_input_tokens, intermediate_tensors=None):
         out = super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
         if self._ahead_write is not None:
-            rows, ids = self._ahead_write
+            rows, ids, where = self._ahead_write
             self._ahead_write = None
             buf, _ = compat.input_buffers(self)
-            buf.index_copy_(0, self._upload("ahead_rows", rows, buf.device), ids.to(buf.dtype))
+            at = self._upload("ahead_rows", rows, buf.device)
+            buf.index_copy_(0, at, ids.to(buf.dtype))
+            # what the forward will read there, copied to the host behind the write and before the forward
+            # (waiting for it waits for the decisions, not for the forward): each request's plan is checked
+            # against it before it settles the step (_laid_out_as_planned)
+            self._ahead_copy = PendingCopy(buf.index_select(0, at)), where
         return out
 
     def _adopt_plans(self, scheduler_output, ahead: dict | None = None) -> None:
