@@ -145,7 +145,7 @@ def test_the_next_step_waits_for_a_decode_on_vllms_output_thread():
         def __init__(self, fail=False):  # the state the deferred decode touches
             self.overlap, self.device, self.fail = True, torch.device("cpu"), fail
             self._deferred_lock, self._deferred, self.step_time = threading.Lock(), None, {"deferred": 0}
-            self.decides_ahead = False
+            self.decides_ahead = self.ahead_across_ranks = False
             self.decodes, self.seen = 0, None
 
         def _sample_tokens(self, grammar_output):
@@ -176,6 +176,78 @@ def test_the_next_step_waits_for_a_decode_on_vllms_output_thread():
         d.get_output()
     with pytest.raises(RuntimeError, match="an engine fault"):
         d.get_output()
+    assert runner.decodes == 1
+
+
+def test_the_output_thread_leaves_a_step_laid_out_ahead_to_the_next_one(monkeypatch):
+    """Under tensor parallelism with steps laid out ahead, vLLM's output thread asks for step N's output at once,
+    but every rank must lay N + 1 out the same way: the thread waits until N + 1 begins, and N + 1 (here laid out
+    ahead, as on the ranks that have no output thread) decodes N, once; the ranks vote on it at every step. Where N +
+    1 does not begin within ``AHEAD_WAIT_S`` the thread decodes N itself (counted), and then N + 1 is not laid out
+    ahead: the vote says so for every rank."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from psd_plugin.vllm import dllm_runner
+    from psd_plugin.vllm.dllm_runner import DeferredOutput, DLLMRunnerMixin
+
+    class Base:
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            return "N + 1 after N's decode"
+
+    class Runner(DLLMRunnerMixin, Base):
+        def __init__(self):
+            self.overlap, self.device = True, torch.device("cpu")
+            self._deferred_lock, self._deferred = threading.Lock(), None
+            self.step_time = {"deferred": 0, "ahead_wait_expired": 0}
+            self.decides_ahead = self.ahead_across_ranks = True
+            self.decodes, self.votes, self.decoded_by = 0, [], []
+
+        def _sample_tokens(self, grammar_output):
+            self.decodes += 1
+            self.decoded_by.append(threading.current_thread().name)
+            return SimpleNamespace()
+
+        def take_draft_token_ids(self):
+            return None
+
+        def _plan_ahead(self, scheduler_output, d):
+            return {"a request": "its step"}
+
+        def _every_rank(self, flag):  # (one host all-reduce over the tensor-parallel ranks)
+            self.votes.append(flag)
+            return flag
+
+        def _execute_ahead(self, d, ahead, scheduler_output, *args, **kwargs):
+            self._decode_deferred(d)  # (after N + 1's launch)
+            return "N + 1 laid out ahead"
+
+        def _adopt_plans(self, scheduler_output):
+            pass
+
+    runner = Runner()
+    d = runner._deferred = DeferredOutput(runner, None)
+    out_thread = threading.Thread(target=d.get_output, name="output thread")
+    out_thread.start()
+    time.sleep(0.2)  # the output thread asked for N's output and waits
+    assert runner.decodes == 0 and out_thread.is_alive()
+    assert runner.execute_model(None) == "N + 1 laid out ahead"
+    out_thread.join(5)
+    assert not out_thread.is_alive() and d.output is not None
+    assert runner.decodes == 1 and runner.decoded_by == [threading.current_thread().name] and runner.votes == [True]
+    assert runner.step_time["ahead_wait_expired"] == 0
+
+    monkeypatch.setattr(dllm_runner, "AHEAD_WAIT_S", 0.1)  # N + 1 is late: the output thread decodes N
+    runner = Runner()
+    d = runner._deferred = DeferredOutput(runner, None)
+    out_thread = threading.Thread(target=d.get_output, name="output thread")
+    out_thread.start()
+    out_thread.join(5)
+    assert runner.decoded_by == ["output thread"] and runner.step_time["ahead_wait_expired"] == 1
+    assert runner.execute_model(None) == "N + 1 after N's decode" and runner.votes == [False]
     assert runner.decodes == 1
 
 
@@ -348,14 +420,11 @@ def test_vllms_flag_turns_it_on_and_what_it_cannot_run_with_is_refused(heldout_p
                                          r".*allowed: "):
         LLM(model=str(DEFAULT_DLLM), dtype="float32", pipeline_parallel_size=2,
             speculative_config={"method": "psd", "async_scheduling": True})
-    # a step laid out ahead of the last one's decode: only with async scheduling, on one rank
+    # a step laid out ahead of the last one's decode: only with async scheduling (on two ranks:
+    # tests/test_parallel.py)
     with pytest.raises(ValueError, match=r"speculative_config.decide_ahead 'on' .*needs async_scheduling true; "
                                          r"allowed without it: 'auto', 'off'"):
         LLM(model=str(DEFAULT_DLLM), dtype="float32", speculative_config={"method": "psd", "decide_ahead": "on"})
-    with pytest.raises(ValueError, match=r"speculative_config.decide_ahead 'on' with tensor_parallel_size 2: .*"
-                                         r"allowed: 'auto' \(off under tensor parallelism\), 'off'"):
-        LLM(model=str(DEFAULT_DLLM), dtype="float32", tensor_parallel_size=2,
-            speculative_config={"method": "psd", "async_scheduling": True, "decide_ahead": "on"})
     with pytest.raises(ValueError, match=r"decide_ahead"):
         LLM(model=str(DEFAULT_DLLM), dtype="float32", speculative_config={"method": "psd", "decide_ahead": "yes"})
     # (tensor parallelism runs: tests/test_parallel.py) an executor other than vLLM's one-process and multiprocess

@@ -85,6 +85,37 @@ def test_two_ranks_with_async_scheduling(heldout_prompts, method, cache):
                   spec={"async_scheduling": True})
 
 
+def test_two_ranks_lay_steps_out_ahead_alike(heldout_prompts):
+    """Steps laid out ahead of the last one's host decode on two ranks (PSD's drafts made where the decisions
+    are): vLLM's output thread on the output rank waits for the next step to begin instead of decoding the last
+    one at once, so both ranks lay every step out the same way (the per-step layout check), steps do go ahead, and
+    the answers are the reference engine's, in its forwards. After an answer a step of guesses is left in flight;
+    vLLM's engine core sends a step after it (the one reporting the request finished) before it waits for its
+    output, so the engine drains at once instead of after the output thread's wait (``AHEAD_WAIT_S``, 30 s)."""
+    import time
+
+    from vllm import SamplingParams
+
+    from test_vllm_decoding import _psd_stats
+
+    def ahead(llm):
+        core = llm.llm_engine.engine_core.engine_core  # (the engine core in this process)
+        left = []
+        for p in heldout_prompts[:3]:  # one answer at a time, then the engine's steps until nothing is in flight
+            llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=32, temperature=0), use_tqdm=False)
+            left.append(len(core.batch_queue))
+            t0 = time.perf_counter()
+            while core.batch_queue:
+                core.step_fn()
+            assert time.perf_counter() - t0 < 5, "the engine waited for the output thread to give up"
+        assert any(left), "no step was in flight after an answer: the drain checks nothing"
+        st = _psd_stats(llm)["step_time"]  # the output rank's
+        assert st["ahead"] > 0 and st["ahead_mismatch"] == 0 and st["ahead_wait_expired"] == 0, st
+
+    _check_parity(DEFAULT_DLLM, heldout_prompts, "psd", cache="dual", merged=False, llm_kw=TP, inspect=ahead,
+                  spec={"async_scheduling": True, "decide_ahead": "on"})
+
+
 # CI runs LLaDA2 (block-causal attention, sharded experts, Spiffy's drafts); PSD_TP_MATRIX=1 runs every method on
 # every random family and cache (Dream's shifted logits with the dual cache and PSD, SDAR with LoPA ran in CI until
 # 2026-12-06, when CI reached 45 minutes)

@@ -212,6 +212,9 @@ DATA_FIELDS = {
     "vllm.config:ModelConfig": ("get_num_attention_heads", "get_vocab_size", "get_hidden_size", "hf_config", "dtype",
                                 "model", "max_model_len", "enable_prompt_embeds"),
     "vllm.config:VllmConfig": ("structured_outputs_config",),
+    # the batch queue's order a tensor-parallel output rank relies on (dllm_runner.DeferredOutput: a next step is
+    # sent before a step's output is waited for, while the scheduler has requests)
+    "vllm.v1.engine.core:EngineCore": ("step_with_batch_queue",),
     # the page layout vLLM resolved (the attention builder); the page size (block-causal prefix caching)
     "vllm.config:CacheConfig": ("kv_cache_layout", "block_size"),  # the front end's whitespace rule for grammars
     # the attention backend's declared layout and layer type

@@ -97,7 +97,7 @@ class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True
     # the next step scheduled while this one runs (vLLM's async scheduling, its batch queue of two steps; vLLM's
     # ``--async-scheduling`` sets it too): the scheduler schedules each request's next rows from its planned step
     # before that step's outcome is known, the runner decodes a step when the next one begins, and a step whose
-    # guess was wrong (its block completed) is cut. One engine process per model (no tensor, pipeline or data
+    # guess was wrong (its block completed) is cut. One rank or tensor parallelism (no pipeline or data
     # parallelism yet); docs/architecture.md, "Overlap"
     async_scheduling: bool = False
     # with async scheduling, a step of any method laid out and forwarded before the last step's
@@ -491,10 +491,6 @@ def _async_scheduling(engine_args, cfg: PSDSpeculativeConfig, parallel_config) -
             raise ConfigError(f"speculative_config.async_scheduling with {name} {n}: psd-plugin's async scheduling "
                               f"runs one engine core with its tensor-parallel ranks so far; allowed: {name} 1, or "
                               "async_scheduling false")
-    if cfg.decide_ahead == "on" and parallel_config.tensor_parallel_size > 1:
-        raise ConfigError(f"speculative_config.decide_ahead 'on' with tensor_parallel_size "
-                          f"{parallel_config.tensor_parallel_size}: a step is laid out ahead on one rank only so far "
-                          "(docs/architecture.md, \"Overlap\"); allowed: 'auto' (off under tensor parallelism), 'off'")
     engine_args.async_scheduling = False
     return cfg
 

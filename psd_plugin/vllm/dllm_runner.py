@@ -118,7 +118,18 @@ def request_rules(sp) -> LogitsRules | None:
 
 class DeferredOutput(AsyncModelRunnerOutput):
     """A step's output under async scheduling: the step's decode runs when the next step begins
-    (:meth:`DLLMRunnerMixin.execute_model`), or when vLLM's engine core asks for this output first."""
+    (:meth:`DLLMRunnerMixin.execute_model`), or when vLLM's engine core asks for this output first.
+
+    Under tensor parallelism vLLM's worker on the output rank asks for it from its output thread as soon as the
+    step is sampled, while the other ranks decode it when the next step begins. Where steps are laid out ahead
+    (:meth:`DLLMRunnerMixin._plan_ahead`), every rank must take the same path at the next step's start, so the
+    output thread waits for that start, and the next step's ``execute_model`` decodes it (after laying itself out
+    ahead, or before, as ever). vLLM's engine core schedules and sends a next step (an empty one if nothing fits)
+    before it waits for a step's output whenever its scheduler has requests (``EngineCore.step_with_batch_queue``),
+    and it has while this step's requests run, and, once they finished, until the schedule that reports them
+    finished, which is sent too; a call on the runner's thread between steps that decodes the step (``psd_stats``)
+    releases the wait as well. Should the next step still not begin within :data:`AHEAD_WAIT_S`, the output thread
+    decodes it; the ranks then agree, by a vote at the next step's start, to lay nothing out ahead there."""
 
     def __init__(self, runner, grammar_output):
         self.runner, self.grammar_output, self.output = runner, grammar_output, None
@@ -127,11 +138,25 @@ class DeferredOutput(AsyncModelRunnerOutput):
         # parallelism) runs there too, after the forward, and before the next step's forward
         dev = runner.device
         self.stream = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
+        # set once the runner's thread took this output's decode over (the next step's execute_model, or a call of
+        # the engine's between steps that decodes it: psd_stats)
+        self.released = threading.Event()
 
     def get_output(self):
+        if self.output is None and self.error is None and self.runner.ahead_across_ranks \
+                and not self.released.wait(AHEAD_WAIT_S):
+            self.runner.step_time["ahead_wait_expired"] += 1
+            logger.warning("psd-plugin: the step after a deferred one did not begin within %.0f s; its output is "
+                           "decoded on vLLM's output thread (the next step is not laid out ahead)", AHEAD_WAIT_S)
         if self.output is None:
             self.runner._finish_deferred(self)
         return self.output
+
+
+# how long vLLM's output thread on a tensor-parallel output rank waits for the next step to begin before it decodes
+# a deferred step itself (DeferredOutput): the next step begins within the engine core's scheduling time; this
+# bounds a wait on an engine that sends none (not seen), at the cost of that step being laid out as ever
+AHEAD_WAIT_S = 30.0
 
 
 @dataclass
@@ -232,14 +257,17 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         # (request id -> (offset, canvases, block length)): N's plans are checked against it before they settle
         self._ahead_copy: tuple | None = None
         self._settle_copy: PendingCopy | None = None
-        # speculative_config.decide_ahead (auto: where the logits are on an accelerator); not under tensor
-        # parallelism: there vLLM's output thread may decode the output rank's step N before N + 1 begins while
-        # another rank decodes it at N + 1's start, so the ranks would lay N + 1 out differently (the logits rows of
-        # a step laid out ahead are its last step's); nor under pipeline parallelism
+        # speculative_config.decide_ahead (auto: where the logits are on an accelerator); not under pipeline
+        # parallelism. Under tensor parallelism every rank must lay step N + 1 out the same way (ahead of N's host
+        # decode, or after it), while vLLM's output thread asks for the output rank's step N as soon as it is
+        # sampled and the other ranks decode it at N + 1's start: that thread waits for N + 1 to begin
+        # (DeferredOutput), and the ranks vote at each step's start (one host all-reduce) whether it is laid out
+        # ahead, so that a wait that expired costs that step's overlap, not an agreement
         ahead = from_vllm_config(vllm_config).decide_ahead
         self.decides_ahead = self.overlap and self.pp_size == 1 and (
-            ahead == "on" or (ahead == "auto" and torch.device(device).type != "cpu")) and \
-            vllm_config.parallel_config.tensor_parallel_size == 1
+            ahead == "on" or (ahead == "auto" and torch.device(device).type != "cpu"))
+        self.ahead_across_ranks = self.decides_ahead and vllm_config.parallel_config.tensor_parallel_size > 1
+        self.step_time["ahead_wait_expired"] = 0  # outputs the output thread decoded before the next step began
         self.step_time["ahead"] = 0  # steps laid out and forwarded before the last step's decode on the host
         # requests of those steps laid out from a plan made on the host before (a cut step's, a first canvas)
         self.step_time["ahead_planned"] = 0
@@ -682,8 +710,14 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         if self.overlap:
             with self._deferred_lock:  # (vLLM's output thread may be decoding the last step now)
                 d = self._deferred
-                if d is not None and d.output is None and d.error is None \
-                        and (ahead := self._plan_ahead(scheduler_output, d)) is not None:
+                if d is not None:
+                    d.released.set()  # (the output thread then waits on this lock: N is decoded here)
+                ahead = None
+                if d is not None and d.output is None and d.error is None:
+                    ahead = self._plan_ahead(scheduler_output, d)
+                if self.ahead_across_ranks and not self._every_rank(ahead is not None):  # (every rank, every step)
+                    ahead = None
+                if ahead is not None:
                     return self._execute_ahead(d, ahead, scheduler_output, *args, **kwargs)
                 self._decode_deferred()
             self._adopt_plans(scheduler_output)
@@ -933,6 +967,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
             raise
         finally:  # (cleared only now: the next step waits on the lock, not on this)
             self._deferred = None
+            d.released.set()
 
     def sample_tokens(self, grammar_output):
         """The step's decode (:meth:`_sample`) and next canvases (:meth:`propose_draft_token_ids`); under async

@@ -126,14 +126,28 @@ class PSDRunnerMixin:
         """Whether the step being laid out runs no forward (the dLLM runner's steps of wasted rows alone)."""
         return False
 
+    def _tensor_parallel_group(self):
+        """This rank's tensor-parallel group on the host (gloo), or None with one rank."""
+        if self._tp_group is False:
+            self._tp_group = compat.tensor_parallel_cpu_group()
+        return self._tp_group
+
+    def _every_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every tensor-parallel rank (one host all-reduce; ``flag`` itself with one
+        rank). Every rank must ask at the same point of the same step."""
+        group = self._tensor_parallel_group()
+        if group is None:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.long)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=group)
+        return bool(t[0])
+
     def _check_ranks(self, batch: StepBatch) -> None:
         """Under tensor parallelism every rank lays out the step itself, from the decoders it runs on the gathered
         logits; ranks that disagreed would compute their heads of different attention for one all-reduce (wrong
         outputs) or different row counts (a hang). One host all-reduce of the layout's digest per step (gloo)
         fails the step loudly instead."""
-        if self._tp_group is False:
-            self._tp_group = compat.tensor_parallel_cpu_group()
-        if self._tp_group is None:
+        if self._tensor_parallel_group() is None:
             return
         fp = batch.fingerprint() ^ int(self._skips_forward())  # and whether the forward runs
         both = torch.tensor([fp, -fp], dtype=torch.long)
