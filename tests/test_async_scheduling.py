@@ -401,7 +401,7 @@ def test_preemption_keeps_outputs(monkeypatch, tiny_checkpoints, heldout_prompts
                              spec={"async_scheduling": True})
 
 
-def test_vllms_flag_turns_it_on_and_what_it_cannot_run_with_is_refused(heldout_prompts):
+def test_vllms_flag_turns_it_on_and_what_it_cannot_run_with_is_refused(heldout_prompts, tiny_checkpoints):
     from vllm import LLM
 
     llm = LLM(model=str(DEFAULT_DLLM), dtype="float32", enforce_eager=True, max_model_len=256, async_scheduling=True,
@@ -420,6 +420,15 @@ def test_vllms_flag_turns_it_on_and_what_it_cannot_run_with_is_refused(heldout_p
                                          r".*allowed: "):
         LLM(model=str(DEFAULT_DLLM), dtype="float32", pipeline_parallel_size=2,
             speculative_config={"method": "psd", "async_scheduling": True})
+    # data parallelism (the server's: vLLM's offline LLM refuses it): a dense model's ranks are engines of their own
+    # (tests/test_parallel.py); a mixture-of-experts model's run in lockstep, with dummy batches between a step and
+    # its deferred decode
+    from vllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match=r"speculative_config.async_scheduling with data_parallel_size 2: this "
+                                         r"mixture-of-experts .*allowed: data_parallel_size 1"):
+        EngineArgs(model=str(tiny_checkpoints["llada2"]), dtype="float32", data_parallel_size=2,
+                   speculative_config={"method": "psd", "async_scheduling": True}).create_engine_config()
     # a step laid out ahead of the last one's decode: only with async scheduling (on two ranks:
     # tests/test_parallel.py)
     with pytest.raises(ValueError, match=r"speculative_config.decide_ahead 'on' .*needs async_scheduling true; "

@@ -292,6 +292,21 @@ def test_two_data_parallel_ranks_answer_as_one(heldout_prompts):
     _served_as_alone(heldout_prompts, None, "--data-parallel-size", "2", "--max-num-seqs", "8")
 
 
+# CI's time: opt-in with PSD_TP_MATRIX=1 (77 s here); each rank runs the one-engine async path CI covers
+@pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
+def test_two_data_parallel_ranks_with_async_scheduling_answer_as_one(heldout_prompts):
+    """A dense model's data-parallel ranks are engines of their own (vLLM's ``EngineCoreProc`` each, no lockstep):
+    each schedules a step while its last one runs (vLLM's ``--async-scheduling``) as one engine does, and every
+    stream equals its prompt decoded alone by the reference engine."""
+    srv = _serve("--data-parallel-size", "2", "--max-num-seqs", "8", "--async-scheduling")
+    try:
+        _served_as_alone(heldout_prompts, srv)
+    finally:
+        assert srv.stop() == 0, f"SIGTERM did not shut the server down cleanly; log: {srv.log}"
+    log = open(srv.log).read()
+    assert log.count("psd-plugin: async scheduling on") >= 2, "a rank's runner did not run async scheduling"
+
+
 # CI's time (45 min on 2026-12-06): opt-in with PSD_TP_MATRIX=1; 58 s
 @pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
 def test_llada2_with_two_data_parallel_ranks_answers_as_one(tiny_checkpoints, random_prompts):

@@ -97,8 +97,8 @@ class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True
     # the next step scheduled while this one runs (vLLM's async scheduling, its batch queue of two steps; vLLM's
     # ``--async-scheduling`` sets it too): the scheduler schedules each request's next rows from its planned step
     # before that step's outcome is known, the runner decodes a step when the next one begins, and a step whose
-    # guess was wrong (its block completed) is cut. One rank or tensor parallelism (no pipeline or data
-    # parallelism yet); docs/architecture.md, "Overlap"
+    # guess was wrong (its block completed) is cut. One rank, tensor parallelism, or a dense model's data
+    # parallelism (no pipeline parallelism yet); docs/architecture.md, "Overlap"
     async_scheduling: bool = False
     # with async scheduling, a step of any method laid out and forwarded before the last step's
     # decisions reach the host, its ids (the drafting methods' drafts too) written where those were taken
@@ -465,7 +465,7 @@ def translate(engine_args, target_model_config, target_parallel_config) -> None:
                           f"up to {one_step} logits rows ({resolved.max_canvases()} canvases of a {resolved.block_size}"
                           f"-token block with decoding {resolved.method!r}); allowed: {one_step} or more, or unset")
     cfg = msgspec.structs.replace(cfg, block_size=resolved.block_size, cache=resolved.cache)
-    cfg = _async_scheduling(engine_args, cfg, target_parallel_config)
+    cfg = _async_scheduling(engine_args, cfg, target_parallel_config, moe=arch.moe is not None)
     _select(engine_args, target_parallel_config, "psd", cfg, resolved.block_size, platform)
     extra = {k: v for k, v in engine_args.additional_config.items() if k != GRAPH_KEY}
     if resolved.graph is not None:  # shipped as loaded: the other processes do not read the file again
@@ -473,11 +473,14 @@ def translate(engine_args, target_model_config, target_parallel_config) -> None:
     engine_args.additional_config = extra
 
 
-def _async_scheduling(engine_args, cfg: PSDSpeculativeConfig, parallel_config) -> PSDSpeculativeConfig:
+def _async_scheduling(engine_args, cfg: PSDSpeculativeConfig, parallel_config, moe: bool) -> PSDSpeculativeConfig:
     """The speculative config with ``async_scheduling`` set when the user asked for it (the knob, or vLLM's
     ``--async-scheduling``), after checking what it runs with. vLLM refuses async scheduling for a
     ``custom_class`` proposer, so ``engine_args`` is told off here and the engine's config on again once vLLM built
-    it (:func:`enable_async_scheduling`)."""
+    it (:func:`enable_async_scheduling`). Data parallelism runs a dense model's ranks as engines of their own
+    (vLLM's ``EngineCoreProc`` each), so each schedules ahead as one engine does; a mixture-of-experts model's ranks
+    run in lockstep (``DPEngineCoreProc``), an idle rank forwarding a dummy batch between a step and its deferred
+    decode, which the plugin's runner does not take yet: refused. Pipeline parallelism: refused."""
     if engine_args.async_scheduling:
         cfg = msgspec.structs.replace(cfg, async_scheduling=True)
     if not cfg.async_scheduling:
@@ -485,12 +488,16 @@ def _async_scheduling(engine_args, cfg: PSDSpeculativeConfig, parallel_config) -
             raise ConfigError("speculative_config.decide_ahead 'on' lays a step out while the last one is in flight, "
                               "which needs async_scheduling true; allowed without it: 'auto', 'off'")
         return cfg
-    for name, n in (("pipeline_parallel_size", parallel_config.pipeline_parallel_size),
-                    ("data_parallel_size", parallel_config.data_parallel_size)):
-        if n > 1:
-            raise ConfigError(f"speculative_config.async_scheduling with {name} {n}: psd-plugin's async scheduling "
-                              f"runs one engine core with its tensor-parallel ranks so far; allowed: {name} 1, or "
-                              "async_scheduling false")
+    pp, dp = parallel_config.pipeline_parallel_size, parallel_config.data_parallel_size
+    if pp > 1:
+        raise ConfigError(f"speculative_config.async_scheduling with pipeline_parallel_size {pp}: psd-plugin's async "
+                          "scheduling runs an engine core with its tensor-parallel ranks so far; allowed: "
+                          "pipeline_parallel_size 1, or async_scheduling false")
+    if dp > 1 and moe:
+        raise ConfigError(f"speculative_config.async_scheduling with data_parallel_size {dp}: this mixture-of-experts "
+                          "model's data-parallel ranks run in lockstep (an idle rank forwards dummy batches between a "
+                          "step and its deferred decode), which psd-plugin's async scheduling does not run yet; "
+                          "allowed: data_parallel_size 1 (tensor_parallel_size instead), or async_scheduling false")
     engine_args.async_scheduling = False
     return cfg
 
