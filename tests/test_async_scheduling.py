@@ -145,7 +145,7 @@ def test_the_next_step_waits_for_a_decode_on_vllms_output_thread():
         def __init__(self, fail=False):  # the state the deferred decode touches
             self.overlap, self.device, self.fail = True, torch.device("cpu"), fail
             self._deferred_lock, self._deferred, self.step_time = threading.Lock(), None, {"deferred": 0}
-            self.decides_ahead = self.ahead_across_ranks = False
+            self.decides_ahead = self.waits_for_next_step = False
             self.decodes, self.seen = 0, None
 
         def _sample_tokens(self, grammar_output):
@@ -180,11 +180,11 @@ def test_the_next_step_waits_for_a_decode_on_vllms_output_thread():
 
 
 def test_the_output_thread_leaves_a_step_laid_out_ahead_to_the_next_one(monkeypatch):
-    """Under tensor parallelism with steps laid out ahead, vLLM's output thread asks for step N's output at once,
-    but every rank must lay N + 1 out the same way: the thread waits until N + 1 begins, and N + 1 (here laid out
-    ahead, as on the ranks that have no output thread) decodes N, once; the ranks vote on it at every step. Where N +
-    1 does not begin within ``AHEAD_WAIT_S`` the thread decodes N itself (counted), and then N + 1 is not laid out
-    ahead: the vote says so for every rank."""
+    """Under vLLM's multiprocess executor with steps laid out ahead, its output thread asks for step N's output at
+    once, but N + 1 must find N undecoded, on every rank alike: the thread waits until N + 1 begins, and N + 1 (here
+    laid out ahead, as on the ranks that have no output thread) decodes N, once; the ranks vote on it at every
+    step. Where N + 1 does not begin within ``AHEAD_WAIT_S`` the thread decodes N itself (counted), and then N + 1
+    is not laid out ahead: the vote says so for every rank."""
     import threading
     import time
     from types import SimpleNamespace
@@ -202,8 +202,8 @@ def test_the_output_thread_leaves_a_step_laid_out_ahead_to_the_next_one(monkeypa
         def __init__(self):
             self.overlap, self.device = True, torch.device("cpu")
             self._deferred_lock, self._deferred = threading.Lock(), None
-            self.step_time = {"deferred": 0, "ahead_wait_expired": 0}
-            self.decides_ahead = self.ahead_across_ranks = True
+            self.step_time = {"deferred": 0, "ahead_wait_expired": 0, "ahead_vetoed": 0}
+            self.decides_ahead = self.waits_for_next_step = True
             self.decodes, self.votes, self.decoded_by = 0, [], []
 
         def _sample_tokens(self, grammar_output):
@@ -228,6 +228,7 @@ def test_the_output_thread_leaves_a_step_laid_out_ahead_to_the_next_one(monkeypa
         def _adopt_plans(self, scheduler_output):
             pass
 
+    monkeypatch.setattr(dllm_runner, "AHEAD_WAIT_S", 10.0)
     runner = Runner()
     d = runner._deferred = DeferredOutput(runner, None)
     out_thread = threading.Thread(target=d.get_output, name="output thread")
@@ -248,7 +249,7 @@ def test_the_output_thread_leaves_a_step_laid_out_ahead_to_the_next_one(monkeypa
     out_thread.join(5)
     assert runner.decoded_by == ["output thread"] and runner.step_time["ahead_wait_expired"] == 1
     assert runner.execute_model(None) == "N + 1 after N's decode" and runner.votes == [False]
-    assert runner.decodes == 1
+    assert runner.decodes == 1 and runner.step_time["ahead_vetoed"] == 0  # (this rank could not go ahead)
 
 
 @pytest.mark.parametrize("method, cache, kw", [("confidence", "dual", {}), ("static", "prefix", {}),

@@ -91,18 +91,25 @@ def test_two_ranks_lay_steps_out_ahead_alike(heldout_prompts):
     one at once, so both ranks lay every step out the same way (the per-step layout check), steps do go ahead, and
     the answers are the reference engine's, in its forwards. After an answer a step of guesses is left in flight;
     vLLM's engine core sends a step after it (the one reporting the request finished) before it waits for its
-    output, so the engine drains at once instead of after the output thread's wait (``AHEAD_WAIT_S``, 30 s)."""
+    output, so the engine drains at once. Then the engine is stepped by hand with pauses longer than that wait
+    (``AHEAD_WAIT_S``) while requests decode: the output thread decodes the step in flight itself, the other rank
+    has not, and the ranks' vote lays the next step out as ever on both (without the vote they disagree and the
+    layout check fails the step); the answers are still the reference engine's."""
     import time
 
     from vllm import SamplingParams
 
+    from model_executor.engine import ReferenceEngine
+    from psd_plugin.vllm.dllm_runner import AHEAD_WAIT_S
     from test_vllm_decoding import _psd_stats
+
+    params = SamplingParams(max_tokens=32, temperature=0)
 
     def ahead(llm):
         core = llm.llm_engine.engine_core.engine_core  # (the engine core in this process)
         left = []
         for p in heldout_prompts[:3]:  # one answer at a time, then the engine's steps until nothing is in flight
-            llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=32, temperature=0), use_tqdm=False)
+            llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
             left.append(len(core.batch_queue))
             t0 = time.perf_counter()
             while core.batch_queue:
@@ -110,7 +117,21 @@ def test_two_ranks_lay_steps_out_ahead_alike(heldout_prompts):
             assert time.perf_counter() - t0 < 5, "the engine waited for the output thread to give up"
         assert any(left), "no step was in flight after an answer: the drain checks nothing"
         st = _psd_stats(llm)["step_time"]  # the output rank's
-        assert st["ahead"] > 0 and st["ahead_mismatch"] == 0 and st["ahead_wait_expired"] == 0, st
+        assert st["ahead"] > 0 and st["ahead_mismatch"] == 0, st
+        engine, prompts, got = llm.llm_engine, heldout_prompts[:4], {}
+        for i, p in enumerate(prompts):
+            engine.add_request(f"paused-{i}", {"prompt_token_ids": p}, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = list(out.outputs[0].token_ids)
+            time.sleep(2 * AHEAD_WAIT_S)  # (the output rank's output thread decodes the step in flight)
+        ref = ReferenceEngine.from_pretrained(DEFAULT_DLLM)
+        want = ref.generate(prompts, max_tokens=32, method="psd", cache="dual", block_size=8)
+        assert [got[f"paused-{i}"] for i in range(len(prompts))] == [w.token_ids for w in want]
+        ranks = [r["step_time"] for r in llm.collective_rpc("psd_stats")]
+        assert ranks[0]["ahead_wait_expired"] > 0 and ranks[1]["ahead_wait_expired"] == 0, ranks
+        assert ranks[1]["ahead_vetoed"] > 0, "the pauses never fell where the other rank could lay a step out ahead"
 
     _check_parity(DEFAULT_DLLM, heldout_prompts, "psd", cache="dual", merged=False, llm_kw=TP, inspect=ahead,
                   spec={"async_scheduling": True, "decide_ahead": "on"})
@@ -295,9 +316,9 @@ def test_two_data_parallel_ranks_answer_as_one(heldout_prompts):
 # CI's time: opt-in with PSD_TP_MATRIX=1 (77 s here); each rank runs the one-engine async path CI covers
 @pytest.mark.skipif(not os.environ.get("PSD_TP_MATRIX"), reason="opt-in: PSD_TP_MATRIX=1")
 def test_two_data_parallel_ranks_with_async_scheduling_answer_as_one(heldout_prompts):
-    """A dense model's data-parallel ranks are engines of their own (vLLM's ``EngineCoreProc`` each, no lockstep):
-    each schedules a step while its last one runs (vLLM's ``--async-scheduling``) as one engine does, and every
-    stream equals its prompt decoded alone by the reference engine."""
+    """A dense model's data-parallel ranks are engines of their own (vLLM's ``EngineCoreProc`` each, no lockstep,
+    each with vLLM's multiprocess executor): each schedules a step while its last one runs (vLLM's
+    ``--async-scheduling``), and every stream equals its prompt decoded alone by the reference engine."""
     srv = _serve("--data-parallel-size", "2", "--max-num-seqs", "8", "--async-scheduling")
     try:
         _served_as_alone(heldout_prompts, srv)

@@ -478,7 +478,8 @@ def _async_scheduling(engine_args, cfg: PSDSpeculativeConfig, parallel_config, m
     ``--async-scheduling``), after checking what it runs with. vLLM refuses async scheduling for a
     ``custom_class`` proposer, so ``engine_args`` is told off here and the engine's config on again once vLLM built
     it (:func:`enable_async_scheduling`). Data parallelism runs a dense model's ranks as engines of their own
-    (vLLM's ``EngineCoreProc`` each), so each schedules ahead as one engine does; a mixture-of-experts model's ranks
+    (vLLM's ``EngineCoreProc`` each, with its multiprocess executor), so each schedules ahead as an engine with
+    that executor does (:class:`.dllm_runner.DeferredOutput`); a mixture-of-experts model's ranks
     run in lockstep (``DPEngineCoreProc``), an idle rank forwarding a dummy batch between a step and its deferred
     decode, which the plugin's runner does not take yet: refused. Pipeline parallelism: refused."""
     if engine_args.async_scheduling:

@@ -120,16 +120,18 @@ class DeferredOutput(AsyncModelRunnerOutput):
     """A step's output under async scheduling: the step's decode runs when the next step begins
     (:meth:`DLLMRunnerMixin.execute_model`), or when vLLM's engine core asks for this output first.
 
-    Under tensor parallelism vLLM's worker on the output rank asks for it from its output thread as soon as the
-    step is sampled, while the other ranks decode it when the next step begins. Where steps are laid out ahead
-    (:meth:`DLLMRunnerMixin._plan_ahead`), every rank must take the same path at the next step's start, so the
-    output thread waits for that start, and the next step's ``execute_model`` decodes it (after laying itself out
-    ahead, or before, as ever). vLLM's engine core schedules and sends a next step (an empty one if nothing fits)
-    before it waits for a step's output whenever its scheduler has requests (``EngineCore.step_with_batch_queue``),
-    and it has while this step's requests run, and, once they finished, until the schedule that reports them
-    finished, which is sent too; a call on the runner's thread between steps that decodes the step (``psd_stats``)
-    releases the wait as well. Should the next step still not begin within :data:`AHEAD_WAIT_S`, the output thread
-    decodes it; the ranks then agree, by a vote at the next step's start, to lay nothing out ahead there."""
+    Under vLLM's multiprocess executor (tensor parallelism, data parallelism) the worker on the output rank asks
+    for it from its output thread as soon as the step is sampled, while the other ranks decode it when the next
+    step begins. Where steps are laid out ahead (:meth:`DLLMRunnerMixin._plan_ahead`), the next step must find it
+    undecoded (and every rank must take the same path there), so the output thread waits for that start, and the
+    next step's ``execute_model`` decodes it (after laying itself out ahead, or before, as ever). A serving
+    engine sends the next step (an empty one if nothing fits) within its scheduling time of this one
+    (``EngineCore.step_with_batch_queue``, while its scheduler has requests: through a request's end too, the
+    schedule reporting it finished). It does not while the scheduler is paused with its requests kept, around
+    worker calls between steps (a profile, ``collective_rpc``: ``psd_stats`` decodes the step itself and releases
+    the wait), or when an offline ``LLM.generate`` returned with a step in flight: so the output thread waits at
+    most :data:`AHEAD_WAIT_S`, then decodes the step itself, and at the next step's start the ranks vote (one host
+    all-reduce) to lay nothing out ahead there."""
 
     def __init__(self, runner, grammar_output):
         self.runner, self.grammar_output, self.output = runner, grammar_output, None
@@ -143,20 +145,19 @@ class DeferredOutput(AsyncModelRunnerOutput):
         self.released = threading.Event()
 
     def get_output(self):
-        if self.output is None and self.error is None and self.runner.ahead_across_ranks \
+        if self.output is None and self.error is None and self.runner.waits_for_next_step \
                 and not self.released.wait(AHEAD_WAIT_S):
-            self.runner.step_time["ahead_wait_expired"] += 1
-            logger.warning("psd-plugin: the step after a deferred one did not begin within %.0f s; its output is "
-                           "decoded on vLLM's output thread (the next step is not laid out ahead)", AHEAD_WAIT_S)
+            self.runner.step_time["ahead_wait_expired"] += 1  # (the next step is laid out as ever, on every rank)
         if self.output is None:
             self.runner._finish_deferred(self)
         return self.output
 
 
-# how long vLLM's output thread on a tensor-parallel output rank waits for the next step to begin before it decodes
-# a deferred step itself (DeferredOutput): the next step begins within the engine core's scheduling time; this
-# bounds a wait on an engine that sends none (not seen), at the cost of that step being laid out as ever
-AHEAD_WAIT_S = 30.0
+# how long vLLM's output thread waits for the next step to begin before it decodes a deferred step itself
+# (DeferredOutput): a serving engine sends the next step within its scheduling time (milliseconds); this bounds
+# the wait where it sends none (a kept-requests pause, worker calls between steps, an offline generate() that
+# returned), at the price of the step after not being laid out ahead
+AHEAD_WAIT_S = 0.25
 
 
 @dataclass
@@ -257,16 +258,20 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         # (request id -> (offset, canvases, block length)): N's plans are checked against it before they settle
         self._ahead_copy: tuple | None = None
         self._settle_copy: PendingCopy | None = None
-        # speculative_config.decide_ahead (auto: where the logits are on an accelerator); not under pipeline
-        # parallelism. Under tensor parallelism every rank must lay step N + 1 out the same way (ahead of N's host
-        # decode, or after it), while vLLM's output thread asks for the output rank's step N as soon as it is
-        # sampled and the other ranks decode it at N + 1's start: that thread waits for N + 1 to begin
-        # (DeferredOutput), and the ranks vote at each step's start (one host all-reduce) whether it is laid out
-        # ahead, so that a wait that expired costs that step's overlap, not an agreement
+        # speculative_config.decide_ahead (auto: where the logits are on an accelerator, with a one-process
+        # executor); not under pipeline parallelism. Under vLLM's multiprocess executor (tensor or data
+        # parallelism) its output thread asks for the output rank's step N as soon as N is sampled, and the other
+        # ranks decode N at N + 1's start: that thread waits for N + 1 to begin (DeferredOutput), and the ranks vote
+        # at each step's start (one host all-reduce) whether it is laid out ahead, so that a wait that expired costs
+        # that step's overlap, not an agreement. ``auto`` leaves it off there until a GPU run (NCCL, the vote's cost)
         ahead = from_vllm_config(vllm_config).decide_ahead
+        output_thread = self.overlap and (compat.executor_backend(vllm_config) == "mp"
+                                          or vllm_config.parallel_config.tensor_parallel_size > 1)
         self.decides_ahead = self.overlap and self.pp_size == 1 and (
-            ahead == "on" or (ahead == "auto" and torch.device(device).type != "cpu"))
-        self.ahead_across_ranks = self.decides_ahead and vllm_config.parallel_config.tensor_parallel_size > 1
+            ahead == "on" or (ahead == "auto" and torch.device(device).type != "cpu" and not output_thread))
+        self.waits_for_next_step = self.decides_ahead and output_thread
+        # steps this rank could lay out ahead and did not: the vote found a rank where N was decoded already
+        self.step_time["ahead_vetoed"] = 0
         self.step_time["ahead_wait_expired"] = 0  # outputs the output thread decoded before the next step began
         self.step_time["ahead"] = 0  # steps laid out and forwarded before the last step's decode on the host
         # requests of those steps laid out from a plan made on the host before (a cut step's, a first canvas)
@@ -276,8 +281,9 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         # canvases laid out ahead past the plan's (PSD: a draft past the block's masks is not forwarded)
         self.step_time["ahead_idle_canvases"] = 0
         # requests whose laid-out ids (taken where the logits are) were not their plan's canvases (taken on the
-        # host): their rows decode nothing. Never seen: the two sides decide bit for bit alike by construction;
-        # counted and warned about so that a device that rounds otherwise costs a step, not a lossless answer
+        # host): their rows decode nothing. 0 in every engine test but the one that lays wrong ids out on purpose
+        # (the two sides decide bit for bit alike by construction; not yet run on a GPU): counted and warned
+        # about so that a device that rounds otherwise costs a step, not a lossless answer
         self.step_time["ahead_mismatch"] = 0
 
     # ------------------------------------------------------------------ per-request decoding state
@@ -376,7 +382,7 @@ class DLLMRunnerMixin(PSDRunnerMixin):
         # async scheduling: a step scheduled on guesses that all missed (a lone request that finished, blocks that
         # completed) forwards nothing anyone reads: its rows' K/V lies at or after the next real step's window
         # start, which rewrites it (Rows), so the forward is skipped (tensor-parallel ranks check that they agree
-        # with the layout: PSDRunnerMixin._check_ranks; async scheduling refuses pipeline and data parallelism)
+        # with the layout: PSDRunnerMixin._check_ranks; async scheduling refuses pipeline parallelism)
         f.batch = self._build(entries, req_ids)
         f.skip_forward = self.overlap and self.pp_size == 1 and len(f.wasted) == len(entries) > 0
         if self._ahead_ids:
@@ -712,11 +718,17 @@ class DLLMRunnerMixin(PSDRunnerMixin):
                 d = self._deferred
                 if d is not None:
                     d.released.set()  # (the output thread then waits on this lock: N is decoded here)
-                ahead = None
+                ahead = fault = None
                 if d is not None and d.output is None and d.error is None:
-                    ahead = self._plan_ahead(scheduler_output, d)
-                if self.ahead_across_ranks and not self._every_rank(ahead is not None):  # (every rank, every step)
+                    try:
+                        ahead = self._plan_ahead(scheduler_output, d)
+                    except BaseException as e:  # (raised after the vote, which every rank joins every step)
+                        fault = e
+                if self.waits_for_next_step and not self._every_rank(ahead is not None):
+                    self.step_time["ahead_vetoed"] += ahead is not None  # (another rank's output thread decoded)
                     ahead = None
+                if fault is not None:
+                    raise fault
                 if ahead is not None:
                     return self._execute_ahead(d, ahead, scheduler_output, *args, **kwargs)
                 self._decode_deferred()
