@@ -103,9 +103,10 @@ class PSDSpeculativeConfig(DecodeKnobs, forbid_unknown_fields=True, kw_only=True
     # with async scheduling, a step of any method laid out and forwarded before the last step's
     # decisions reach the host, its ids (the drafting methods' drafts too) written where those were taken
     # (docs/architecture.md,
-    # "Overlap"): ``auto`` where the step's logits are on an accelerator (on a CPU the host and the forward run one
-    # after the other, so nothing overlaps, and a block completed at the last step costs a forward where a step of
-    # missed guesses would skip it), ``on``, ``off``
+    # "Overlap"): ``auto`` where the step's logits are on an accelerator and vLLM's executor is one process (on a
+    # CPU the host and the forward run one after the other, so nothing overlaps, and a block completed at the last
+    # step costs a forward where a step of missed guesses would skip it; under the multiprocess executor of tensor
+    # or data parallelism it has not run on a GPU), ``on``, ``off``
     decide_ahead: Literal["auto", "on", "off"] = "auto"
 
 
