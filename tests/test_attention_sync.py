@@ -269,6 +269,7 @@ def test_publish_attaches_the_runners_host_block_tables():
                                                          SimpleNamespace(layer_names=["other"])]),
         _tp_group=None)  # one rank: the layout check has nothing to compare with
     runner._check_ranks = lambda b: PSDRunnerMixin._check_ranks(runner, b)
+    runner._tensor_parallel_group = lambda: PSDRunnerMixin._tensor_parallel_group(runner)
     batch = build_step_batch(_dllm_entries(torch.Generator().manual_seed(0)))
     PSDRunnerMixin._publish(runner, batch)
     assert current_step() is batch
